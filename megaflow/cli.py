@@ -1,0 +1,65 @@
+"""The ``megaflow`` command line. argparse lives here only: no Namespace escapes this file.
+
+Subcommands call plain functions with keyword arguments; heavy imports (torch, megatron, sglang)
+happen inside the handlers so ``megaflow --help`` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from megaflow.config import ConfigError, dump_config, load_config
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="TOML run file (configs/*.toml).")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _print_json(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megaflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_cfg = sub.add_parser("config", help="Inspect configs.")
+    cfg_sub = p_cfg.add_subparsers(dest="config_command", required=True)
+    p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
+    _add_config_args(p_show)
+    p_show.set_defaults(handler=_cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except ConfigError as e:
+        print(f"megaflow: config error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"megaflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""megaflow's typed configuration tree.
+
+One kw-only dataclass per component (torchtitan style): runtime objects (process groups, models,
+engines) are never config fields. Every field carries a one-line ``help`` and, where it has one, a
+valid range (``ge``/``gt``/``le``) or a ``choices`` set; :mod:`megaflow.config.load` enforces them
+before any work starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, **checks: Any) -> Any:
+    """A dataclass field with a help string and optional checks (ge, gt, le, lt, choices)."""
+    meta = {"help": help, **checks}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = opt("megaflow", "Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = opt("runs", "Parent directory for run directories (resolved config, checkpoints, metrics).")
+    seed: int = opt(1234, "Global seed (model init, noise, prompt order).", ge=0)
+    device: str = opt("auto", "Compute device: auto (cuda if present, else cpu), cpu or cuda.",
+                      choices=("auto", "cpu", "cuda"))
+    num_threads: int = opt(1, "torch intra-op threads per process (1 is fastest on small shared CPUs).", ge=1)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    family: str = opt("sd3", "Model family from the registry (megaflow.models.registry).", choices=("sd3", "flux"))
+    pretrained: str = opt("", "Diffusers pipeline directory (with transformer/, vae/, ...); empty = build tiny.")
+    spec: str = opt("auto", "Layer implementation: auto (TE on GPU, local on CPU), local, te, or a dotted path "
+                    "'pkg.mod:fn' returning a layer spec or a whole model.")
+    dtype: str = opt("float32", "Parameter dtype of the trained model.", choices=("float32", "bfloat16"))
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = opt(1, "Tensor-parallel degree.", ge=1)
+    pp: int = opt(1, "Pipeline-parallel degree.", ge=1)
+    cp: int = opt(1, "Context-parallel degree.", ge=1)
+    sp: bool = opt(False, "Sequence parallelism (requires tp > 1).")
+    vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_engines: int = opt(1, "SGLang diffusion engines run as data-parallel replicas.", ge=1)
+    group_size: int = opt(4, "Samples per prompt (the GRPO group); one request per group.", ge=2)
+    prompts_per_iter: int = opt(4, "Prompt groups sampled per training iteration.", ge=1)
+    num_steps: int = opt(10, "Denoising steps per rollout.", ge=1)
+    height: int = opt(64, "Image height in pixels.", ge=8)
+    width: int = opt(64, "Image width in pixels.", ge=8)
+    guidance_scale: float = opt(1.0, "Classifier-free guidance scale (1.0 = CFG off).", ge=1.0)
+    sde_type: str = opt("sde", "Rollout transition: sde, cps or ode.", choices=("sde", "cps", "ode"))
+    noise_level: float = opt(0.7, "SDE/CPS noise level a (0.7 SDE, 0.8 CPS in flow_grpo).", ge=0.0, le=1.0)
+    sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.")
+    log_prob_no_const: bool = opt(False, "Use -mean((x'-mu)^2) log-probs (required with CPS).")
+    batching_max_size: int = opt(8, "Engine dynamic batching: max requests merged into one denoising batch.", ge=1)
+    batching_delay_ms: float = opt(20.0, "Engine dynamic batching: wait this long for more requests.", ge=0.0)
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    clip_range: float = opt(1e-4, "PPO clip epsilon on the per-step ratio.", gt=0.0)
+    kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off).", ge=0.0)
+    adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip].", gt=0.0)
+    std_mode: str = opt("batch", "Advantage std over the whole batch (flow_grpo) or per group.",
+                        choices=("batch", "group"))
+    filter_zero_std: bool = opt(True, "Drop groups whose rewards have zero std.")
+    mismatch: str = opt("none", "Train/rollout mismatch correction: none, tis or mis.", choices=("none", "tis", "mis"))
+    mismatch_level: str = opt("step", "Mismatch weight level: step, trajectory or geometric.",
+                              choices=("step", "trajectory", "geometric"))
+    mismatch_cap: float = opt(2.0, "Upper bound C of the importance weight.", gt=0.0)
+    mismatch_floor: float = opt(0.0, "Lower bound of the importance weight (MIS masks below it).", ge=0.0)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
+    async_scoring: bool = opt(True, "Score in a worker pool, overlapped with sampling.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    iterations: int = opt(10, "RL iterations (rollout -> reward -> train -> sync).", ge=1)
+    lr: float = opt(3e-4, "AdamW learning rate.", gt=0.0)
+    weight_decay: float = opt(1e-4, "AdamW weight decay.", ge=0.0)
+    grad_clip: float = opt(1.0, "Global grad-norm clip (0 = off).", ge=0.0)
+    micro_batch_size: int = opt(4, "Samples per micro-batch in the trainer.", ge=1)
+    save_every: int = opt(0, "Save a checkpoint every N iterations (0 = only at the end).", ge=0)
+
+
+@dataclass(kw_only=True)
+class BridgeConfig:
+    mode: str = opt("colocated", "Weight transfer path to the engines: colocated, distributed or disk.",
+                    choices=("colocated", "distributed", "disk"))
+    bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
+    verify: bool = opt(True, "Verify every sync by checksum.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: bool = opt(False, "Log to Weights & Biases (offline mode if no network).")
+    log_every: int = opt(1, "Print metrics every N iterations.", ge=1)
+
+
+@dataclass(kw_only=True)
+class MegaflowConfig:
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run-wide settings."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model family and weights."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Trainer parallelism."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "SGLang rollout engines."})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "FlowGRPO objective."})
+    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Rewards."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
+    bridge: BridgeConfig = field(default_factory=BridgeConfig, metadata={"help": "Weight-update bridge."})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics."})

@@ -1,0 +1,77 @@
+"""Config loading, overrides and validation. Needs: CPU, 1 process, no torch."""
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from megaflow.config import ConfigError, dump_config, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_roundtrip(tmp_path):
+    cfg = load_config(None, ["parallel.tp=2", "parallel.sp=true", "rollout.sde_window=[0, 1]",
+                             "reward.weights={jpeg_compressibility = 0.5, colour = 2}"])
+    path = save_config(cfg, tmp_path / "run")
+    again = load_config(path)
+    assert again == cfg
+    assert again.parallel.tp == 2 and again.parallel.sp is True
+    assert again.rollout.sde_window == [0, 1]
+    assert again.reward.weights == {"jpeg_compressibility": 0.5, "colour": 2}
+    assert not list((tmp_path / "run").glob(".config.*")), "temp file left behind"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("parallel.tpp=2", "unknown key parallel.tpp"),
+    ("nosuch.tp=2", "unknown section 'nosuch'"),
+    ("parallel.tp=0", "parallel.tp: value 0 out of range"),
+    ("parallel.tp=two", "parallel.tp: expected int, got str 'two'"),
+    ("parallel.tp=true", "parallel.tp: expected int, got bool"),
+    ("rollout.sde_type=euler", "rollout.sde_type: value 'euler' not one of"),
+    ("rollout.noise_level=1.5", "rollout.noise_level: value 1.5 out of range"),
+    ("parallel.sp=true", "requires parallel.tp > 1"),
+    ("rollout.sde_window=[0, 99]", "rollout.sde_window: step indices [99]"),
+    ("parallel", "expected section.key=value"),
+])
+def test_bad_override_names_key(override, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    msg = str(ei.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_file_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlr = -1.0\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: train.lr: value -1.0 out of range"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_int_promoted_to_float():
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0
+
+
+def test_shipped_configs_valid():
+    files = sorted((REPO / "configs").glob("*.toml"))
+    assert files, "configs/ has no run files"
+    for f in files:
+        cfg = load_config(f)
+        assert tomllib.loads(dump_config(cfg))
+
+
+def test_cli_bad_set_one_line_nonzero():
+    r = subprocess.run([sys.executable, "-m", "megaflow.cli", "config", "show", "--set", "parallel.tq=3"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and "parallel.tq" in r.stderr
+    assert r.stdout == ""
+
+
+def test_cli_show_resolved():
+    r = subprocess.run([sys.executable, "-m", "megaflow.cli", "config", "show", "--set", "parallel.tp=4"],
+                       capture_output=True, text=True, cwd=REPO, check=True)
+    assert tomllib.loads(r.stdout)["parallel"]["tp"] == 4
