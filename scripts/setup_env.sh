@@ -4,7 +4,7 @@
 # The environment is cached outside the checkout, keyed by a hash of the dependency list in
 # pyproject.toml (plus the extra offline-model packages below), so a fresh clone reuses it and a
 # dependency change builds a new one from scratch. Override the cache dir with MEGAFLOW_CACHE.
-# Usage: source-free; prints the venv path on its last line.
+# Usage: bash scripts/setup_env.sh   (prints the venv path on its last line)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEGAFLOW_CACHE:-$HOME/.cache/megaflow}"
@@ -35,11 +35,10 @@ PYEOF
 VENV="$CACHE/venv-$KEY"
 if [ ! -f "$VENV/.complete" ]; then
   echo "setup_env: building $VENV (first time: ~5 min, ~11 GB)" >&2
-  rm -rf "$VENV.partial"
   mkdir -p "$CACHE"
-  "$PY" -m venv "$VENV.partial"
-  # pip writes absolute paths into scripts, so build in place then move is not possible: build at the final path.
-  rm -rf "$VENV.partial"; rm -rf "$VENV"
+  # pip writes absolute paths into entry scripts, so the venv is built at its final path; the
+  # .complete marker (written last) tells a finished build from an interrupted one.
+  rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
   DEPS="$("$VENV/bin/python" -c 'import tomllib,sys; p=tomllib.load(open(sys.argv[1],"rb"))["project"]; print("\n".join(p["dependencies"]+p["optional-dependencies"]["dev"]))' "$REPO/pyproject.toml")"
