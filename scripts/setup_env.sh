@@ -48,6 +48,10 @@ if [ ! -f "$VENV/.complete" ]; then
   touch "$VENV/.complete"
 fi
 # (Re)install megaflow itself from this checkout, editable, without touching dependencies (seconds).
-"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO" >&2
+LOG="$(mktemp)"
+if ! "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO" >"$LOG" 2>&1; then
+  cat "$LOG" >&2; rm -f "$LOG"; echo "setup_env: installing megaflow into $VENV failed" >&2; exit 1
+fi
+rm -f "$LOG"
 ln -sfn "$VENV" "$REPO/.venv"
 echo "$VENV"
