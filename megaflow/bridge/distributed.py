@@ -1,0 +1,88 @@
+"""Distributed path: broadcast buckets over a process group to the ranks that host engines.
+
+The trainer's source rank (usually global rank 0, holding the gathered full tensors) and one
+receiving rank per engine host form ``group``. For each bucket the source broadcasts the metadata
+(a pickled list) and then the flat byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and each
+receiver loads it into its local engines through the colocated path. A ``None`` metadata message
+ends the sync; receivers then verify against the digests the source sends and report back, so the
+source's :class:`SyncReport` is only ``verified`` when every remote engine matched.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megaflow.bridge.base import DigestingStream, SyncError, SyncReport
+from megaflow.bridge.buckets import Bucket, iter_buckets
+
+
+def _bcast_obj(obj, src: int, group) -> object:
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+class DistributedBridge:
+    """Source side: ``push`` streams buckets to every receiver in ``group``."""
+
+    mode = "distributed"
+
+    def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20, verify: bool = True,
+                 device: torch.device | str = "cpu"):
+        self.group, self.src = group, src
+        self.bucket_bytes, self.verify = int(bucket_bytes), verify
+        self.device = torch.device(device)
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        stream = DigestingStream(named_tensors, digest=self.verify)
+        num_buckets = 0
+        for bucket in iter_buckets(stream, self.bucket_bytes):
+            num_buckets += 1
+            _bcast_obj(bucket.metadata, self.src, self.group)
+            dist.broadcast(bucket.flat.to(self.device), src=self.src, group=self.group)
+        _bcast_obj(None, self.src, self.group)
+        report = stream.report(self.mode, num_buckets)
+        _bcast_obj(report.expected_sha256 if self.verify else None, self.src, self.group)
+        results = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(results, None, group=self.group)
+        failures = [r for r in results if r is not None and not r[0]]
+        if failures:
+            raise SyncError(f"distributed weight sync did not verify on {len(failures)} receiver(s): {failures[0][1]}")
+        if self.verify:
+            report.verified = True
+            report.message = f"verified on {sum(r is not None for r in results)} receiver(s)"
+        return report
+
+
+class DistributedReceiver:
+    """Receiver side: ``receive`` mirrors one ``push`` and loads buckets into local engines."""
+
+    def __init__(self, engines: Sequence, *, group=None, src: int = 0, device: torch.device | str = "cpu"):
+        self.engines = list(engines)
+        self.group, self.src = group, src
+        self.device = torch.device(device)
+
+    def receive(self) -> tuple[bool, str]:
+        ok, msg, n = True, "", 0
+        while True:
+            meta = _bcast_obj(None, self.src, self.group)
+            if meta is None:
+                break
+            flat = torch.empty(meta[-1].end_idx, dtype=torch.uint8, device=self.device)
+            dist.broadcast(flat, src=self.src, group=self.group)
+            n += 1
+            bucket = Bucket(flat=flat.cpu(), metadata=meta)
+            for engine in self.engines:
+                r = engine.load_bucket(bucket)
+                if not r.ok and ok:
+                    ok, msg = False, f"bucket {n}: {r.message}"
+        expected = _bcast_obj(None, self.src, self.group)
+        if ok and expected is not None:
+            for engine in self.engines:
+                ok, msg = engine.verify_weights(expected)
+                if not ok:
+                    break
+        dist.all_gather_object([None] * dist.get_world_size(self.group), (ok, msg), group=self.group)
+        return ok, msg

@@ -1,0 +1,63 @@
+"""A local ``nn.Module`` as a weight-update target (same methods the bridge calls on an engine).
+
+Used by the reference sampler (a diffusers DiT in the trainer process that mirrors the engine's
+weights for parity checks) and by the bridge tests on CPU. Loading is all-or-nothing per bucket:
+unknown names or shape/dtype mismatches reject the whole bucket before anything is copied -- the
+opposite of an engine that silently skips unknown names.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from megaflow.bridge.buckets import Bucket, tensor_sha256
+from megaflow.rollout.engine import WeightUpdateResult
+
+
+class ModuleTarget:
+    """Loads named tensors into ``module``'s parameters and buffers by state_dict name."""
+
+    def __init__(self, module: torch.nn.Module, engine_id: str = "module"):
+        self.module = module
+        self.engine_id = engine_id
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+
+    def _load(self, named: list[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
+        targets = self._targets()
+        for name, t in named:
+            if name not in targets:
+                return WeightUpdateResult(ok=False, message=f"unknown tensor {name!r}")
+            if tuple(targets[name].shape) != tuple(t.shape):
+                return WeightUpdateResult(ok=False, message=f"shape mismatch for {name!r}: "
+                                          f"{tuple(t.shape)} vs {tuple(targets[name].shape)}")
+        with torch.no_grad():
+            for name, t in named:
+                targets[name].copy_(t)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return WeightUpdateResult(ok=True, num_tensors=len(named), num_bytes=nbytes)
+
+    def load_bucket(self, bucket: Bucket) -> WeightUpdateResult:
+        return self._load(bucket.unpack())
+
+    def update_weights(self, named_tensors) -> WeightUpdateResult:
+        return self._load(list(named_tensors))
+
+    def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
+        files = sorted((Path(path) / "transformer").glob("*.safetensors"))
+        if not files:
+            return WeightUpdateResult(ok=False, message=f"no safetensors under {path}/transformer")
+        named = [(n, t) for f in files for n, t in load_file(str(f)).items()]
+        return self._load(named)
+
+    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
+        targets = self._targets()
+        for name, digest in expected_sha256.items():
+            if name not in targets:
+                return False, f"tensor {name!r} not held by {self.engine_id}"
+            if tensor_sha256(targets[name]) != digest:
+                return False, f"tensor {name!r} differs from what was sent"
+        return True, f"{len(expected_sha256)} tensors match"
