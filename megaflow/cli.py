@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from megaflow.config import ConfigError, dump_config, load_config
 
@@ -35,8 +36,22 @@ def _print_json(result: dict, as_json: bool) -> None:
             print(f"{k}: {v}")
 
 
+def _cmd_eval_shapes(args: argparse.Namespace) -> int:
+    from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
+    if args.ground_truth:
+        result = evaluate_ground_truth(args.num, seed=args.seed, resolution=args.resolution)
+    elif args.corrupt:
+        result = evaluate_corruption(args.corrupt, args.num, seed=args.seed, resolution=args.resolution)
+    elif args.images:
+        result = evaluate_images(args.images)
+    else:
+        raise ValueError("eval shapes needs --images DIR, --ground-truth or --corrupt KIND")
+    _print_json(result, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megaflow", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: FlowGRPO post-training of diffusion transformers (megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_cfg = sub.add_parser("config", help="Inspect configs.")
@@ -44,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
     _add_config_args(p_show)
     p_show.set_defaults(handler=_cmd_config_show)
+
+    p_eval = sub.add_parser("eval", help="Evaluate images.")
+    eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
+    p_shapes = eval_sub.add_parser("shapes", help="ShapeEval: score generated images, or the checker's ceiling "
+                                   "on ground-truth renders.")
+    p_shapes.add_argument("--images", type=Path, default=None,
+                          help="Folder of images; prompts from manifest.jsonl or file names.")
+    p_shapes.add_argument("--ground-truth", action="store_true",
+                          help="Render --num held-out ground-truth images and score them.")
+    p_shapes.add_argument("--corrupt", default=None, metavar="KIND",
+                          help="Render corrupted variants (colour, count, position, ...) and score them.")
+    p_shapes.add_argument("--num", type=int, default=200, help="Images for --ground-truth / --corrupt.")
+    p_shapes.add_argument("--seed", type=int, default=0)
+    p_shapes.add_argument("--resolution", type=int, default=32)
+    p_shapes.add_argument("--json", action="store_true", help="Print one JSON object.")
+    p_shapes.set_defaults(handler=_cmd_eval_shapes)
     return parser
 
 
