@@ -82,7 +82,9 @@ class AlgoConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
+    kwargs: dict = opt({}, "Reward name -> constructor arguments, e.g. {color_target = {target = \"red\"}}.")
     async_scoring: bool = opt(True, "Score in a worker pool, overlapped with sampling.")
+    num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1)
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,1 @@
+"""Data: ShapeEval prompt sets (``shapes``) and their ground-truth renderer (``shape_render``)."""

@@ -1,0 +1,1 @@
+"""Evaluations. ``shapes``: ShapeEval, a GenEval-like compositional benchmark for tiny images."""

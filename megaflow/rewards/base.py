@@ -1,0 +1,116 @@
+"""Reward interface, image-batch conversions, and the masking wrapper every reward runs through.
+
+A reward is a callable ``reward(images, prompts, metadata) -> Tensor[B]`` (float32), where
+``images`` is a float tensor [B, 3, H, W] in [0, 1], a list of PIL images, or a uint8 numpy array
+[B, H, W, 3]; ``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts.
+
+Rewards must never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
+for the affected samples (a batch that raises is retried sample by sample, so only the samples
+that really fail are masked) and logs a warning naming the reward and the reason.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger("megaflow.rewards")
+
+ImageBatch = torch.Tensor | np.ndarray | Sequence[Image.Image]
+
+
+class Reward(abc.ABC):
+    """Base class for rewards; subclasses set ``name`` and implement ``__call__``."""
+
+    name: str = "reward"
+
+    @abc.abstractmethod
+    def __call__(self, images: ImageBatch, prompts: Sequence[str],
+                 metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        """Score a batch: float32 tensor [B]."""
+
+
+def batch_size(images: ImageBatch) -> int:
+    """Number of images in a batch (any supported form)."""
+    return len(images) if not isinstance(images, torch.Tensor) else int(images.shape[0])
+
+
+def to_uint8(images: ImageBatch) -> np.ndarray:
+    """Images as a uint8 numpy array [B, H, W, 3] (float tensors are rounded from [0, 1])."""
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"image tensor must be [B, 3, H, W], got {tuple(images.shape)}")
+        x = images.detach().to("cpu", torch.float32).clamp(0.0, 1.0)
+        return (x * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    if isinstance(images, np.ndarray):
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] != 3:
+            raise ValueError(f"image array must be uint8 [B, H, W, 3], got {images.dtype} {images.shape}")
+        return images
+    return np.stack([np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images])
+
+
+def to_float(images: ImageBatch) -> torch.Tensor:
+    """Images as a float32 tensor [B, 3, H, W] in [0, 1]."""
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"image tensor must be [B, 3, H, W], got {tuple(images.shape)}")
+        return images.detach().to("cpu", torch.float32)
+    return torch.from_numpy(to_uint8(images)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def to_pil(images: ImageBatch) -> list[Image.Image]:
+    """Images as a list of RGB PIL images."""
+    if not isinstance(images, (torch.Tensor, np.ndarray)):
+        return [im.convert("RGB") for im in images]
+    return [Image.fromarray(a) for a in to_uint8(images)]
+
+
+def select(images: ImageBatch, i: int) -> ImageBatch:
+    """A batch of one: the i-th image, in the same form."""
+    if isinstance(images, (torch.Tensor, np.ndarray)):
+        return images[i:i + 1]
+    return [images[i]]
+
+
+def _as_scores(out, num: int, name: str) -> torch.Tensor:
+    """Validate a reward's output: anything convertible to float32 of shape [num]."""
+    t = torch.as_tensor(np.asarray(out.detach().cpu() if isinstance(out, torch.Tensor) else out,
+                                   dtype=np.float32))
+    if t.shape != (num,):
+        raise ValueError(f"reward {name!r} returned shape {tuple(t.shape)}, expected ({num},)")
+    return t
+
+
+def safe_score(reward, images: ImageBatch, prompts: Sequence[str],
+               metadata: Sequence[dict] | None = None, *, name: str | None = None) -> torch.Tensor:
+    """Run ``reward`` on a batch; never raises for reward failures. Returns float32 [B] with NaN
+    for masked samples (the reward raised on that sample, or returned NaN/inf for it)."""
+    name = name or getattr(reward, "name", type(reward).__name__)
+    num = batch_size(images)
+    if len(prompts) != num or (metadata is not None and len(metadata) != num):
+        raise ValueError(f"reward {name!r}: {num} images but {len(prompts)} prompts"
+                         f"{'' if metadata is None else f' and {len(metadata)} metadata'}")
+    meta = list(metadata) if metadata is not None else [{} for _ in range(num)]
+    raised: set[int] = set()
+    try:
+        scores = _as_scores(reward(images, list(prompts), meta), num, name)
+    except Exception as e:  # noqa: BLE001 - a reward must never stop the run
+        logger.warning("reward %s raised on a batch of %d (%s: %s); retrying per sample",
+                       name, num, type(e).__name__, e)
+        scores = torch.full((num,), float("nan"))
+        for i in range(num):
+            try:
+                scores[i] = _as_scores(reward(select(images, i), [prompts[i]], [meta[i]]), 1, name)[0]
+            except Exception as e_i:  # noqa: BLE001
+                raised.add(i)
+                logger.warning("reward %s masked sample %d (prompt %r): %s: %s",
+                               name, i, prompts[i], type(e_i).__name__, e_i)
+    bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in raised]
+    if bad:
+        logger.warning("reward %s returned non-finite values for samples %s: masked", name, bad)
+        scores[bad] = float("nan")
+    return scores

@@ -1,0 +1,66 @@
+"""Colour-target reward: how close every pixel is to a target colour.
+
+Reward = 1 - mean over pixels of ||pixel - target||_2 / sqrt(3), in [0, 1] (RGB in [0, 1]). The
+target is fixed by config (a colour name, ``#rrggbb``, or 3 floats in [0, 1]) or, when not set,
+read from the prompt: the first colour name in it (a prompt with none masks that sample).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+
+from megaflow.data.shapes import PALETTE
+from megaflow.rewards.base import ImageBatch, Reward, to_float
+
+# ShapeEval's palette plus a few common names, RGB 0-255.
+COLOR_NAMES: dict[str, tuple[int, int, int]] = {
+    **PALETTE,
+    "white": (255, 255, 255), "black": (0, 0, 0), "gray": (128, 128, 128), "grey": (128, 128, 128),
+    "orange": (245, 130, 30), "pink": (245, 150, 190), "brown": (130, 80, 40),
+}
+_COLOR_RE = re.compile(r"\b(" + "|".join(COLOR_NAMES) + r")\b", re.IGNORECASE)
+
+
+def parse_color(value) -> tuple[float, float, float]:
+    """RGB in [0, 1] from a colour name, ``#rrggbb``, or a sequence of 3 floats in [0, 1]."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in COLOR_NAMES:
+            return tuple(c / 255.0 for c in COLOR_NAMES[v])
+        if re.fullmatch(r"#[0-9a-f]{6}", v):
+            return tuple(int(v[i:i + 2], 16) / 255.0 for i in (1, 3, 5))
+        raise ValueError(f"unknown colour {value!r} (a name in {', '.join(COLOR_NAMES)} or #rrggbb)")
+    rgb = tuple(float(c) for c in value)
+    if len(rgb) != 3 or not all(0.0 <= c <= 1.0 for c in rgb):
+        raise ValueError(f"colour must be 3 floats in [0, 1], got {value!r}")
+    return rgb
+
+
+def color_in_prompt(prompt: str) -> tuple[float, float, float]:
+    """RGB in [0, 1] of the first colour named in the prompt; ValueError if there is none."""
+    m = _COLOR_RE.search(prompt)
+    if m is None:
+        raise ValueError(f"no colour named in prompt {prompt!r}")
+    return parse_color(m.group(1).lower())
+
+
+class ColorTarget(Reward):
+    """Reward = 1 - mean per-pixel RGB distance to the target colour / sqrt(3)."""
+
+    name = "color_target"
+
+    def __init__(self, *, target=None):
+        self.target = None if target is None else parse_color(target)
+
+    def __call__(self, images: ImageBatch, prompts: Sequence[str],
+                 metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        x = to_float(images)  # [B, 3, H, W]
+        if self.target is not None:
+            targets = torch.tensor([self.target] * x.shape[0])
+        else:
+            targets = torch.tensor([color_in_prompt(p) for p in prompts])
+        dist = (x - targets[:, :, None, None]).norm(dim=1)  # [B, H, W]
+        return 1.0 - dist.flatten(1).mean(1) / math.sqrt(3.0)

@@ -1,0 +1,135 @@
+"""Reward registry: an explicit name -> factory table, custom rewards by dotted path, and the
+builder that turns reward specs (from the config) into one ``MultiReward``.
+
+A spec's ``name`` is a registry key, or ``"pkg.module:attr"`` for a custom reward:
+
+* a class is instantiated with the spec's ``kwargs`` and must return a callable reward;
+* any other callable is itself the reward, ``fn(images, prompts, metadata, **kwargs)`` -> [B]
+  (``images`` is whatever the caller passed: usually a float tensor [B, 3, H, W] in [0, 1]).
+
+User mistakes (unknown name, unimportable module, missing attribute, bad kwargs) raise a one-line
+ValueError naming the culprit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+
+from megaflow.rewards.cifar import Cifar10Reward
+from megaflow.rewards.color import ColorTarget
+from megaflow.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from megaflow.rewards.scorer import MultiReward
+from megaflow.rewards.shapes import ShapeEvalReward
+
+REWARDS: dict[str, Callable[..., object]] = {
+    "jpeg_compressibility": JpegCompressibility,
+    "jpeg_incompressibility": JpegIncompressibility,
+    "color_target": ColorTarget,
+    "shapeeval": functools.partial(ShapeEvalReward, graded=False),
+    "shapeeval_partial": functools.partial(ShapeEvalReward, graded=True),
+    "cifar10": Cifar10Reward,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    """One reward term of the objective."""
+
+    name: str
+    """Registry key (see ``REWARDS``) or ``"pkg.module:attr"``."""
+    weight: float = 1.0
+    """Multiplier in the total reward; 0 = report only."""
+    kwargs: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    """Constructor (class) or call (function) keyword arguments."""
+    label: str | None = None
+    """Key in logs and ``RewardScores.components``; defaults to ``name``."""
+
+
+class _FunctionReward:
+    """A plain function used as a reward, with its configured keyword arguments bound."""
+
+    def __init__(self, fn: Callable, name: str, kwargs: Mapping[str, object]):
+        self.fn, self.name, self.kwargs = fn, name, dict(kwargs)
+
+    def __call__(self, images, prompts, metadata=None):
+        return self.fn(images, prompts, metadata, **self.kwargs)
+
+
+def resolve_dotted(path: str) -> object:
+    """The object named by ``"pkg.module:attr"`` (attr may be dotted); ValueError if missing."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"bad reward path {path!r}: expected 'pkg.module:callable'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {path!r}: cannot import module {module_name!r} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _instantiate(factory: Callable, name: str, kwargs: Mapping[str, object]):
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"reward {name!r}: bad arguments {dict(kwargs)} ({e})") from None
+    except ValueError:  # no signature available (builtins): let the call decide
+        pass
+    return factory(**kwargs)
+
+
+def build_reward(name: str, **kwargs) -> Callable:
+    """A reward callable from a registry key or a dotted path (see module docstring)."""
+    if ":" in name:
+        target = resolve_dotted(name)
+        if not callable(target):
+            raise ValueError(f"reward {name!r} is not callable")
+        if not inspect.isclass(target):
+            return _FunctionReward(target, name, kwargs)
+        reward = _instantiate(target, name, kwargs)
+        if not callable(reward):
+            raise ValueError(f"reward {name!r}: class instance is not callable")
+        return reward
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r} (known: {', '.join(REWARDS)}; or 'pkg.module:callable')")
+    return _instantiate(REWARDS[name], name, kwargs)
+
+
+def _coerce(spec: RewardSpec | Mapping) -> RewardSpec:
+    if isinstance(spec, RewardSpec):
+        return spec
+    unknown = set(spec) - {f.name for f in dataclasses.fields(RewardSpec)}
+    if unknown:
+        raise ValueError(f"unknown reward spec key(s) {sorted(unknown)} in {dict(spec)}")
+    if "name" not in spec:
+        raise ValueError(f"reward spec without 'name': {dict(spec)}")
+    return RewardSpec(**spec)
+
+
+def build_multi_reward(specs: Sequence[RewardSpec | Mapping] | Mapping[str, float],
+                       kwargs: Mapping[str, Mapping] | None = None) -> MultiReward:
+    """One ``MultiReward`` from either a list of specs (``RewardSpec`` or plain dicts from a TOML
+    config), or the config's ``{name: weight}`` table with optional ``{name: kwargs}``."""
+    if isinstance(specs, Mapping):
+        kwargs = dict(kwargs or {})
+        stray = sorted(set(kwargs) - set(specs))
+        if stray:
+            raise ValueError(f"reward kwargs given for reward(s) {stray} that have no weight")
+        specs = [RewardSpec(name=n, weight=w, kwargs=kwargs.get(n, {})) for n, w in specs.items()]
+    elif kwargs:
+        raise ValueError("reward kwargs go inside each spec when specs are a list")
+    specs = [_coerce(s) for s in specs]
+    return MultiReward([(s.label or s.name, _weight(s), build_reward(s.name, **dict(s.kwargs))) for s in specs])
+
+
+def _weight(spec: RewardSpec) -> float:
+    try:
+        return float(spec.weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward {spec.name!r}: weight must be a number, got {spec.weight!r}") from None
