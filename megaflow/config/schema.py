@@ -39,6 +39,12 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class DataConfig:
+    prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts) or a text file, one prompt a line.")
+    shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).")
+
+
+@dataclass(kw_only=True)
 class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel degree.", ge=1)
     pp: int = opt(1, "Pipeline-parallel degree.", ge=1)
@@ -115,6 +121,7 @@ class LoggingConfig:
 class MegaflowConfig:
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run-wide settings."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model family and weights."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Trainer parallelism."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "SGLang rollout engines."})
     algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "FlowGRPO objective."})

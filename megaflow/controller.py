@@ -1,0 +1,135 @@
+"""The FlowGRPO loop: generate -> reward -> advantages -> train -> sync, every phase a named call.
+
+Rank 0 drives the SGLang engines and the rewards; every trainer rank receives the scored batch
+and takes part in the megatron step and in gathering full weights for the sync. Launch:
+
+    megaflow train -c configs/cpu_demo.toml                       # 1 process
+    torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaflow.algo.advantages import AdvantageConfig, group_advantages
+from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
+from megaflow.config import MegaflowConfig, save_config
+from megaflow.flow.step import TransitionConfig
+from megaflow.metrics import MetricsLog
+from megaflow.rollout.types import RolloutRequest
+from megaflow.trainer.grpo import GRPOSettings, build_microbatches, grpo_train_step
+
+log = logging.getLogger("megaflow")
+
+
+def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutRequest]:
+    r = cfg.rollout
+    base = cfg.run.seed * 1_000_003 + iteration * 10_007
+    return [RolloutRequest(prompt=next(prompts), num_outputs=r.group_size, seed=base + g * r.group_size,
+                           num_steps=r.num_steps, height=r.height, width=r.width,
+                           guidance_scale=r.guidance_scale, do_cfg=r.guidance_scale > 1.0,
+                           sde_type=r.sde_type, noise_level=r.noise_level,
+                           sde_step_indices=list(r.sde_window) or None, log_prob_no_const=r.log_prob_no_const)
+            for g in range(r.prompts_per_iter)]
+
+
+def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
+    """Sample every group, score the images, turn rewards into group-normalised advantages."""
+    trajs = rollout.generate(requests)
+    images = torch.stack([t.image for t in trajs])
+    scores = scorer.submit(images, [t.prompt for t in trajs]).result()
+    group_ids = torch.tensor([i // cfg.rollout.group_size for i in range(len(trajs))])
+    a = cfg.algo
+    adv = group_advantages(scores.total, group_ids, AdvantageConfig(
+        clip=a.adv_clip, std_scope=a.std_mode, filter_zero_std=a.filter_zero_std))
+    metrics = {**scores.summary(), **{f"adv/{k}": v for k, v in adv.stats.items()},
+               "adv/dropped_ratio": adv.dropped_ratio}
+    return trajs, adv.advantages, adv.keep, metrics
+
+
+def grpo_settings(cfg: MegaflowConfig) -> GRPOSettings:
+    r, a = cfg.rollout, cfg.algo
+    transition = TransitionConfig(kind=r.sde_type, noise_level=r.noise_level, no_const=r.log_prob_no_const)
+    mismatch = None if a.mismatch == "none" else MismatchConfig(
+        mode=a.mismatch, level=a.mismatch_level, upper=a.mismatch_cap, lower=a.mismatch_floor)
+    return GRPOSettings(transition=transition, loss=LossConfig(clip_range=a.clip_range, beta=a.kl_beta),
+                        mismatch=mismatch, micro_batch_size=cfg.train.micro_batch_size)
+
+
+def sync_weights(trainer, bridge) -> dict:
+    """Gather full weights (all trainer ranks), push them into the engines (rank 0), verify."""
+    from megaflow.runtime import engine_named_params
+    stream = engine_named_params(trainer)
+    if bridge is None:  # not the driver rank: take part in the gathers only
+        for _ in stream:
+            pass
+        return {}
+    return bridge.push(stream).as_metrics()
+
+
+def _share(obj, rank0: bool):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if rank0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run(cfg: MegaflowConfig) -> dict:
+    """Train for ``train.iterations``; returns the last iteration's metrics."""
+    from megaflow import runtime
+    from megaflow.colocate import Phases
+    from megaflow.parallel import ParallelDims, init_distributed
+    from megaflow.rollout.balancer import Balancer
+
+    torch.set_num_threads(cfg.run.num_threads)
+    p = cfg.parallel
+    init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed)
+    rank0 = dist.get_rank() == 0
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    pipeline_dir = None
+    if rank0:
+        save_config(cfg, run_dir)
+        pipeline_dir = runtime.resolve_pipeline(cfg, run_dir)
+    pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0))
+    trainer, ref = runtime.build_trainer(cfg, pipeline_dir)
+    engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
+    rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
+    bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
+    scorer = runtime.build_scorer(cfg) if rank0 else None
+    prompts = runtime.prompt_stream(cfg)
+    settings = grpo_settings(cfg)
+    steps = train_step_indices(cfg.rollout.num_steps, settings.transition, list(cfg.rollout.sde_window) or None)
+    phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
+    metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
+    metrics: dict = {}
+    try:
+        metrics_log.write(0, sync_weights(trainer, bridge))  # engines now hold exactly the trainer's weights
+        for it in range(1, cfg.train.iterations + 1):
+            t0 = time.perf_counter()
+            batch = generate_and_score(rollout, scorer, make_requests(cfg, prompts, it), cfg) if rank0 else None
+            t_rollout = time.perf_counter() - t0
+            trajs, advantages, keep, roll_metrics = _share(batch, rank0)
+            with phases.training():
+                mbs = build_microbatches(trajs, advantages, keep, steps, settings.micro_batch_size,
+                                         device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+                train_metrics = grpo_train_step(trainer, mbs, settings, ref) if mbs else {"skipped": 1.0}
+            t_train = time.perf_counter() - t0 - t_rollout
+            sync_metrics = sync_weights(trainer, bridge)
+            metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
+                       **phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
+                       "time/iteration_s": time.perf_counter() - t0}
+            if rollout is not None and hasattr(rollout, "metrics"):
+                metrics.update(rollout.metrics())
+            metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
+    finally:
+        for e in engines:
+            e.shutdown()
+        if scorer is not None:
+            scorer.close()
+        metrics_log.close()
+    return metrics

@@ -1,0 +1,127 @@
+"""Build the runtime pieces of a run from a validated config (the only place that does).
+
+Trainer (megatron TrainEngine, + frozen reference when KL is on), rollout engines (SGLang, DP
+replicas behind the least-loaded balancer), the weight bridge, the reward scorer and the prompt
+stream. Every builder takes the config sections it needs and returns plain objects; the controller
+composes them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megaflow.config.schema import MegaflowConfig
+
+log = logging.getLogger("megaflow")
+
+
+def resolve_pipeline(cfg: MegaflowConfig, run_dir: Path) -> Path:
+    """The diffusers pipeline dir to train: ``model.pretrained``, or a tiny one made for this run."""
+    if cfg.model.pretrained:
+        path = Path(cfg.model.pretrained)
+        if not (path / "transformer" / "config.json").is_file():
+            raise ValueError(f"model.pretrained: {path} has no transformer/config.json")
+        return path
+    from megaflow.models.tiny_pipeline import make_tiny_pipeline
+    path = run_dir / "tiny-pipeline"
+    if not (path / "model_index.json").is_file():
+        make_tiny_pipeline(cfg.model.family, path, seed=cfg.run.seed)
+    return path
+
+
+def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
+    """(TrainEngine with optimizer, reference TrainEngine or None), loaded from the pipeline's DiT."""
+    from safetensors.torch import load_file
+
+    from megaflow.models.registry import get_family
+    from megaflow.trainer.engine import TrainEngine, adam_config
+
+    family = get_family(cfg.model.family)
+    tdir = pipeline_dir / "transformer"
+    p = cfg.parallel
+    mcfg_kwargs = dict(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                       context_parallel_size=p.cp, sequence_parallel=p.sp,
+                       virtual_pipeline_model_parallel_size=p.vpp or None)
+    if cfg.model.dtype == "bfloat16":
+        mcfg_kwargs.update(bf16=True, params_dtype=torch.bfloat16)
+    mcfg = family.config_from_diffusers(tdir / "config.json", **mcfg_kwargs)
+    files = sorted(tdir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {tdir}")
+    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    opt = adam_config(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
+                      distributed=True, bf16=cfg.model.dtype == "bfloat16")
+    trainer = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt)
+    trainer.load_diffusers_state_dict(state)
+    ref = None
+    if cfg.algo.kl_beta > 0:
+        ref = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=None)
+        ref.load_diffusers_state_dict(state)
+        for m in ref.model:
+            m.requires_grad_(False)
+    return trainer, ref
+
+
+def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full weights under the engine's (diffusers) names, streamed (collective)."""
+    wm = trainer.family.weight_map
+    for name, tensor in trainer.iter_full_params():
+        yield from wm.megatron_to_diffusers(name, tensor, trainer.config)
+
+
+def build_engines(cfg: MegaflowConfig, pipeline_dir: Path) -> list:
+    """``rollout.num_engines`` SGLang engines on this host (each starts its own worker processes)."""
+    from megaflow.rollout.sglang_engine import SGLangEngine
+    r = cfg.rollout
+    return [SGLangEngine(str(pipeline_dir), family=cfg.model.family, engine_id=f"engine{i}",
+                         batching_max_size=r.batching_max_size, batching_delay_ms=r.batching_delay_ms,
+                         num_threads=cfg.run.num_threads)
+            for i in range(r.num_engines)]
+
+
+def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
+    """The weight bridge of ``bridge.mode`` into ``engines``."""
+    b = cfg.bridge
+    nbytes = int(b.bucket_mb * 2**20)
+    if b.mode == "colocated":
+        from megaflow.bridge.colocated import ColocatedBridge
+        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify)
+    if b.mode == "disk":
+        from megaflow.bridge.disk import DiskBridge
+        tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+        return DiskBridge(engines, run_dir / "weights", transformer_config=tconf, bucket_bytes=nbytes,
+                          verify=b.verify)
+    raise ValueError(f"bridge.mode = {b.mode!r}: the distributed path needs engines on other ranks; "
+                     "launch with scripts/launch.sh (one engine host per node)")
+
+
+def build_scorer(cfg: MegaflowConfig):
+    from megaflow.rewards.registry import build_multi_reward
+    from megaflow.rewards.scorer import AsyncScorer
+    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs)
+    return AsyncScorer(reward, num_workers=cfg.reward.num_workers)
+
+
+def prompt_stream(cfg: MegaflowConfig) -> Iterator[str]:
+    """Endless, seeded prompt stream (reshuffled each pass)."""
+    d = cfg.data
+    if d.prompts == "shapes":
+        from megaflow.data.shapes import CATEGORIES, sample_prompts
+        cats = tuple(d.shapes_categories) or CATEGORIES
+        pool = sample_prompts("train", 512, seed=cfg.run.seed, categories=cats)
+    else:
+        path = Path(d.prompts)
+        if not path.is_file():
+            raise ValueError(f"data.prompts: no such prompt file {path}")
+        pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not pool:
+            raise ValueError(f"data.prompts: {path} has no prompts")
+    rng = random.Random(cfg.run.seed)
+    while True:
+        order = rng.sample(pool, len(pool))
+        yield from order
