@@ -1,0 +1,257 @@
+"""FlowGRPO loss: PPO-clip over per-step log-probs, Gaussian KL to a frozen reference, and train/rollout
+mismatch correction (TIS / MIS). Pure torch functions of tensors.
+
+Sources
+-------
+- Policy term (flow_grpo ``scripts/train_sd3.py``; PPO, Schulman et al. 2017):
+    ρ = exp(logp_θ − logp_old);  L_pg = mean(max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)))
+  Logged like flow_grpo: ``approx_kl = ½·mean((logp_θ − logp_old)²)``, ``clip_frac = mean(|ρ − 1| > ε)``.
+- KL term (flow_grpo ``train_sd3.py``): per step, per sample
+    KL = mean_elements((μ_θ − μ_ref)²) / (2·std²)
+  which is the exact KL between the two step Gaussians N(μ_θ, std²) and N(μ_ref, std²) (same std, the
+  noise schedule does not depend on θ) when std is the transition std. flow_grpo divides by its
+  ``std_dev_t``, which for the SDE is s = a·sqrt(σ/(1−σ)) WITHOUT the sqrt(−dt) factor (so its KL is the
+  true KL times (−dt)); for CPS ``std_dev_t`` is the transition std. ``LossConfig.kl_std`` picks:
+  "flow_grpo" (default: the published β = 0.04 was tuned with it) or "transition" (the true KL).
+- Total: L = L_pg + β·KL (β = ``LossConfig.beta``; 0 skips the reference).
+- Train/rollout mismatch (slime ``examples/train_infer_mismatch_helper/mis.py``, verl rollout IS):
+  log r = logp_old_train − logp_rollout aggregated per "step", per "trajectory" (sum over the trained
+  steps) or "geometric" (mean over them); w = exp(log r). TIS: w ← clamp(w, lower, upper); MIS
+  (rejection): w ← 0 and the step dropped from the mean where w ∉ [lower, upper]. The weights multiply
+  the per-step policy loss (they carry no gradient); the KL term is not reweighted.
+
+Shapes: per-step tensors are ``[B]`` (one step at a time) or ``[B, T]`` (steps stacked); advantages are
+``[B]`` (broadcast over steps) or the log-prob shape; ``mask`` (bool, the log-prob shape) selects what
+enters the means. Stats are detached 0-dim tensors (no host sync); call ``float()`` to log.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megaflow.flow.step import StepResult, TransitionConfig, sde_step_mask
+
+__all__ = [
+    "LossConfig",
+    "MismatchConfig",
+    "MismatchWeights",
+    "ppo_clip_loss",
+    "gaussian_kl",
+    "flow_grpo_loss",
+    "mismatch_weights",
+    "train_step_indices",
+]
+
+_KL_STDS = ("flow_grpo", "transition")
+_MISMATCH_MODES = ("tis", "mis")
+_MISMATCH_LEVELS = ("step", "trajectory", "geometric")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """FlowGRPO loss knobs (defaults: flow_grpo SD3 recipe)."""
+
+    clip_range: float = 1e-4
+    """ε of the PPO ratio clip (flow_grpo 1e-4; 1e-5 with CPS or an SDE window, see ``for_transition``)."""
+    beta: float = 0.04
+    """β of the KL to the reference policy; 0 disables it (CFG-free fast recipes)."""
+    kl_std: str = "flow_grpo"
+    """Std in the KL denominator: "flow_grpo" (std_dev_t = s, no sqrt(−dt)) or "transition" (true KL)."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.clip_range < 1):
+            raise ValueError(f"clip_range must be in (0, 1), got {self.clip_range!r}")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
+        if self.kl_std not in _KL_STDS:
+            raise ValueError(f"kl_std must be one of {_KL_STDS}, got {self.kl_std!r}")
+
+    @classmethod
+    def for_transition(cls, kind: str, *, windowed: bool, **overrides) -> "LossConfig":
+        """Defaults for a rollout kind: ε = 1e-5 for CPS or a FlowGRPO-Fast window, else 1e-4."""
+        overrides.setdefault("clip_range", 1e-5 if kind == "cps" or windowed else 1e-4)
+        return cls(**overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MismatchConfig:
+    """Importance correction between the trainer's and the engine's log-probs of the same samples."""
+
+    mode: str = "tis"
+    """"tis": truncate w to [lower, upper]; "mis": reject (w = 0, excluded) outside [lower, upper]."""
+    level: str = "step"
+    """"step": per-step ratio; "trajectory": product over trained steps; "geometric": their mean in log."""
+    upper: float = 2.0
+    """C, the upper bound."""
+    lower: float = 0.0
+    """Lower bound (0 = none)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MISMATCH_MODES:
+            raise ValueError(f"mode must be one of {_MISMATCH_MODES}, got {self.mode!r}")
+        if self.level not in _MISMATCH_LEVELS:
+            raise ValueError(f"level must be one of {_MISMATCH_LEVELS}, got {self.level!r}")
+        if not (0 <= self.lower < self.upper):
+            raise ValueError(f"need 0 <= lower < upper, got lower={self.lower!r} upper={self.upper!r}")
+
+
+@dataclass(frozen=True)
+class MismatchWeights:
+    """``weights`` (0 where not kept) and ``keep`` (bool) have the log-prob shape; ``stats`` to log."""
+
+    weights: torch.Tensor
+    keep: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+def _mask_like(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if mask is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    if mask.shape != like.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} != log-prob shape {tuple(like.shape)}")
+    return mask.to(device=like.device, dtype=torch.bool)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)
+
+
+def _broadcast_adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    adv = advantages.detach().to(device=like.device, dtype=torch.float32)
+    if adv.shape == like.shape:
+        return adv
+    if adv.dim() == 1 and adv.shape[0] == like.shape[0]:
+        return adv.view(-1, *([1] * (like.dim() - 1)))
+    raise ValueError(f"advantages shape {tuple(adv.shape)} fits neither [B] nor log-prob {tuple(like.shape)}")
+
+
+def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, *,
+                  clip_range: float, mask: torch.Tensor | None = None,
+                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked mean of ``w·max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))``; ``weights`` (TIS/MIS) default 1."""
+    if log_prob.shape != old_log_prob.shape:
+        raise ValueError(f"log_prob {tuple(log_prob.shape)} and old_log_prob {tuple(old_log_prob.shape)} differ")
+    mask = _mask_like(mask, log_prob)
+    adv = _broadcast_adv(advantages, log_prob)
+    delta = log_prob - old_log_prob.detach()
+    ratio = torch.exp(delta)
+    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    if weights is not None:
+        per = per * weights.detach().to(per.dtype)
+    loss = _masked_mean(per, mask)
+    with torch.no_grad():
+        r = ratio.detach()
+        any_kept = bool(mask.any())
+        stats = {
+            "policy_loss": loss.detach(),
+            "clip_frac": _masked_mean(((r - 1).abs() > clip_range).float(), mask),
+            "approx_kl": _masked_mean(0.5 * delta.detach() ** 2, mask),
+            "ratio_mean": _masked_mean(r, mask),
+            "ratio_max": r[mask].max() if any_kept else torch.ones((), device=r.device),
+            "ratio_min": r[mask].min() if any_kept else torch.ones((), device=r.device),
+        }
+    return loss, stats
+
+
+def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-step KL ``mean_elements((μ − μ_ref)²) / (2·std²)``, shape of ``std`` (``[B]`` or ``[B, T]``).
+
+    ``mean`` is ``std.shape + latent shape``; ``ref_mean`` is detached (frozen reference).
+    """
+    lead = std.dim()
+    if lead == 0 or mean.shape[:lead] != std.shape or mean.shape != ref_mean.shape:
+        raise ValueError(f"mean {tuple(mean.shape)}, ref_mean {tuple(ref_mean.shape)} and std "
+                         f"{tuple(std.shape)}: need mean == ref_mean shape with std as leading dims")
+    sq = (mean.float() - ref_mean.detach().float()) ** 2
+    return sq.mean(dim=tuple(range(lead, sq.dim()))) / (2 * std.float() ** 2)
+
+
+def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                   config: LossConfig, ref_mean: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                   is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total FlowGRPO loss ``L_pg + β·KL`` of a recomputed step (or stacked steps).
+
+    ``policy`` is ``transition_log_prob`` under the trained weights (its log_prob/mean carry the graph);
+    ``ref_mean`` is the reference model's μ for the same x (needed iff β > 0). KL on a kept step with
+    std 0 (CPS last step, ODE) raises ValueError: such steps must be masked out.
+    """
+    loss, stats = ppo_clip_loss(policy.log_prob, old_log_prob, advantages, clip_range=config.clip_range,
+                                mask=mask, weights=is_weights)
+    if config.beta > 0:
+        if ref_mean is None:
+            raise ValueError(f"beta={config.beta} > 0 needs ref_mean (the reference policy's step mean)")
+        keep = _mask_like(mask, policy.log_prob)
+        std = policy.std_dev_t if config.kl_std == "flow_grpo" else policy.std
+        if bool(((std == 0) & keep).any()):
+            raise ValueError("KL on a step with std 0 (CPS sigma_next=0 or ODE): mask those steps out")
+        kl = _masked_mean(gaussian_kl(policy.mean, ref_mean, std), keep)
+        loss = loss + config.beta * kl
+        stats["kl"] = kl.detach()
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+def _aggregate_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    if level == "step" or log_ratio.dim() == 1:
+        return log_ratio
+    m = mask.to(log_ratio.dtype)
+    total = (log_ratio * m).sum(dim=tuple(range(1, log_ratio.dim())), keepdim=True)
+    if level == "geometric":
+        total = total / m.sum(dim=tuple(range(1, m.dim())), keepdim=True).clamp(min=1)
+    return total.expand_as(log_ratio)
+
+
+def mismatch_weights(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: MismatchConfig,
+                     mask: torch.Tensor | None = None) -> MismatchWeights:
+    """TIS/MIS weights from the trainer's old log-probs and the engine's log-probs (``[B]`` or ``[B, T]``).
+
+    ``mask`` marks the trained steps (e.g. the SDE window); masked-out steps get weight 0, keep False and
+    do not enter the trajectory/geometric aggregate. A ``[B]`` input is one step: all levels coincide.
+    """
+    if train_log_prob.shape != rollout_log_prob.shape:
+        raise ValueError(f"train {tuple(train_log_prob.shape)} and rollout {tuple(rollout_log_prob.shape)} "
+                         "log-prob shapes differ")
+    mask = _mask_like(mask, train_log_prob)
+    log_ratio = (train_log_prob.detach().float() - rollout_log_prob.detach().float().to(train_log_prob.device))
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    raw = torch.exp(_aggregate_log_ratio(log_ratio, mask, config.level))
+    high = mask & (raw > config.upper)
+    low = mask & (raw < config.lower)
+    if config.mode == "tis":
+        keep = mask
+        weights = raw.clamp(min=config.lower, max=config.upper)
+    else:
+        keep = mask & ~high & ~low
+        weights = raw
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    stats = {
+        "is_weight_mean": _masked_mean(weights, keep),
+        "is_raw_weight_mean": _masked_mean(raw, mask),
+        "is_log_ratio_abs_mean": _masked_mean(log_ratio.abs(), mask),
+        "is_frac_high": _masked_mean(high.float(), mask),
+        "is_frac_low": _masked_mean(low.float(), mask),
+        "is_frac_rejected": _masked_mean((mask & ~keep).float(), mask),
+    }
+    return MismatchWeights(weights=weights, keep=keep, stats=stats)
+
+
+def train_step_indices(num_steps: int, transition: TransitionConfig,
+                       sde_step_indices: Sequence[int] | None = None) -> list[int]:
+    """The denoising steps to train: the stochastic ones (FlowGRPO-Fast: only the SDE window).
+
+    ODE steps have log-prob 0 and no policy ratio; with CPS the last step (σ' = 0) is deterministic
+    (std 0) and is left out as well. An all-ODE rollout has nothing to train: ValueError.
+    """
+    if transition.kind == "ode":
+        raise ValueError("an ode rollout has no stochastic step to train on; use kind 'sde' or 'cps'")
+    mask = sde_step_mask(num_steps, sde_step_indices)
+    if transition.kind == "cps":
+        mask[num_steps - 1] = False
+    steps = mask.nonzero().flatten().tolist()
+    if not steps:
+        raise ValueError(f"no trainable step among sde_step_indices={sde_step_indices!r} for {transition.kind}")
+    return steps

@@ -1,0 +1,267 @@
+"""One flow-matching transition x(σ) → x(σ') and its per-step log-probability: pure tensor functions.
+
+These are the numbers the SGLang engine produces in a rollout (sglang 0.5.23,
+``runtime/post_training/flow_rollout_controller.py``: ``FlowRolloutController.flow_sde_sampling``), written
+so that the trainer can recompute them from a stored trajectory with its own velocity. The math is
+FlowGRPO's (flow_grpo ``diffusers_patch/sd3_sde_with_logprob.py``, ``sde_step_with_logprob``).
+
+Conventions
+-----------
+- σ = 1 is noise, σ = 0 is data; ``sigma_next`` σ' < σ; ``dt = σ' − σ < 0``. ``v`` is the DiT output
+  (velocity, noise − data). ``x`` and ``v`` are ``[B, ...]``; σ and σ' are Python floats, 0-dim tensors or
+  per-sample ``[B]`` tensors.
+- Everything is computed in fp32 (inputs are upcast, outputs are fp32), like the engine's SDE/CPS path.
+- ``sigma_max`` is FlowGRPO's stand-in for σ = 1 in the SDE std: the engine uses ``sigmas[1]`` of the
+  step grid (``sigma_max_of(sigmas)``) wherever ``torch.isclose(σ, 1)`` (default rtol/atol), so the first
+  step never divides by ``1 − σ = 0``.
+- Kinds (``TransitionConfig.kind``), with a = ``noise_level``:
+    sde: s = a·sqrt(σ / (1 − σ̃)), σ̃ = sigma_max if σ ≈ 1 else σ; std = s·sqrt(−dt);
+         μ = x·(1 + s²·dt/(2σ)) + v·(1 + s²·(1 − σ)/(2σ))·dt
+    cps: std = σ'·sin(aπ/2); x̂0 = x − σ·v; x̂1 = x + (1 − σ)·v; μ = (1 − σ')·x̂0 + sqrt(σ'² − std²)·x̂1
+    ode: x' = x + dt·v, std 0, log-prob 0.
+  x' = μ + std·ε with ε ~ N(0, I).
+- Log-prob per step is the MEAN over all non-batch elements (shape ``[B]``) of
+    with constants: −(x' − μ)²/(2·std²) − log std − log sqrt(2π)
+    ``no_const``:   −(x' − μ)²          (no 1/(2·std²) factor: exactly what the engine and flow_grpo's CPS
+                                          path compute; it is a surrogate, not a density)
+  ODE steps have log-prob 0 in both modes. In ``step`` the residual x' − μ is taken as std·ε (from the
+  drawn noise, as the engine does); ``transition_log_prob`` uses the given x' (differentiable in ``v``).
+- ``std_dev_t`` is flow_grpo's "std_dev_t": s for SDE (WITHOUT the sqrt(−dt) factor), the transition std
+  for CPS, 0 for ODE. flow_grpo's KL divides by it; ``std`` is the true std of x' given x.
+- CPS with constants at σ' = 0 (the last step) has std 0 and the engine returns NaN there. Here it raises
+  ValueError instead: use ``no_const=True`` or keep that step out of the SDE window.
+- Engine differences we do not reproduce: on ODE steps the engine keeps the model dtype (a bf16 ``v`` gives
+  a bf16 dt·v); we compute in fp32, identical for fp32 models. The engine draws noise from one generator
+  per sample (``latents_shape`` with batch 1); pass a list of generators to do the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "KINDS",
+    "TransitionConfig",
+    "StepResult",
+    "sigma_max_of",
+    "transition_mean_std",
+    "gaussian_log_prob",
+    "step",
+    "transition_log_prob",
+    "sde_step_mask",
+    "config_for_step",
+    "sample_sde_window",
+]
+
+KINDS = ("sde", "cps", "ode")
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # the engine's constant, bit for bit
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransitionConfig:
+    """How one step moves from σ to σ'; mirrors the engine's rollout_sde_type / noise_level / no_const."""
+
+    kind: str = "sde"
+    """"sde" (FlowGRPO SDE), "cps" (coefficients-preserving sampling) or "ode" (deterministic Euler)."""
+    noise_level: float = 0.7
+    """a: SDE scale of s = a·sqrt(σ/(1−σ)); CPS angle std = σ'·sin(aπ/2). FlowGRPO: 0.7 SDE, 0.8 CPS."""
+    no_const: bool = False
+    """Log-prob −mean((x'−μ)²) instead of the Gaussian log-density (use with CPS)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        level = self.noise_level
+        if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level) or level < 0:
+            raise ValueError(f"noise_level must be a finite number >= 0, got {level!r}")
+        if self.kind != "ode" and not self.no_const and level == 0:
+            raise ValueError("noise_level=0 has std 0: a log-prob with constants needs noise_level > 0")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Output of one transition; all fp32. ``std``/``std_dev_t``/``log_prob`` are ``[B]``."""
+
+    sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    std_dev_t: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def sigma_max_of(sigmas: torch.Tensor) -> torch.Tensor:
+    """FlowGRPO/engine ``sigma_max`` of a grid ``[..., T+1]``: ``sigmas[..., 1]`` (``[..., 0]`` if T = 0)."""
+    return sigmas[..., min(1, sigmas.shape[-1] - 1)]
+
+
+def _as_sigma(value, x: torch.Tensor) -> torch.Tensor:
+    """σ as fp32 on x's device, shaped to broadcast over ``x`` ([B] → [B, 1, ..., 1])."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=x.device)
+    if t.numel() == 1:
+        return t.reshape(())
+    if t.dim() != 1 or t.shape[0] != x.shape[0]:
+        raise ValueError(f"sigma must be a scalar or shape [B]={x.shape[0]}, got shape {tuple(t.shape)}")
+    return t.view(-1, *([1] * (x.dim() - 1)))
+
+
+def _per_sample(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B, 1, ...] tensor as a [B] vector."""
+    return t.reshape(-1).expand(x.shape[0]) if t.numel() == 1 else t.reshape(x.shape[0])
+
+
+def _check_step(sigma, sigma_next, config: TransitionConfig) -> None:
+    """User-facing checks of a step: σ' < σ, and no CPS-with-constants log-prob at σ' = 0."""
+    sigma, sigma_next = torch.as_tensor(sigma), torch.as_tensor(sigma_next)
+    if bool((sigma_next >= sigma).any()):
+        raise ValueError(f"sigma_next must be < sigma (dt < 0), got sigma={sigma.tolist()} "
+                         f"sigma_next={sigma_next.tolist()}")
+    if config.kind == "cps" and not config.no_const and bool((sigma_next == 0).any()):
+        raise ValueError("cps log-prob with constants is undefined at sigma_next=0 (std 0): "
+                         "set no_const=True or keep the last step out of the SDE window")
+
+
+def transition_mean_std(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, sigma_max,
+                        config: TransitionConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """μ ``[B, ...]``, transition std and flow_grpo's std_dev_t (both broadcastable to x) of one step."""
+    x = x.float()
+    v = v.float()
+    s_cur = _as_sigma(sigma, x)
+    s_next = _as_sigma(sigma_next, x)
+    dt = s_next - s_cur
+    if config.kind == "sde":
+        s_max = _as_sigma(sigma_max, x)
+        near_one = torch.isclose(s_cur, torch.ones_like(s_cur))
+        std_dev_t = torch.sqrt(s_cur / (1 - torch.where(near_one, s_max, s_cur))) * config.noise_level
+        std = std_dev_t * torch.sqrt(-1 * dt)
+        mean = (x * (1 + std_dev_t**2 / (2 * s_cur) * dt)
+                + v * (1 + std_dev_t**2 * (1 - s_cur) / (2 * s_cur)) * dt)
+    elif config.kind == "cps":
+        std = s_next * math.sin(config.noise_level * math.pi / 2)
+        std_dev_t = std
+        x0_hat = x - s_cur * v
+        x1_hat = x + v * (1 - s_cur)
+        mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt(s_next**2 - std**2)
+    else:
+        mean = x + dt * v
+        std = torch.zeros_like(dt)
+        std_dev_t = std
+    return mean, std, std_dev_t
+
+
+def _log_prob_of_residual(residual: torch.Tensor, std: torch.Tensor, no_const: bool) -> torch.Tensor:
+    sq = residual**2
+    elem = -sq if no_const else -sq / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return elem.mean(dim=tuple(range(1, elem.dim())))
+
+
+def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *,
+                      no_const: bool) -> torch.Tensor:
+    """Per-sample ``[B]`` mean over elements of log N(x_next; mean, std²), or −(x_next − mean)² if no_const.
+
+    ``std`` broadcasts against ``mean`` (scalar or [B, 1, ...]). With constants std must be > 0.
+    """
+    return _log_prob_of_residual(x_next.float() - mean, std, no_const)
+
+
+def _draw_noise(x: torch.Tensor, noise, generator) -> torch.Tensor:
+    if (noise is None) == (generator is None):
+        raise ValueError("pass exactly one of noise= or generator= for an sde/cps step")
+    if noise is not None:
+        if noise.shape != x.shape:
+            raise ValueError(f"noise shape {tuple(noise.shape)} != latent shape {tuple(x.shape)}")
+        return noise.to(device=x.device, dtype=torch.float32)
+    def draw(shape, g):
+        return torch.randn(shape, generator=g, device=g.device, dtype=torch.float32).to(x.device)
+
+    if isinstance(generator, torch.Generator):
+        return draw(x.shape, generator)
+    if len(generator) != x.shape[0]:
+        raise ValueError(f"need one generator per sample: got {len(generator)} for batch {x.shape[0]}")
+    return torch.cat([draw((1, *x.shape[1:]), g) for g in generator])
+
+
+def step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, sigma_max, config: TransitionConfig,
+         noise: torch.Tensor | None = None,
+         generator: torch.Generator | Sequence[torch.Generator] | None = None) -> StepResult:
+    """Sample x' for one step and its log-prob, as the engine does.
+
+    sde/cps need exactly one of ``noise`` (ε, shape of x) or ``generator`` (one → ε of x's full shape;
+    a list → one draw of shape ``[1, ...]`` per sample, the engine's per-request scheme). ODE draws
+    nothing. The log-prob uses the residual std·ε (engine arithmetic); it does not depend on ``v``.
+    """
+    _check_step(sigma, sigma_next, config)
+    mean, std, std_dev_t = transition_mean_std(x, v, sigma, sigma_next, sigma_max=sigma_max, config=config)
+    if config.kind == "ode":
+        zeros = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        return StepResult(sample=mean, mean=mean, std=zeros, std_dev_t=zeros, log_prob=zeros.clone())
+    eps = _draw_noise(x, noise, generator)
+    residual = eps * std
+    sample = mean + residual
+    log_prob = _log_prob_of_residual(residual, std, config.no_const)
+    return StepResult(sample=sample, mean=mean, std=_per_sample(std, x), std_dev_t=_per_sample(std_dev_t, x),
+                      log_prob=log_prob)
+
+
+def transition_log_prob(x: torch.Tensor, v: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, *,
+                        sigma_max, config: TransitionConfig) -> StepResult:
+    """log p(x_next | x, v) of one step (the trainer's recomputation); differentiable in ``v``.
+
+    ``x`` and ``x_next`` are trajectory data and are detached. ODE steps return log-prob 0 (and
+    ``sample`` = the Euler x', which need not equal ``x_next``).
+    """
+    _check_step(sigma, sigma_next, config)
+    x = x.detach()
+    mean, std, std_dev_t = transition_mean_std(x, v, sigma, sigma_next, sigma_max=sigma_max, config=config)
+    if config.kind == "ode":
+        log_prob = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    else:
+        log_prob = gaussian_log_prob(x_next.detach(), mean, std, no_const=config.no_const)
+    return StepResult(sample=mean if config.kind == "ode" else x_next.detach().float(), mean=mean,
+                      std=_per_sample(std, x), std_dev_t=_per_sample(std_dev_t, x), log_prob=log_prob)
+
+
+def sde_step_mask(num_steps: int, sde_step_indices: Sequence[int] | None = None) -> torch.Tensor:
+    """Bool ``[num_steps]``: True where a step is stochastic (the engine's ``rollout_sde_step_indices``).
+
+    ``None`` = every step; otherwise step i is SDE/CPS iff i is listed (0-indexed denoising-loop steps) and
+    all other steps are ODE with log-prob 0. The engine silently ignores indices outside
+    ``[0, num_steps)``; here they raise ValueError (a window for another step count is a config mistake).
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps!r}")
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    if sde_step_indices is None:
+        return mask.fill_(True)
+    for i in sde_step_indices:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_steps:
+            raise ValueError(f"sde step index {i!r} outside [0, {num_steps})")
+        mask[i] = True
+    return mask
+
+
+def config_for_step(config: TransitionConfig, step_index: int,
+                    sde_step_indices: Sequence[int] | None) -> TransitionConfig:
+    """The effective config of step ``step_index``: ODE when the window excludes it, else ``config``."""
+    if config.kind == "ode" or sde_step_indices is None or step_index in sde_step_indices:
+        return config
+    return TransitionConfig(kind="ode", noise_level=config.noise_level, no_const=config.no_const)
+
+
+def sample_sde_window(num_steps: int, window_size: int, *, window_range: tuple[int, int] | None = None,
+                      generator: torch.Generator | None = None) -> list[int]:
+    """FlowGRPO-Fast window: ``window_size`` consecutive step indices starting uniformly in
+    ``[lo, hi − window_size]`` of ``window_range = (lo, hi)`` (default ``(0, num_steps)``).
+
+    Same distribution as flow_grpo's ``random.randint(lo, hi - size)`` start; the result is meant for
+    ``rollout_sde_step_indices`` and for selecting the steps to train.
+    """
+    lo, hi = window_range if window_range is not None else (0, num_steps)
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(f"window_range {window_range!r} must satisfy 0 <= lo < hi <= num_steps={num_steps}")
+    if not 1 <= window_size <= hi - lo:
+        raise ValueError(f"window_size {window_size!r} must be in [1, {hi - lo}] for window_range ({lo}, {hi})")
+    start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator))
+    return list(range(start, start + window_size))
