@@ -50,6 +50,18 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    import logging
+
+    from megaflow.controller import run
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    metrics = run(cfg)
+    if args.json:
+        print(json.dumps(metrics, sort_keys=True, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: FlowGRPO post-training of diffusion transformers (megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
     _add_config_args(p_show)
     p_show.set_defaults(handler=_cmd_config_show)
+
+    p_train = sub.add_parser("train", help="FlowGRPO training: SGLang rollouts -> rewards -> megatron step -> "
+                             "weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
+    _add_config_args(p_train)
+    p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
+    p_train.set_defaults(handler=_cmd_train)
 
     p_eval = sub.add_parser("eval", help="Evaluate images.")
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
