@@ -1,0 +1,136 @@
+"""Parallel degrees (TP/PP/CP/SP/VPP, DP derived) and the process-wide distributed setup.
+
+``ParallelDims`` is the one object that knows the layout; ``init_distributed`` turns it into a
+torch.distributed process group plus megatron-core ``parallel_state`` groups and the seeded
+model-parallel RNG tracker. On a machine without a CUDA device it uses gloo and applies the CPU
+shims from ``megaflow.parallel.cpu`` first, so the same code runs on a laptop and on GPUs.
+
+Launch (the env is what torchrun sets; a plain ``python`` call is a 1-process world)::
+
+    python -m your_script                         # world 1, gloo on CPU / nccl on GPU
+    torchrun --nproc-per-node 2 -m your_script    # e.g. ParallelDims(tp=2)
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelDims:
+    """Model-parallel degrees; the data-parallel degree is what the world size leaves over."""
+
+    tp: int = 1
+    """Tensor-parallel degree (heads / MLP hidden split across ranks)."""
+    pp: int = 1
+    """Pipeline-parallel degree (layers split into stages)."""
+    cp: int = 1
+    """Context-parallel degree (sequence split for attention)."""
+    sp: bool = False
+    """Sequence parallelism over the TP group (activations outside attention/MLP split on seq)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims.{name} must be an int >= 1, got {value!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError(f"ParallelDims.sp=True requires tp > 1, got tp={self.tp}")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"ParallelDims.vpp must be None or an int >= 1, got {self.vpp!r}")
+            if self.pp == 1:
+                raise ValueError(f"ParallelDims.vpp={self.vpp} requires pp > 1, got pp={self.pp}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    def dp_for(self, world_size: int) -> int:
+        """Data-parallel degree for ``world_size`` ranks; ValueError if it does not divide."""
+        if world_size < 1 or world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world_size={world_size} is not a positive multiple of tp*pp*cp="
+                f"{self.tp}*{self.pp}*{self.cp}={self.model_parallel_size}"
+            )
+        return world_size // self.model_parallel_size
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: ``cuda:<LOCAL_RANK>`` when CUDA exists, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(backend: str | None, timeout_s: float) -> None:
+    """torch.distributed from torchrun's env; no env = a 1-process world on a free local port."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and "MASTER_PORT" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={world_size} but MASTER_PORT is not set (launch with torchrun)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(current_device())
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def init_distributed(
+    dims: ParallelDims, *, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0
+) -> None:
+    """Initialise torch.distributed (if needed), megatron parallel_state and its RNG tracker.
+
+    backend: None = nccl with CUDA, gloo without. seed: base seed for megatron's model-parallel
+    RNG tracker (``model_parallel_cuda_manual_seed``) and torch's default generator (on CPU the
+    tracker's states live in that same generator). Calling it again, e.g. with other dims, rebuilds
+    parallel_state on the existing process group. ValueError if the world does not fit ``dims``.
+    """
+    from megaflow.parallel import cpu
+
+    if not torch.cuda.is_available():
+        cpu.apply_cpu_shims()
+    if not dist.is_initialized():
+        _init_process_group(backend, timeout_s)
+    dims.dp_for(dist.get_world_size())  # validate before megatron asserts
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        context_parallel_size=dims.cp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Undo ``init_distributed``: megatron parallel_state, then the torch process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
