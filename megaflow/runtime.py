@@ -39,23 +39,17 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     from safetensors.torch import load_file
 
     from megaflow.models.registry import get_family
-    from megaflow.trainer.engine import TrainEngine, adam_config
+    from megaflow.trainer.engine import TrainEngine
 
+    from megaflow.config.to_megatron import optimizer_config, transformer_kwargs
     family = get_family(cfg.model.family)
     tdir = pipeline_dir / "transformer"
-    p = cfg.parallel
-    mcfg_kwargs = dict(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                       context_parallel_size=p.cp, sequence_parallel=p.sp,
-                       virtual_pipeline_model_parallel_size=p.vpp or None)
-    if cfg.model.dtype == "bfloat16":
-        mcfg_kwargs.update(bf16=True, params_dtype=torch.bfloat16)
-    mcfg = family.config_from_diffusers(tdir / "config.json", **mcfg_kwargs)
+    mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
     files = sorted(tdir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in {tdir}")
     state = {k: v for f in files for k, v in load_file(str(f)).items()}
-    opt = adam_config(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
-                      distributed=True, bf16=cfg.model.dtype == "bfloat16")
+    opt = optimizer_config(cfg)
     trainer = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt)
     trainer.load_diffusers_state_dict(state)
     ref = None
@@ -76,12 +70,9 @@ def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_engines(cfg: MegaflowConfig, pipeline_dir: Path) -> list:
     """``rollout.num_engines`` SGLang engines on this host (each starts its own worker processes)."""
+    from megaflow.config.to_sglang import engine_config
     from megaflow.rollout.sglang_engine import SGLangEngine
-    r = cfg.rollout
-    return [SGLangEngine(str(pipeline_dir), family=cfg.model.family, engine_id=f"engine{i}",
-                         batching_max_size=r.batching_max_size, batching_delay_ms=r.batching_delay_ms,
-                         num_threads=cfg.run.num_threads)
-            for i in range(r.num_engines)]
+    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), i)) for i in range(cfg.rollout.num_engines)]
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):

@@ -66,8 +66,11 @@ class RolloutConfig:
     noise_level: float = opt(0.7, "SDE/CPS noise level a (0.7 SDE, 0.8 CPS in flow_grpo).", ge=0.0, le=1.0)
     sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.")
     log_prob_no_const: bool = opt(False, "Use -mean((x'-mu)^2) log-probs (required with CPS).")
-    batching_max_size: int = opt(8, "Engine dynamic batching: max requests merged into one denoising batch.", ge=1)
-    batching_delay_ms: float = opt(20.0, "Engine dynamic batching: wait this long for more requests.", ge=0.0)
+    max_batch_outputs: int = opt(16, "Engine batching: most samples merged into one denoising call (a group "
+                                 "larger than this still runs whole).", ge=1)
+    batch_window_ms: float = opt(5.0, "Engine batching: wait this long for more requests to merge.", ge=0.0)
+    precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
+                         choices=("fp32", "bf16", "fp16"))
 
 
 @dataclass(kw_only=True)

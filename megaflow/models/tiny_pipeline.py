@@ -1,0 +1,200 @@
+"""Write a tiny, randomly initialised diffusers pipeline (SD3 or FLUX.1) to a directory, offline.
+
+The result loads with diffusers (``StableDiffusion3Pipeline`` / ``FluxPipeline``) and with SGLang's
+native diffusion path on CPU (``model_id="stable-diffusion-3-medium-diffusers"`` resp. ``"FLUX.1-dev"``,
+``backend="sglang"``, fp32 precisions). Everything is built from configs: no download, seeded and
+deterministic (same seed => bit-identical weights), a few MB. Tokenizers are built in memory from a
+small word list (byte-level BPE for CLIP, a unigram vocab for T5) and survive save/load.
+
+    python tools/make_tiny_pipeline.py --family sd3 --out runs/tiny-sd3 [--seed 0]
+    python tools/make_tiny_pipeline.py --family flux --out runs/tiny-flux
+
+(The builder lives in the package so runs can make one; tools/make_tiny_pipeline.py is its CLI.)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+FAMILIES = ("sd3", "flux")
+_WORDS = (
+    "a photo of the an and with on in red green blue yellow white black orange purple cat dog circle "
+    "square triangle star big small one two three shape background sky tree house car"
+).split()
+_CLIP_MAX_LEN = 77  # SD3/FLUX pipelines pad CLIP prompts to 77 tokens (the position-embedding table size)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte -> printable unicode map (the byte-level alphabet of CLIP's BPE)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def make_clip_tokenizer():
+    """Byte-level BPE: every byte (plain and word-final), plus left-to-right merges spelling _WORDS."""
+    from transformers import CLIPTokenizer
+
+    alphabet = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for tok in alphabet + [c + "</w>" for c in alphabet]:
+        vocab.setdefault(tok, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS:
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        left = symbols[0]
+        for right in symbols[1:]:
+            if (left, right) not in merges:
+                merges.append((left, right))
+            left = left + right
+            vocab.setdefault(left, len(vocab))
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=_CLIP_MAX_LEN)
+
+
+def make_t5_tokenizer():
+    """Unigram vocab: <pad>, </s>, <unk>, then '▁'-prefixed words and single characters."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -1.0) for w in _WORDS]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def make_clip_encoder(tokenizer, *, hidden: int, seed: int, with_projection: bool):
+    """A 2-layer CLIP text encoder whose special-token ids match ``tokenizer``."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=_CLIP_MAX_LEN, projection_dim=hidden,
+        hidden_act="quick_gelu", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(config).eval()
+
+
+def make_t5_encoder(tokenizer, *, d_model: int, seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=2,
+        num_heads=2, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return T5EncoderModel(config).eval()
+
+
+def make_vae(*, latent_channels: int, seed: int, shift_factor: float, scaling_factor: float):
+    """A 4-level AutoencoderKL (spatial factor 8, like the real ones) with narrow channels."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=8, sample_size=64,
+        shift_factor=shift_factor, scaling_factor=scaling_factor, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+
+def build_sd3(seed: int):
+    """Tiny StableDiffusion3Pipeline: 2-layer MMDiT (hidden 64), CLIP-L/G stand-ins (32 wide), T5 (64 wide)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    clip_width, t5_width = 32, 64  # SD3 concatenates both CLIP widths and pads to the T5 width: 2*32 <= 64
+    tok, tok2, tok3 = make_clip_tokenizer(), make_clip_tokenizer(), make_t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=t5_width, caption_projection_dim=64,
+        pooled_projection_dim=2 * clip_width, pos_embed_max_size=16,
+    ).eval()
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=make_vae(latent_channels=16, seed=seed + 1, shift_factor=0.0609, scaling_factor=1.5305),
+        text_encoder=make_clip_encoder(tok, hidden=clip_width, seed=seed + 2, with_projection=True),
+        tokenizer=tok,
+        text_encoder_2=make_clip_encoder(tok2, hidden=clip_width, seed=seed + 3, with_projection=True),
+        tokenizer_2=tok2,
+        text_encoder_3=make_t5_encoder(tok3, d_model=t5_width, seed=seed + 4),
+        tokenizer_3=tok3,
+    )
+
+
+def build_flux(seed: int):
+    """Tiny FluxPipeline (FLUX.1-dev layout: guidance embedding): 1 double + 1 single block, hidden 32."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    clip_width, t5_width = 32, 64
+    tok, tok2 = make_clip_tokenizer(), make_t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        transformer=transformer, scheduler=scheduler,
+        vae=make_vae(latent_channels=16, seed=seed + 1, shift_factor=0.1159, scaling_factor=0.3611),
+        text_encoder=make_clip_encoder(tok, hidden=clip_width, seed=seed + 2, with_projection=False),
+        tokenizer=tok,
+        text_encoder_2=make_t5_encoder(tok2, d_model=t5_width, seed=seed + 3),
+        tokenizer_2=tok2,
+    )
+
+
+def make_tiny_pipeline(family: str, out: str | Path, *, seed: int = 0) -> Path:
+    """Build the tiny ``family`` pipeline with weights drawn from ``seed`` and save it (fp32) to ``out``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    pipe = build_sd3(seed) if family == "sd3" else build_flux(seed)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} exists and is not empty")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)  # atomic: a crash never leaves a half-written pipeline at ``out``
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default="sd3")
+    parser.add_argument("--out", required=True, help="directory to write the pipeline into")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed => same weights)")
+    args = parser.parse_args(argv)
+    out = make_tiny_pipeline(args.family, args.out, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote tiny {args.family} pipeline to {out} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

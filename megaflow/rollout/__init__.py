@@ -1,0 +1,8 @@
+"""Rollout: SGLang diffusion engines that sample trajectories, behind one protocol.
+
+Importing this package does not import sglang; only ``megaflow.rollout.sglang_engine`` does.
+"""
+from megaflow.rollout.engine import EngineHealth, RolloutEngine, WeightUpdateResult
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+__all__ = ["EngineHealth", "RolloutEngine", "RolloutRequest", "Trajectory", "WeightUpdateResult"]

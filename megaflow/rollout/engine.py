@@ -1,0 +1,90 @@
+"""The rollout engine protocol: the one interface the controller, balancer and bridge talk to.
+
+An engine samples trajectories (``generate``), takes new DiT weights (``update_weights`` with
+tensors, ``update_weights_from_disk`` with a diffusers-format directory), reports a weight
+checksum to verify an update, frees/retakes accelerator memory around training (``release`` /
+``resume``), answers ``health`` and stops the processes it started (``shutdown``). The SGLang
+implementation is ``megaflow.rollout.sglang_engine.SGLangEngine``; the balancer wraps N engines behind
+the same protocol. All methods are blocking; ``generate`` is thread-safe (concurrent callers are
+allowed, an engine may batch them).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+
+@dataclass(kw_only=True)
+class WeightUpdateResult:
+    """Outcome of one weight update."""
+
+    ok: bool
+    """The engine accepted every tensor (an engine must not report ok for names it skipped)."""
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class EngineHealth:
+    """A cheap liveness report."""
+
+    alive: bool
+    """The engine answers requests (its worker processes are running)."""
+    engine_id: str = ""
+    num_restarts: int = 0
+    """Times the engine was restarted after a crash."""
+    worker_pids: list[int] = field(default_factory=list)
+    detail: str = ""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every rollout engine (and the balancer over several) provides."""
+
+    engine_id: str
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        """Sample every request; returns the trajectories of all requests, request order then output index."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
+        """Load DiT tensors given by engine (diffusers state_dict) names, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
+        ...
+
+    def load_bucket(self, bucket) -> WeightUpdateResult:
+        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors."""
+        ...
+
+    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
+        """Re-hash the named tensors the engine holds; (all match, message naming the first mismatch)."""
+        ...
+
+    def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
+        """Reload the DiT from a diffusers pipeline / transformer directory (all-or-nothing)."""
+        ...
+
+    def checksum(self) -> str:
+        """SHA-256 hex digest over the DiT parameters as the engine holds them."""
+        ...
+
+    def release(self) -> None:
+        """Free accelerator memory (weights, caches) so the trainer can use it; generate is invalid until resume."""
+        ...
+
+    def resume(self) -> None:
+        """Retake what release freed."""
+        ...
+
+    def health(self) -> EngineHealth:
+        ...
+
+    def shutdown(self) -> None:
+        """Stop exactly the processes this engine started. Idempotent."""
+        ...

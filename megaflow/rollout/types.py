@@ -1,0 +1,130 @@
+"""Rollout data types: what is asked of an engine and what comes back.
+
+``RolloutRequest`` is one prompt with a group of ``num_outputs`` samples (the FlowGRPO group, all with
+the same prompt and sampling settings, one seed each). ``Trajectory`` is one sample: everything the
+trainer needs to recompute log p_theta(x_{t+1} | x_t) at every step (latents, sigmas, the engine's
+log-probs, the per-step SDE mask, the conditioning kwargs of the DiT) plus the decoded image for the
+reward. Tensors are on CPU. Conventions follow FACTS §4: sigma 1 = noise, 0 = data, ``sigmas`` has
+T+1 entries ending in 0, ``latents[0]`` is the initial noise and ``latents[T]`` the final sample.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+SDE_TYPES = ("sde", "cps", "ode")
+
+
+@dataclass(kw_only=True)
+class RolloutRequest:
+    """One prompt, sampled ``num_outputs`` times with identical settings and distinct seeds."""
+
+    prompt: str
+    """The text prompt."""
+    num_outputs: int = 1
+    """Group size k: samples drawn for this prompt."""
+    seeds: list[int] | None = None
+    """One seed per output (len == num_outputs); None derives ``seed + i`` for output i."""
+    seed: int = 0
+    """Base seed used when ``seeds`` is None."""
+    num_steps: int = 10
+    """Denoising steps T."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance scale; CFG runs only when ``do_cfg`` is True."""
+    do_cfg: bool = False
+    """Run the unconditional branch (2 DiT forwards per step) with ``negative_prompt``."""
+    negative_prompt: str = ""
+    """Prompt of the unconditional CFG branch."""
+    height: int = 64
+    """Image height in pixels."""
+    width: int = 64
+    """Image width in pixels."""
+    sde_type: str = "sde"
+    """Transition: 'sde' (FlowGRPO SDE), 'cps' (coefficient-preserving) or 'ode' (deterministic)."""
+    noise_level: float = 0.7
+    """Noise level a of the SDE / CPS transition."""
+    sde_step_indices: list[int] | None = None
+    """Steps sampled stochastically (the SDE window); other steps are ODE with log-prob 0. None = all."""
+    log_prob_no_const: bool = False
+    """Log-prob without the Gaussian constants: -mean((x' - mu)^2). Required for CPS (sigma' = 0 at the end)."""
+    return_images: bool = True
+    """Decode latents to images (needed for rewards; off for pure log-prob checks)."""
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Identifier copied into every Trajectory of this request (the group id)."""
+
+    def __post_init__(self):
+        if self.num_outputs < 1:
+            raise ValueError(f"num_outputs must be >= 1, got {self.num_outputs}")
+        if self.seeds is not None and len(self.seeds) != self.num_outputs:
+            raise ValueError(f"seeds has {len(self.seeds)} entries, num_outputs is {self.num_outputs}")
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.sde_step_indices is not None:
+            bad = [i for i in self.sde_step_indices if not 0 <= i < self.num_steps]
+            if bad:
+                raise ValueError(f"sde_step_indices {bad} outside [0, {self.num_steps})")
+        if self.do_cfg and self.guidance_scale <= 1.0:
+            raise ValueError(f"do_cfg needs guidance_scale > 1, got {self.guidance_scale}")
+        last_is_stochastic = self.sde_step_indices is None or self.num_steps - 1 in self.sde_step_indices
+        if self.sde_type == "cps" and not self.log_prob_no_const and last_is_stochastic:
+            raise ValueError("sde_type='cps' with log-prob constants is NaN at the last step (sigma'=0): "
+                             "set log_prob_no_const=True or keep the last step out of sde_step_indices")
+
+    def output_seeds(self) -> list[int]:
+        """The seed of every output, in order."""
+        return list(self.seeds) if self.seeds is not None else [self.seed + i for i in range(self.num_outputs)]
+
+    def sde_mask(self) -> torch.Tensor:
+        """Bool [T]: True where the step is stochastic (has a log-prob), False for ODE steps."""
+        if self.sde_type == "ode":
+            return torch.zeros(self.num_steps, dtype=torch.bool)
+        if self.sde_step_indices is None:
+            return torch.ones(self.num_steps, dtype=torch.bool)
+        mask = torch.zeros(self.num_steps, dtype=torch.bool)
+        mask[list(self.sde_step_indices)] = True
+        return mask
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sample of one request. Shapes: T steps; a latent as the DiT consumes it ([C, h, w] for SD3,
+    packed [tokens, 4C] for FLUX)."""
+
+    request_id: str
+    """The request (group) this sample belongs to."""
+    index: int
+    """Position of this sample in its group (0 .. num_outputs-1)."""
+    prompt: str
+    seed: int
+    latents: torch.Tensor
+    """[T+1, C, h, w] float32: latents[0] = initial noise, latents[t+1] = sample after step t."""
+    sigmas: torch.Tensor
+    """[T+1] float32: the (shifted) sigma grid, sigmas[T] == 0."""
+    log_probs: torch.Tensor
+    """[T] float32: engine log-prob of latents[t+1] given latents[t] (per-element mean; 0 on ODE steps)."""
+    sde_mask: torch.Tensor
+    """[T] bool: steps that were stochastic."""
+    sde_type: str
+    noise_level: float
+    log_prob_no_const: bool
+    guidance_scale: float
+    do_cfg: bool
+    conditioning: dict[str, torch.Tensor]
+    """DiT kwargs to replay a step, per sample, no batch dim: 'encoder_hidden_states' [L, D] and
+    'pooled_projections' [P] (plus 'negative_*' twins when do_cfg); FLUX adds 'guidance' (scalar)."""
+    model_outputs: torch.Tensor | None = None
+    """[T, C, h, w] float32 velocity used at each step (after CFG) when the engine exposes it, else None."""
+    image: torch.Tensor | None = None
+    """[3, H, W] float32 in [0, 1], or None when images were not requested."""
+    engine_id: str = ""
+    """Which engine produced this sample."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (e.g. 'total' for the request that produced this sample)."""
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.log_probs.shape[0])
