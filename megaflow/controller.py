@@ -19,7 +19,7 @@ from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
 from megaflow.flow.step import TransitionConfig
-from megaflow.metrics import MetricsLog
+from megaflow.metrics import MetricsLog, save_image_grid
 from megaflow.rollout.types import RolloutRequest
 from megaflow.trainer.grpo import GRPOSettings, build_microbatches, grpo_train_step
 
@@ -107,6 +107,7 @@ def run(cfg: MegaflowConfig) -> dict:
     phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
     metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
     metrics: dict = {}
+    first_reward = float("nan")
     try:
         metrics_log.write(0, sync_weights(trainer, bridge))  # engines now hold exactly the trainer's weights
         for it in range(1, cfg.train.iterations + 1):
@@ -126,6 +127,13 @@ def run(cfg: MegaflowConfig) -> dict:
             if rollout is not None and hasattr(rollout, "metrics"):
                 metrics.update(rollout.metrics())
             metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
+            if rank0 and it in (1, cfg.train.iterations):
+                save_image_grid(torch.stack([t.image for t in trajs]), run_dir / "samples" / f"iter{it:05d}.png",
+                                columns=cfg.rollout.group_size)
+                first_reward = metrics["reward/total"] if it == 1 else first_reward
+        if rank0:
+            print(f"[megaflow] done: reward {first_reward:.4f} (iteration 1) -> {metrics['reward/total']:.4f} "
+                  f"(iteration {cfg.train.iterations}); run dir {run_dir}", flush=True)
     finally:
         for e in engines:
             e.shutdown()

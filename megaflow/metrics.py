@@ -44,3 +44,21 @@ class MetricsLog:
             self._fh.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def save_image_grid(images, path: Path, *, columns: int) -> Path:
+    """Save ``images`` ([N, 3, H, W] float in [0, 1]) as one PNG grid, ``columns`` per row (a group per row)."""
+    import numpy as np
+    from PIL import Image
+
+    x = (images.clamp(0, 1) * 255).round().to(dtype=__import__("torch").uint8).permute(0, 2, 3, 1).numpy()
+    n, h, w, _ = x.shape
+    rows = -(-n // columns)
+    grid = np.full((rows * h, columns * w, 3), 255, dtype=np.uint8)
+    for i in range(n):
+        r, c = divmod(i, columns)
+        grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = x[i]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid).save(path)
+    return path

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -165,7 +166,10 @@ class SGLangEngine:
         kwargs = dict(model_path=c.model_path, model_id=FAMILY_MODEL_IDS[c.family], backend="sglang",
                       dit_precision=c.precision, vae_precision=c.precision,
                       text_encoder_precisions=(c.precision,) * _NUM_TEXT_ENCODERS[c.family], num_gpus=1,
-                      batching_max_size=1)
+                      batching_max_size=1,
+                      # OS-chosen free ports: SGLang's defaults (master 30005, scheduler 5555 + small
+                      # random offset) collide when several engines or runs start on one host at once.
+                      master_port=free_port(), scheduler_port=free_port())
         kwargs.update(c.server_kwargs)
         return kwargs
 
@@ -397,6 +401,13 @@ class SGLangEngine:
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """The digest ``checksum()`` reports for a DiT holding exactly these tensors (sglang's algorithm)."""
     return compute_weights_checksum(list(named_tensors))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (picked by the OS)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def worker_processes_alive(pids: Sequence[int]) -> list[int]:
