@@ -1,0 +1,1 @@
+"""Benchmarks that return one JSON-able dict each (wired as ``megaflow bench ...``)."""

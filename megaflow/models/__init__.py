@@ -1,0 +1,1 @@
+"""Model families trained by megaflow (megatron-core DiTs). See ``registry`` and ``provider``."""

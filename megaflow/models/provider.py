@@ -1,0 +1,62 @@
+"""Build a model family's megatron model from a layer spec name or a user callable.
+
+``spec`` is one of:
+- ``"auto"`` | ``"local"`` | ``"te"``: the family's own block spec with that implementation;
+- ``"pkg.mod:fn"``: a callable invoked as ``fn(config=..., pp_rank=..., vp_stage=...)`` that returns
+  either a megatron ``ModuleSpec`` for one block (the family's model is built around it) or a whole
+  ``torch.nn.Module`` for this pipeline chunk (used as is) -- slime's ``model_provider`` pattern.
+
+``build_model_chunks`` returns one module per virtual pipeline stage (a one-element list without
+VPP), the form megatron's schedules, DDP and optimizer take.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megaflow.models.registry import get_family
+
+BUILTIN_SPECS = ("auto", "local", "te")
+
+
+def load_callable(path: str) -> Callable[..., Any]:
+    """Import ``"pkg.mod:fn"`` (attribute paths like ``"pkg.mod:Cls.make"`` allowed)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected a dotted path 'pkg.mod:fn', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{path!r} is not callable")
+    return obj
+
+
+def build_model(config, *, family: str = "sd3", spec: str = "auto", pp_rank: int | None = None,
+                vp_stage: int | None = None) -> torch.nn.Module:
+    """One pipeline chunk of ``family`` for ``config`` (megatron parallel_state must be set up)."""
+    fam = get_family(family)
+    if spec in BUILTIN_SPECS:
+        layer_spec = fam.layer_spec(spec)
+    else:
+        built = load_callable(spec)(config=config, pp_rank=pp_rank, vp_stage=vp_stage)
+        if isinstance(built, torch.nn.Module):
+            return built
+        if not isinstance(built, ModuleSpec):
+            raise ValueError(f"{spec!r} returned {type(built).__name__}; expected a ModuleSpec or a torch.nn.Module")
+        layer_spec = built
+    return fam.model_class(config, layer_spec, pp_rank=pp_rank, vp_stage=vp_stage)
+
+
+def build_model_chunks(config, *, family: str = "sd3", spec: str = "auto") -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one chunk without VPP)."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    return [build_model(config, family=family, spec=spec, pp_rank=pp_rank, vp_stage=v) for v in stages]

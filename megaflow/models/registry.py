@@ -1,0 +1,50 @@
+"""Model families by name: an explicit table, no dispatch on substrings of model ids.
+
+A family bundles everything model-specific that the rest of megaflow needs: the diffusers class
+its weights come from, the config mapping, the layer spec, the megatron model class and the
+weight map (megatron <-> diffusers names). Families are imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+# name -> module defining FAMILY. "flux" joins here when megaflow.models.flux exists.
+_FAMILIES: dict[str, str] = {
+    "sd3": "megaflow.models.sd3",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """Everything family-specific, as plain callables and modules."""
+
+    name: str
+    diffusers_class: str
+    """Class name in the diffusers ``transformer/config.json`` (``_class_name``)."""
+    config_from_diffusers: Callable[..., Any]
+    """(diffusers config dict | path, **megatron_kwargs) -> megatron TransformerConfig subclass."""
+    config_to_diffusers: Callable[[Any], dict]
+    """megatron config -> diffusers config dict (for writing config.json)."""
+    layer_spec: Callable[..., Any]
+    """(impl: 'auto' | 'local' | 'te') -> megatron ModuleSpec of one block."""
+    model_class: type
+    """model_class(config, layer_spec, pp_rank=, vp_stage=) -> one pipeline chunk."""
+    weight_map: ModuleType
+    """Module with param_maps / to_megatron / to_diffusers / megatron_to_diffusers / split_dim."""
+    pipeline_seq_length: Callable[..., int]
+    """(config, num_image_tokens, num_context_tokens) -> seq_length for megatron's schedule."""
+
+
+def family_names() -> tuple[str, ...]:
+    """Registered family names."""
+    return tuple(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family registered as ``name``; ValueError naming it if unknown."""
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(_FAMILIES)}")
+    return importlib.import_module(_FAMILIES[name]).FAMILY

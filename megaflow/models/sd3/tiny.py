@@ -1,0 +1,85 @@
+"""Tiny SD3 configurations, random diffusers reference models and synthetic batches.
+
+Shared by tests, benchmarks and demos: a diffusers ``SD3Transformer2DModel`` with random weights
+is the ground truth the megatron model is compared with (diffusers is imported lazily: it is slow
+to import and only the reference side needs it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tiny_config(*, qk_norm: str | None = None, dual_attention_layers: tuple[int, ...] = (),
+                **overrides: Any) -> dict[str, Any]:
+    """A diffusers SD3 transformer config small enough for CPU tests (hidden 32, 4 heads, 4 blocks).
+
+    Token counts: sample 8x8 latent, patch 2 -> 16 image tokens; use a context length divisible by
+    the TP degree when testing sequence parallelism."""
+    cfg = dict(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=24, caption_projection_dim=32,
+        pooled_projection_dim=16, out_channels=4, pos_embed_max_size=12,
+        dual_attention_layers=tuple(dual_attention_layers), qk_norm=qk_norm,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def diffusers_model(config: dict[str, Any], *, seed: int = 0):
+    """A random-init diffusers SD3Transformer2DModel (fp32, eval mode) for ``config``.
+
+    Weights are redrawn from N(0, 0.05) (q/k norm scales around 1) so that every tensor has the
+    same scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = SD3Transformer2DModel(**config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int = 2,
+                context_len: int = 6, latent_size: int | None = None, seed: int = 1) -> list[dict]:
+    """Rectified-flow microbatches (x0, noise, sigma, conditioning) as plain tensors."""
+    g = torch.Generator().manual_seed(seed)
+    size = latent_size or config["sample_size"]
+    out = []
+    for _ in range(num_microbatches):
+        out.append(dict(
+            x0=torch.randn(batch, config["in_channels"], size, size, generator=g),
+            noise=torch.randn(batch, config["in_channels"], size, size, generator=g),
+            sigma=torch.rand(batch, generator=g).clamp(0.05, 0.95),
+            encoder_hidden_states=torch.randn(batch, context_len, config["joint_attention_dim"], generator=g),
+            pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
+        ))
+    return out
+
+
+def diffusers_velocity(model, latents, sigma, encoder_hidden_states, pooled_projections,
+                       num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The diffusers model's velocity at timestep ``sigma * num_train_timesteps``."""
+    return model(hidden_states=latents, encoder_hidden_states=encoder_hidden_states,
+                 pooled_projections=pooled_projections, timestep=sigma * num_train_timesteps).sample
+
+
+def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
+    model.zero_grad()
+    total = 0.0
+    for b in batches:
+        s = b["sigma"].view(-1, 1, 1, 1)
+        x_t = (1 - s) * b["x0"] + s * b["noise"]
+        v = diffusers_velocity(model, x_t, b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])
+        loss = torch.nn.functional.mse_loss(v, b["noise"] - b["x0"]) / len(batches)
+        loss.backward()
+        total += float(loss)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return total, grads

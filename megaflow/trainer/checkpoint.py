@@ -1,0 +1,221 @@
+"""Model (and optimizer) checkpoints in megatron's dist_checkpointing format.
+
+Tensors are stored by GLOBAL name with their TP sharding as metadata, so a checkpoint saved at one
+TP/PP/VPP layout loads at any other. Next to megatron's files, ``megaflow_model.json`` records the
+model family and its diffusers config (enough to rebuild the architecture or convert back).
+
+Writes are atomic: every rank writes into ``<dst>.tmp-<id>``, rank 0 renames it to ``<dst>`` after
+a barrier. ``dist_checkpointing.save`` starts a helper process, so scripts that save must guard
+their entry point with ``if __name__ == "__main__":``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+
+META_FILE = "megaflow_model.json"
+# Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
+# across DP only (resume at the same TP/PP). "fully_reshardable" (any layout) calls .cuda() in
+# get_parameter_state_dp_zero, which megaflow.parallel.cpu does not shim yet; megatron's default
+# ("fully_sharded_model_space") is deprecated and fails (flattened_range unsupported).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+FORMAT_VERSION = 1
+
+
+def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _agree_on_tmp_dir(dst: Path) -> Path:
+    """A fresh temp dir next to ``dst``, the same on every rank (rank 0 picks it)."""
+    name = [f"{dst.name}.tmp-{uuid.uuid4().hex[:8]}"]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(name, src=0)
+    tmp = dst.parent / name[0]
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    _barrier()
+    return tmp
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def write_meta(directory: Path, *, family: str, diffusers_config: dict) -> None:
+    """Write ``megaflow_model.json`` (family + diffusers config) into ``directory``."""
+    meta = {"format": FORMAT_VERSION, "family": family, "diffusers_config": diffusers_config}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+
+def read_meta(path: str | Path) -> dict:
+    """The checkpoint's ``megaflow_model.json``; ValueError if ``path`` is not a megaflow checkpoint."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise ValueError(f"{path} is not a megaflow checkpoint ({META_FILE} not found)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: unsupported format {meta.get('format')!r} (expected {FORMAT_VERSION})")
+    return meta
+
+
+def publish(tmp: Path, dst: Path) -> None:
+    """Move a finished temp dir to ``dst`` (replacing an old ``dst``); rank 0 only."""
+    if dst.exists():
+        old = dst.parent / f"{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, dst)
+
+
+def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: str, diffusers_config: dict,
+                    optimizer=None) -> Path:
+    """Collective: save this rank's model chunks (unwrapped) and optionally the optimizer state."""
+    dst = Path(path).absolute()
+    tmp = _agree_on_tmp_dir(dst)
+    state = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
+    dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    if _rank() == 0:
+        write_meta(tmp, family=family, diffusers_config=diffusers_config)
+        publish(tmp, dst)
+    _barrier()
+    return dst
+
+
+def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None) -> dict:
+    """Collective: load model chunks (any TP/PP layout) and optionally the optimizer; returns meta."""
+    meta = read_meta(path)
+    state = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        _init_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIMIZER_METADATA)
+    loaded = dist_checkpointing.load(state, str(path))
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if optimizer is not None:
+        with torch.no_grad():  # it copies into views of the (leaf) main params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
+    return meta
+
+
+@contextlib.contextmanager
+def _process_group_for_reading():
+    """A 1-process gloo group (in-memory store) if none exists: megatron's readers need one."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _init_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam(W) inside a megatron optimizer its (zero) state, 'step' included:
+    without apex/TE, megatron's DistributedOptimizer.state_dict() reads 'step' from every param
+    state, which a never-stepped torch optimizer does not have yet."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                          exp_avg_sq=torch.zeros_like(p.data))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every param of a torch Adam(W) its own 'step' tensor, valued from its param group.
+
+    megatron's DistributedOptimizer (torch-optimizer fallback, no apex/TE) stores the step in the
+    param groups and on load assigns ONE shared tensor to all params, which torch's foreach Adam
+    then increments once per param and step (seen: 3 -> 90 after one step with 87 params)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def load_full_state_dict(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one
+    process, without building a model (optimizer tensors are skipped)."""
+    meta = read_meta(path)
+    with _process_group_for_reading():
+        tensors = dist_checkpointing.load_plain_tensors(str(path))
+    return meta, {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+
+
+def save_from_diffusers(diffusers_dir: str, tmp_dir: str, dims_kwargs: dict, family: str) -> bool:
+    """Rank function of ``tools/convert_checkpoint.py to-megatron``: build this rank's chunks at the
+    requested layout, load the diffusers weights, and save into the agreed ``tmp_dir``."""
+    from megaflow.models.provider import build_model_chunks
+    from megaflow.models.registry import get_family
+    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.trainer.engine import load_checked
+
+    dims = ParallelDims(**dims_kwargs)
+    init_distributed(dims)
+    fam = get_family(family)
+    dconfig = json.loads((Path(diffusers_dir) / "config.json").read_text())
+    config = fam.config_from_diffusers(
+        dconfig, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp, perform_initialization=False,
+    )
+    full = fam.weight_map.to_megatron_full(read_diffusers_weights(diffusers_dir), config)
+    chunks = build_model_chunks(config, family=family, spec="local")
+    for chunk in chunks:
+        local = fam.weight_map.select_local(
+            full, config, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=dims.tp,
+            pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
+        load_checked(chunk, local)
+    dist_checkpointing.save(_model_sharded_state_dict(chunks), tmp_dir)
+    destroy_distributed()
+    return True
+
+
+def read_diffusers_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers model dir (single or sharded safetensors); ValueError if none."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["diffusion_pytorch_model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory / name} not found")
+        out.update(load_file(str(directory / name)))
+    return out

@@ -1,0 +1,37 @@
+"""megatron SD3 MMDiT at TP=1 vs diffusers: velocity and grads of the SFT loss.
+
+Needs: CPU, one gloo rank (a 1-process launch keeps megatron's global state out of pytest);
+diffusers in the parent only. Tolerances: velocity <= 1e-5, grads <= 1e-5 (abs). The multi-rank
+layouts are in test_sd3_parallel.py (slow).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflow.models.sd3 import spec, tiny
+from megaflow.testing.dist import run_multiprocess
+
+import sd3_workers
+import test_sd3_parallel
+
+
+def test_tp1_matches_diffusers(tmp_path):
+    cases = [test_sd3_parallel.make_case("sd35", tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(1,)))]
+    torch.save(cases, tmp_path / "cases.pt")
+    (report,) = run_multiprocess(sd3_workers.parity_rank, 1, str(tmp_path / "cases.pt"),
+                                 [dict(spec="sd3_workers:megatron_core_attention_spec")], timeout_s=300)
+    ref, swapped = report[("sd35", "tp1")], report[("sd35", "{'spec': 'sd3_workers:megatron_core_attention_spec'}")]
+    assert ref["out_err"] <= 1e-5 and ref["loss_err"] <= 1e-5 and ref["grad_err_vs_diffusers"] <= 1e-5, ref
+    assert swapped["out_err"] <= 1e-5 and swapped["grad_err"] <= 1e-6, swapped
+    assert report[("sd35", "iter_full_params_exact")] is True
+
+
+def test_spec_impl_resolution():
+    assert spec.resolve_impl("local") == "local"
+    assert spec.resolve_impl("auto") == ("te" if spec.HAVE_TE and torch.cuda.is_available() else "local")
+    with pytest.raises(ValueError, match="'fast'"):
+        spec.resolve_impl("fast")
+    if not spec.HAVE_TE:
+        with pytest.raises(ValueError, match="transformer_engine"):
+            spec.resolve_impl("te")

@@ -1,0 +1,163 @@
+"""Convert a DiT between a diffusers transformer directory and a megatron dist checkpoint.
+
+    python tools/convert_checkpoint.py to-megatron --src <diffusers transformer dir> --dst <dir> --tp 2 --pp 1
+    python tools/convert_checkpoint.py to-diffusers --src <megatron checkpoint dir> --dst <dir>
+
+to-megatron launches tp*pp local gloo ranks that each save their shard; the result is a dist
+checkpoint that loads at ANY TP/PP layout (tensors are stored by global name + shard metadata).
+to-diffusers reads the checkpoint in one process and writes config.json +
+diffusion_pytorch_model.safetensors.
+
+Both directions validate before writing anything (missing files, unknown architecture, missing /
+unexpected / mis-shaped tensors -> one line on stderr naming the problem, exit code 1), write into
+a temp dir next to ``--dst`` and rename it into place. An existing ``--dst`` is never overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import uuid
+import warnings
+from pathlib import Path
+
+
+class ConvertError(Exception):
+    """A user-facing conversion failure (printed as one line)."""
+
+
+def _family_for(diffusers_config: dict):
+    from megaflow.models.registry import family_names, get_family
+
+    cls = diffusers_config.get("_class_name")
+    for name in family_names():
+        fam = get_family(name)
+        if fam.diffusers_class == cls:
+            return fam
+    raise ConvertError(f"unsupported architecture {cls!r} (known: {[get_family(n).diffusers_class for n in family_names()]})")
+
+
+def _expected_shapes(fam, diffusers_config: dict) -> dict[str, tuple]:
+    """Tensor shapes of the diffusers class for this config (built on the meta device)."""
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, fam.diffusers_class)
+    with torch.device("meta"):
+        model = cls.from_config(diffusers_config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_shapes(state: dict, expected: dict[str, tuple]) -> None:
+    for name, shape in expected.items():
+        if name not in state:
+            raise ConvertError(f"tensor {name!r} is missing")
+        if tuple(state[name].shape) != shape:
+            raise ConvertError(f"shape mismatch for {name!r}: {tuple(state[name].shape)}, expected {shape}")
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise ConvertError(f"unexpected tensor {extra[0]!r} (wrong architecture?)")
+
+
+def _read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{path} not found")
+    return json.loads(path.read_text())
+
+
+def _new_tmp(dst: Path) -> Path:
+    if dst.exists():
+        raise ConvertError(f"{dst} already exists; refusing to overwrite")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f"{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
+    from megaflow.parallel import ParallelDims
+    from megaflow.testing.dist import RankError, run_multiprocess
+    from megaflow.trainer import checkpoint
+
+    dconfig = _read_config(src)
+    fam = _family_for(dconfig)
+    try:
+        config = fam.config_from_diffusers(dconfig)
+        ParallelDims(tp=tp, pp=pp)
+        state = checkpoint.read_diffusers_weights(src)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    _check_shapes(state, _expected_shapes(fam, dconfig))
+    if config.num_attention_heads % tp or config.num_layers % pp:
+        raise ConvertError(f"tp={tp} must divide {config.num_attention_heads} heads and pp={pp} {config.num_layers} layers")
+    del state
+    tmp = _new_tmp(dst)
+    try:
+        try:
+            run_multiprocess(checkpoint.save_from_diffusers, tp * pp, str(src), str(tmp),
+                             dict(tp=tp, pp=pp), fam.name, timeout_s=3600)
+        except RankError as e:  # first failing rank's last traceback line (its error)
+            first = e.remote_traceback.split("\n(rank ")[0].strip().splitlines()
+            raise ConvertError(f"rank {e.rank}: {first[-1] if first else 'failed'}") from None
+        checkpoint.write_meta(tmp, family=fam.name, diffusers_config=dconfig)
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def to_diffusers(src: Path, dst: Path) -> None:
+    from safetensors.torch import save_file
+
+    from megaflow.models.registry import get_family
+    from megaflow.trainer import checkpoint
+
+    try:
+        meta, full = checkpoint.load_full_state_dict(src)
+        fam = get_family(meta["family"])
+        config = fam.config_from_diffusers(meta["diffusers_config"])
+        state = fam.weight_map.to_diffusers(full, config)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    _check_shapes(state, _expected_shapes(fam, meta["diffusers_config"]))
+    tmp = _new_tmp(dst)
+    try:
+        (tmp / "config.json").write_text(json.dumps(fam.config_to_diffusers(config), indent=2))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "diffusion_pytorch_model.safetensors"))
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-megatron", help="diffusers transformer dir -> megatron dist checkpoint")
+    p.add_argument("--src", type=Path, required=True)
+    p.add_argument("--dst", type=Path, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p = sub.add_parser("to-diffusers", help="megatron dist checkpoint -> diffusers transformer dir")
+    p.add_argument("--src", type=Path, required=True)
+    p.add_argument("--dst", type=Path, required=True)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
+    import megaflow  # noqa: F401  (import guards before megatron)
+
+    try:
+        if not args.src.is_dir():
+            raise ConvertError(f"{args.src} is not a directory")
+        if args.command == "to-megatron":
+            to_megatron(args.src, args.dst, args.tp, args.pp)
+        else:
+            to_diffusers(args.src, args.dst)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
