@@ -63,6 +63,35 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(result: dict, args: argparse.Namespace) -> None:
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, sort_keys=True, indent=2) + "\n")
+    _print_json(result, args.json)
+
+
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    from megaflow.bench.train import bench_train
+    _emit(bench_train(batch=args.batch, repeats=args.repeats, warmup=args.warmup), args)
+    return 0
+
+
+def _cmd_bench_rollout(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from megaflow.bench.rollout import bench_rollout
+    engines = tuple(int(x) for x in args.engines.split(","))
+    with tempfile.TemporaryDirectory(prefix="megaflow-bench-") as tmp:
+        pipeline = args.pipeline
+        if pipeline is None:
+            from megaflow.models.tiny_pipeline import make_tiny_pipeline
+            pipeline = str(make_tiny_pipeline("sd3", Path(tmp) / "tiny-sd3", seed=0))
+        result = bench_rollout(pipeline, engines=engines, groups=args.groups, group_size=args.group_size,
+                               steps=args.steps, res=args.res, repeats=args.repeats)
+    _emit(result, args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: FlowGRPO post-training of diffusion transformers (megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
     p_train.set_defaults(handler=_cmd_train)
+
+    p_bench = sub.add_parser("bench", help="Benchmarks (print / write one JSON object).")
+    bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
+    p_bt = bench_sub.add_parser("train", help="megaflow megatron SFT step vs diffusers SD3 step, same weights, TP=1.")
+    p_bt.add_argument("--batch", type=int, default=8)
+    p_bt.add_argument("--warmup", type=int, default=3)
+    p_bt.add_argument("--repeats", type=int, default=10)
+    p_br = bench_sub.add_parser("rollout", help="Images/s of 1 and 2 SGLang engines vs a batched diffusers loop.")
+    p_br.add_argument("--pipeline", default=None, help="Diffusers pipeline dir (default: a tiny SD3 made on the fly).")
+    p_br.add_argument("--engines", default="1,2", help="Comma-separated engine counts.")
+    p_br.add_argument("--groups", type=int, default=2)
+    p_br.add_argument("--group-size", type=int, default=8)
+    p_br.add_argument("--steps", type=int, default=4)
+    p_br.add_argument("--res", type=int, default=64)
+    p_br.add_argument("--repeats", type=int, default=5)
+    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout)):
+        p.add_argument("--json", action="store_true", help="Print one JSON object.")
+        p.add_argument("--out", default=None, help="Also write the JSON to this file.")
+        p.set_defaults(handler=handler)
 
     p_eval = sub.add_parser("eval", help="Evaluate images.")
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)

@@ -21,7 +21,7 @@ def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1) -> dict:
     if nproc == 1:
         cmd = [str(BIN / "megaflow"), "train", *args]
     else:
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", "0", "-m", "megaflow.cli",
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "-m", "megaflow.cli",
                "train", *args]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
