@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_tiny_pipeline_tool():
-    """``tools/make_tiny_pipeline.py`` as a module (tools/ is not a package on sys.path in tests)."""
+    """``tools/make_tiny_pipeline.py`` as a module (tools/ is not a package on sys.path in tests);
+    it re-exports ``megaflow.models.tiny_pipeline``, so this also checks the CLI shim imports."""
     spec = importlib.util.spec_from_file_location("make_tiny_pipeline", REPO / "tools" / "make_tiny_pipeline.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

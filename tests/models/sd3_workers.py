@@ -21,6 +21,13 @@ def megatron_core_attention_spec(*, config, pp_rank, vp_stage):
     return get_mmdit_layer_spec("local", core_attention=DotProductAttention)
 
 
+def whole_model_provider(*, config, pp_rank, vp_stage):
+    """Provider callable (dotted path) that returns a whole model chunk instead of a spec."""
+    from megaflow.models.sd3 import SD3MMDiT, get_mmdit_layer_spec
+
+    return SD3MMDiT(config, get_mmdit_layer_spec("local"), pp_rank=pp_rank, vp_stage=vp_stage)
+
+
 def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234, optimizer_config=None, ddp_config=None):
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and a TrainEngine."""
     from megaflow.models.sd3 import from_diffusers

@@ -16,14 +16,18 @@ import sd3_workers
 import test_sd3_parallel
 
 
+@pytest.mark.dist
 def test_tp1_matches_diffusers(tmp_path):
     cases = [test_sd3_parallel.make_case("sd35", tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(1,)))]
     torch.save(cases, tmp_path / "cases.pt")
+    providers = ["sd3_workers:megatron_core_attention_spec", "sd3_workers:whole_model_provider"]
     (report,) = run_multiprocess(sd3_workers.parity_rank, 1, str(tmp_path / "cases.pt"),
-                                 [dict(spec="sd3_workers:megatron_core_attention_spec")], timeout_s=300)
-    ref, swapped = report[("sd35", "tp1")], report[("sd35", "{'spec': 'sd3_workers:megatron_core_attention_spec'}")]
+                                 [dict(spec=p) for p in providers], timeout_s=300)
+    ref = report[("sd35", "tp1")]
     assert ref["out_err"] <= 1e-5 and ref["loss_err"] <= 1e-5 and ref["grad_err_vs_diffusers"] <= 1e-5, ref
-    assert swapped["out_err"] <= 1e-5 and swapped["grad_err"] <= 1e-6, swapped
+    for p in providers:  # a spec with megatron's own DotProductAttention; a provider of whole models
+        entry = report[("sd35", str({"spec": p}))]
+        assert entry["out_err"] <= 1e-5 and entry["grad_err"] <= 1e-6, (p, entry)
     assert report[("sd35", "iter_full_params_exact")] is True
 
 

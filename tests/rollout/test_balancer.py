@@ -27,10 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny_tool():
-    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", REPO / "tools" / "make_tiny_pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megaflow.models import tiny_pipeline
+    return tiny_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,8 @@ SEQ = 16  # T5 tokens: short keeps the tiny DiT fast
 @pytest.fixture(scope="module")
 def engine():
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", REPO / "tools" / "make_tiny_pipeline.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    pipe = tool.build_sd3(seed=0)
+    from megaflow.models.tiny_pipeline import build_sd3
+    pipe = build_sd3(seed=0)
     pipe.set_progress_bar_config(disable=True)
     return DiffusersEngine(pipe, config=DiffusersEngineConfig(engine_id="base", max_sequence_length=SEQ))
 

@@ -110,6 +110,8 @@ class SD3MMDiT(MegatronModule):
     def __init__(self, config: MMDiTConfig, layer_spec: ModuleSpec, *, pp_rank: int | None = None,
                  vp_stage: int | None = None):
         super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: SD3MMDiT has no context parallelism yet")
         if pp_rank is None:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
         pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
@@ -157,6 +159,10 @@ class SD3MMDiT(MegatronModule):
         temb = self.time_embed(timestep_features(timestep).to(pooled_projections.dtype))
         temb = temb + self.text_embed(pooled_projections)
         if self.sequence_parallel:
+            tp = self.config.tensor_model_parallel_size
+            if hidden.shape[0] % tp or context.shape[0] % tp:
+                raise ValueError(f"sequence parallelism needs image tokens ({hidden.shape[0]}) and context "
+                                 f"tokens ({context.shape[0]}) divisible by tp={tp}")
             hidden = scatter_to_sequence_parallel_region(hidden)
             context = scatter_to_sequence_parallel_region(context)
         return hidden, context, temb
