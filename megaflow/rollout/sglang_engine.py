@@ -28,7 +28,9 @@ stdout handler instead.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
@@ -405,6 +407,23 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return compute_weights_checksum(list(named_tensors))
 
 
+# Set by torchrun / torch elastic for the TRAINER's process group. Engine workers inherit the
+# environment and would otherwise join (and wait forever for) that world instead of their own.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def _without_launcher_env():
+    """Hide the launcher's distributed env vars while engine worker processes are spawned."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ)
+             if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (picked by the OS)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -443,7 +462,8 @@ class _EngineServer:
         try:
             apply_plugin_hooks()
             server_args = ServerArgs.from_kwargs(**kwargs)
-            processes = launch_server(server_args, launch_http_server=False)
+            with _without_launcher_env():
+                processes = launch_server(server_args, launch_http_server=False)
         finally:
             root.handlers[:] = handlers
             root.setLevel(level)
