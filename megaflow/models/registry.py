@@ -14,6 +14,7 @@ from typing import Any, Callable
 # name -> module defining FAMILY. "flux" joins here when megaflow.models.flux exists.
 _FAMILIES: dict[str, str] = {
     "sd3": "megaflow.models.sd3",
+    "flux": "megaflow.models.flux",
 }
 
 

@@ -1,0 +1,157 @@
+"""FLUX.1 configuration: the ONE mapping from a diffusers ``FluxTransformer2DModel`` config to megatron.
+
+``FluxConfig`` is a megatron ``TransformerConfig`` extended with the FLUX fields. megatron's
+``num_layers`` counts ALL blocks: the ``num_double_layers`` double-stream blocks come first
+(global block indices 0 .. D-1), then the ``num_single_layers`` single-stream blocks (D .. D+S-1),
+so megatron's pipeline split (``get_num_layers_to_build`` / offsets) cuts through both kinds.
+
+Mapping (diffusers -> megatron):
+    num_layers (double-stream blocks)        -> num_double_layers
+    num_layers + num_single_layers           -> num_layers
+    num_attention_heads * attention_head_dim -> hidden_size (both streams share one width)
+    attention_head_dim                       -> kv_channels
+    4 * hidden_size                          -> ffn_hidden_size (double-block FeedForward and the
+                                                single block's proj_mlp, mlp_ratio 4, gelu-tanh)
+    q/k RMSNorm in every attention (eps 1e-6) -> qk_layernorm=True, layernorm_epsilon=1e-6
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megaflow.models.sd3.config import _megatron_defaults
+
+_DIFFUSERS_KEYS = (
+    "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
+    "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim",
+    "guidance_embeds", "axes_dims_rope",
+)
+_DIFFUSERS_DEFAULTS = {  # FluxTransformer2DModel.__init__ defaults (diffusers 0.37)
+    "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}
+ROPE_THETA = 10000  # diffusers FluxPosEmbed(theta=10000)
+TIMESTEP_SCALE = 1000.0  # FLUX's forward multiplies timestep (= sigma) and guidance by 1000
+
+
+@dataclass(kw_only=True)
+class FluxConfig(TransformerConfig):
+    """megatron TransformerConfig plus the FLUX.1 fields (built by ``from_diffusers``)."""
+
+    num_double_layers: int = 19
+    """Double-stream (MMDiT) blocks; they are global blocks 0 .. num_double_layers-1."""
+    num_single_layers: int = 38
+    """Single-stream blocks (fused attention + MLP) after the double-stream ones."""
+    patch_size: int = 1
+    """diffusers ``patch_size``: output channels per token are patch_size**2 * out_channels (the
+    2x2 latent packing itself happens in the pipeline, outside the transformer)."""
+    in_channels: int = 64
+    """Channels of a packed latent token (hidden_states is [B, N, in_channels])."""
+    out_channels: int = 64
+    """Latent channels out per patch (velocity prediction)."""
+    joint_attention_dim: int = 4096
+    """Width of the T5 hidden states (input of ``context_embed``)."""
+    pooled_projection_dim: int = 768
+    """Width of the pooled CLIP embedding (input of ``text_embed``)."""
+    guidance_embeds: bool = False
+    """FLUX.1-dev style guidance distillation: a guidance-scale embedding is added to temb."""
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    """RoPE channels per position axis of txt_ids / img_ids; they sum to the head dim."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Diffusers metadata keys (``_class_name``, ...) kept verbatim for ``to_diffusers``."""
+
+    def __post_init__(self):
+        if self.num_double_layers + self.num_single_layers != self.num_layers:
+            raise ValueError(f"num_layers={self.num_layers} must equal num_double_layers={self.num_double_layers}"
+                             f" + num_single_layers={self.num_single_layers}")
+        if sum(self.axes_dims_rope) != self.kv_channels or any(d % 2 for d in self.axes_dims_rope):
+            raise ValueError(f"axes_dims_rope={tuple(self.axes_dims_rope)} must be even and sum to "
+                             f"attention_head_dim={self.kv_channels}")
+        if self.ffn_hidden_size % self.num_attention_heads:
+            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be divisible by "
+                             f"num_attention_heads={self.num_attention_heads} (single-block MLP is split per head)")
+        super().__post_init__()
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.kv_channels
+
+    @property
+    def patch_dim(self) -> int:
+        """Output channels per token: patch_size**2 * out_channels."""
+        return self.patch_size * self.patch_size * self.out_channels
+
+    @property
+    def mlp_per_head(self) -> int:
+        """Single-block MLP channels stored next to each head in the fused layouts (ffn / heads)."""
+        return self.ffn_hidden_size // self.num_attention_heads
+
+    def is_single(self, layer_index: int) -> bool:
+        """True when global block ``layer_index`` (0-based) is a single-stream block."""
+        return layer_index >= self.num_double_layers
+
+
+def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) -> FluxConfig:
+    """Build the FLUX config from a diffusers FLUX transformer config (dict or config.json path).
+
+    ``megatron_kwargs`` (e.g. tensor_model_parallel_size, sequence_parallel, params_dtype) pass
+    through to ``TransformerConfig``; ``pipeline_dtype`` defaults to ``params_dtype`` when PP > 1.
+    Raises ValueError naming the first unknown key or unsupported value.
+    """
+    if not isinstance(diffusers_config, dict):
+        diffusers_config = json.loads(Path(diffusers_config).read_text())
+    unknown = [k for k in diffusers_config if not k.startswith("_") and k not in _DIFFUSERS_KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in FLUX transformer config (FluxTransformer2DModel)")
+    d = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in diffusers_config.items() if not k.startswith("_")}}
+    extra = {k: v for k, v in diffusers_config.items() if k.startswith("_") and k != "_use_default_values"}
+    hidden = d["num_attention_heads"] * d["attention_head_dim"]
+    kwargs = _megatron_defaults()
+    kwargs.update(megatron_kwargs)
+    if kwargs.get("pipeline_model_parallel_size", 1) > 1:
+        kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
+    return FluxConfig(
+        num_layers=d["num_layers"] + d["num_single_layers"],
+        num_double_layers=d["num_layers"],
+        num_single_layers=d["num_single_layers"],
+        hidden_size=hidden,
+        num_attention_heads=d["num_attention_heads"],
+        kv_channels=d["attention_head_dim"],
+        ffn_hidden_size=4 * hidden,
+        qk_layernorm=True,
+        patch_size=d["patch_size"],
+        in_channels=d["in_channels"],
+        out_channels=d["out_channels"] if d["out_channels"] is not None else d["in_channels"],
+        joint_attention_dim=d["joint_attention_dim"],
+        pooled_projection_dim=d["pooled_projection_dim"],
+        guidance_embeds=bool(d["guidance_embeds"]),
+        axes_dims_rope=tuple(d["axes_dims_rope"]),
+        extra=extra,
+        **kwargs,
+    )
+
+
+def to_diffusers(config: FluxConfig) -> dict[str, Any]:
+    """The diffusers ``FluxTransformer2DModel`` config dict for ``config`` (inverse of from_diffusers)."""
+    out = {"_class_name": "FluxTransformer2DModel", **config.extra}
+    out.update(
+        patch_size=config.patch_size,
+        in_channels=config.in_channels,
+        out_channels=config.out_channels,
+        num_layers=config.num_double_layers,
+        num_single_layers=config.num_single_layers,
+        attention_head_dim=config.kv_channels,
+        num_attention_heads=config.num_attention_heads,
+        joint_attention_dim=config.joint_attention_dim,
+        pooled_projection_dim=config.pooled_projection_dim,
+        guidance_embeds=config.guidance_embeds,
+        axes_dims_rope=list(config.axes_dims_rope),
+    )
+    return out

@@ -1,0 +1,202 @@
+"""FLUX.1 blocks on megatron-core parallel modules (sequence-first layout [s, b, h]).
+
+What each block contains is declared in ``spec.py``; the SD3 pieces that FLUX shares (fused-QKV
+joint attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA core attention) are
+imported from ``megaflow.models.sd3.layers``. This file adds rotary position embeddings and the two
+FLUX block kinds.
+
+Parallel layout (the TP plan is data in ``weight_map.py``; the reasons live here):
+- Double-stream block: exactly SD3's layout (fused per-head QKV per stream, column-parallel QKV and
+  fc1, row-parallel output projections and fc2), plus RoPE applied to q and k per head. RoPE
+  tables are [tokens, head_dim], the same for every head, so TP's head split needs nothing.
+- Single-stream block: ONE column-parallel linear computes q, k, v AND the MLP input. Its rows
+  are interleaved per head ``[h0: q k v m0 | h1: q k v m1 | ...]`` where ``m_i`` is the i-th
+  contiguous 1/heads slice of diffusers' ``proj_mlp``; ONE row-parallel linear (diffusers'
+  ``proj_out`` over ``cat([attn, mlp])``) has its input columns interleaved the same way
+  ``[h0: attn m0 | h1: attn m1 | ...]``. A contiguous TP split therefore gives each rank whole
+  heads plus the matching MLP slice, so the single block costs one all-gather (SP) and one
+  reduce per layer, like a plain attention or MLP, and the full tensors do not depend on TP.
+- adaLN modulation linears stay REPLICATED, as in SD3: their input is the [b, h] conditioning
+  vector, splitting them saves no activation memory and would add a gather per block.
+- q/k RMSNorm weights are replicated; each TP rank sees only its heads, so their names contain
+  ``q_layernorm`` / ``k_layernorm`` and megatron's ``finalize_model_grads`` sums them over TP.
+- Sequence parallelism: between blocks the image and context streams are each split on the
+  sequence dim; the single-stream input is the local ``[context_r; image_r]`` concatenation, so
+  its all-gathered token order is ``[ctx_0; img_0; ctx_1; img_1; ...]``. Attention is
+  permutation-equivariant apart from RoPE, so the model hands single blocks the RoPE table in
+  exactly that order (``FluxRope.joint``) and nothing is re-sharded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import divide
+
+from megaflow.models.flux.config import FluxConfig
+from megaflow.models.sd3.layers import JointAttention, _gated_residual, _modulate
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, head_dim] float32
+
+
+@dataclass
+class FluxRope:
+    """RoPE tables for one forward: per stream for double blocks, joint order for single blocks."""
+
+    image: Rope
+    context: Rope
+    joint: Rope
+
+
+def rope_table(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float) -> Rope:
+    """cos, sin [tokens, sum(axes_dims)] for position ids [tokens, axes] (diffusers FluxPosEmbed:
+    float64 frequencies, each frequency repeated twice, axes concatenated)."""
+    pos = ids.float()
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim))
+        angles = torch.outer(pos[:, axis].double(), freqs)
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of x [s, b, heads, d] by the per-token angles (fp32 math)."""
+    cos, sin = (t[:, None, None, :] for t in rope)
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """core_attention over the token-concatenation of per-stream [s_i, b, heads, d] tensors ->
+    [sum s_i, b, heads * d]. A core attention that reads ``input_layout = "bhsd"`` (SD3's
+    SDPAttention) gets [s, b, h, d] views of contiguous [b, h, s, d] tensors, built by the one copy
+    the concatenation makes anyway."""
+    if getattr(core_attention, "input_layout", "sbhd") == "bhsd":
+        q, k, v = (torch.cat([t.permute(1, 2, 0, 3) for t in ts], dim=2).permute(2, 0, 1, 3) for ts in (qs, ks, vs))
+    else:
+        q, k, v = (torch.cat(ts) for ts in (qs, ks, vs))
+    return core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+
+
+class FluxJointAttention(JointAttention):
+    """SD3's joint attention (fused per-head QKV per stream, q/k RMSNorm) with RoPE on q and k.
+
+    Tokens are attended as ``[context; image]`` (diffusers' order)."""
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope: FluxRope):
+        """Returns ``(image_out, image_bias), (context_out, context_bias)`` (biases un-added)."""
+        qi, ki, vi = self._project(hidden, "")
+        qc, kc, vc = self._project(context, "context_")
+        out = attend(self.core_attention, [apply_rope(qc, rope.context), apply_rope(qi, rope.image)],
+                     [apply_rope(kc, rope.context), apply_rope(ki, rope.image)], [vc, vi])
+        num_context = qc.shape[0]
+        return self.linear_proj(out[num_context:]), self.context_linear_proj(out[:num_context])
+
+
+@dataclass
+class FluxDoubleLayerSubmodules:
+    """Which class builds each part of a double-stream block; both streams use the same classes."""
+
+    adaln: ModuleSpec | type
+    attention: ModuleSpec | type
+    mlp: ModuleSpec | type
+
+
+def _layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+class FluxDoubleLayer(MegatronModule):
+    """One FluxTransformerBlock: adaLN-Zero (6h per stream), joint attention with RoPE, MLP per stream."""
+
+    single = False
+
+    def __init__(self, config: FluxConfig, submodules: FluxDoubleLayerSubmodules, layer_number: int):
+        super().__init__(config=config)
+        self.layer_number = layer_number  # 1-based, global (megatron convention)
+        h = config.hidden_size
+        self.adaln = build_module(submodules.adaln, h, 6 * h, config=config, sequence_parallel_grad=True)
+        self.context_adaln = build_module(submodules.adaln, h, 6 * h, config=config, sequence_parallel_grad=True)
+        self.attention = build_module(submodules.attention, config=config, layer_number=layer_number)
+        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        self.context_mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor, rope: FluxRope):
+        """hidden [n, b, h], context [l, b, h], temb [b, h] -> (hidden, context)."""
+        eps = self.config.layernorm_epsilon
+        emb = F.silu(temb)
+        mod = self.adaln(emb).chunk(6, dim=-1)  # shift, scale, gate (attn); shift, scale, gate (mlp)
+        cmod = self.context_adaln(emb).chunk(6, dim=-1)
+        x = _modulate(_layer_norm(hidden, eps), mod[0], mod[1])
+        c = _modulate(_layer_norm(context, eps), cmod[0], cmod[1])
+        image_attn, context_attn = self.attention(x, c, rope)
+        hidden = _gated_residual(hidden, mod[2], image_attn)
+        hidden = _gated_residual(hidden, mod[5], self.mlp(_modulate(_layer_norm(hidden, eps), mod[3], mod[4])))
+        context = _gated_residual(context, cmod[2], context_attn)
+        context = _gated_residual(context, cmod[5],
+                                  self.context_mlp(_modulate(_layer_norm(context, eps), cmod[3], cmod[4])))
+        return hidden, context
+
+
+@dataclass
+class FluxSingleLayerSubmodules:
+    """Which class builds each part of a single-stream block (see the fused layouts above)."""
+
+    adaln: ModuleSpec | type
+    linear_qkv_mlp: ModuleSpec | type
+    linear_proj: ModuleSpec | type
+    core_attention: ModuleSpec | type
+    q_layernorm: ModuleSpec | type
+    k_layernorm: ModuleSpec | type
+
+
+class FluxSingleLayer(MegatronModule):
+    """One FluxSingleTransformerBlock over the joint ``[context; image]`` sequence:
+    x = LN(x)*(1+scale)+shift; [q k v | m] = fused linear; out = proj([attn(q, k, v) | gelu(m)]);
+    x + gate * out."""
+
+    single = True
+
+    def __init__(self, config: FluxConfig, submodules: FluxSingleLayerSubmodules, layer_number: int):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        c, h = config, config.hidden_size
+        self.heads_local = divide(c.num_attention_heads, c.tensor_model_parallel_size)
+        self.head_dim, self.mlp_per_head = c.kv_channels, c.mlp_per_head
+        self.adaln = build_module(submodules.adaln, h, 3 * h, config=c, sequence_parallel_grad=True)
+        self.linear_qkv_mlp = build_module(
+            submodules.linear_qkv_mlp, h, c.num_attention_heads * (3 * self.head_dim + self.mlp_per_head),
+            config=c, init_method=c.init_method, gather_output=False, bias=True, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="qkv")
+        self.linear_proj = build_module(
+            submodules.linear_proj, c.num_attention_heads * (self.head_dim + self.mlp_per_head), h,
+            config=c, init_method=c.output_layer_init_method, bias=True, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj")
+        self.q_layernorm = build_module(submodules.q_layernorm, config=c, hidden_size=self.head_dim,
+                                        eps=c.layernorm_epsilon)
+        self.k_layernorm = build_module(submodules.k_layernorm, config=c, hidden_size=self.head_dim,
+                                        eps=c.layernorm_epsilon)
+        self.core_attention = build_module(submodules.core_attention, config=c, layer_number=layer_number,
+                                           attn_mask_type=AttnMaskType.no_mask, attention_type="self")
+
+    def forward(self, joint: torch.Tensor, temb: torch.Tensor, rope: Rope):
+        """joint [l + n, b, h] (local shard with SP), temb [b, h], rope in gathered token order."""
+        shift, scale, gate = self.adaln(F.silu(temb)).chunk(3, dim=-1)
+        x = _modulate(_layer_norm(joint, self.config.layernorm_epsilon), shift, scale)
+        fused, _ = self.linear_qkv_mlp(x)
+        s, b = fused.shape[:2]
+        d = self.head_dim
+        q, k, v, m = fused.view(s, b, self.heads_local, 3 * d + self.mlp_per_head).split(
+            [d, d, d, self.mlp_per_head], dim=-1)
+        q = apply_rope(self.q_layernorm(q), rope)
+        k = apply_rope(self.k_layernorm(k), rope)
+        attn = attend(self.core_attention, [q], [k], [v]).view(s, b, self.heads_local, d)
+        mixed = torch.cat([attn, self.config.activation_func(m)], dim=-1).view(s, b, -1)
+        return _gated_residual(joint, gate, self.linear_proj(mixed))

@@ -1,0 +1,210 @@
+"""FLUX.1 as a megatron-core model: embeddings on the first pipeline stage, a slice of the
+double-stream then single-stream blocks per stage, the final adaLN + projection on the last.
+
+Inputs follow diffusers' ``FluxTransformer2DModel.forward``: hidden_states = packed latents
+[B, N, in_channels], timestep [B] = sigma in [0, 1] (the model multiplies it, and guidance, by
+1000), encoder_hidden_states [B, L, joint_attention_dim], pooled_projections [B, pooled_dim],
+txt_ids [L, 3], img_ids [N, 3] (a leading batch dim is dropped, taking row 0, as diffusers
+does), guidance [B] (required iff ``config.guidance_embeds``). Output: velocity [B, N, patch_dim]
+on the last stage.
+
+Inside, activations are sequence-first ([tokens, B, h]). Between pipeline stages the streams
+travel as ONE tensor ``[context; image; temb]`` of shape [L + N + 1, B, h] (with SP: L/tp + N/tp
++ 1 rows per rank), the same row count as SD3's, so ``pipeline_seq_length`` is SD3's. Single
+blocks work on the joint ``[context; image]`` sequence, which is that tensor minus the temb row.
+RoPE tables are recomputed on every stage from txt_ids / img_ids (no parameters, cheap).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megaflow.models.flux.config import ROPE_THETA, TIMESTEP_SCALE, FluxConfig
+from megaflow.models.flux.layers import FluxRope, rope_table
+from megaflow.models.sd3.layers import ReplicatedLinear, _modulate
+from megaflow.models.sd3.model import TIMESTEP_CHANNELS, EmbedMLP, SD3MMDiT, timestep_features
+from megaflow.models.sd3.model import pipeline_seq_length as _sd3_pipeline_seq_length
+
+
+def pipeline_seq_length(config: FluxConfig, num_image_tokens: int, num_context_tokens: int) -> int:
+    """``seq_length`` for megatron's pipeline schedule: the p2p tensor is [context; image; temb]
+    (with SP: L/tp + N/tp + 1 rows, i.e. seq_length // tp) -- the same count as SD3's."""
+    return _sd3_pipeline_seq_length(config, num_image_tokens, num_context_tokens)
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    """img_ids [height*width, 3] = (0, row, col) for a grid of packed latent tokens (FluxPipeline's
+    convention; its txt_ids are zeros [L, 3])."""
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def sp_joint_order(num_context: int, num_image: int, tp: int) -> torch.Tensor:
+    """Token permutation of the all-gathered local ``[context_r; image_r]`` shards:
+    ``[ctx_0; img_0; ctx_1; img_1; ...]`` as indices into the natural ``[context; image]`` order."""
+    lr, nr = num_context // tp, num_image // tp
+    return torch.cat([torch.cat([torch.arange(r * lr, (r + 1) * lr), num_context + torch.arange(r * nr, (r + 1) * nr)])
+                      for r in range(tp)])
+
+
+class FluxTransformer(MegatronModule):
+    """FLUX.1 (dev: with guidance embedding; schnell: without) on megatron-core, one pipeline
+    stage / virtual chunk of it. ``layer_spec`` is ``spec.get_flux_layer_spec(...)``."""
+
+    def __init__(self, config: FluxConfig, layer_spec: ModuleSpec, *, pp_rank: int | None = None,
+                 vp_stage: int | None = None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: FluxTransformer has no context parallelism yet")
+        blocks = getattr(layer_spec, "submodules", None)
+        if not (hasattr(blocks, "double") and hasattr(blocks, "single")):
+            raise ValueError("a FLUX layer spec must be a ModuleSpec whose submodules have .double and .single "
+                             "(see megaflow.models.flux.spec.get_flux_layer_spec)")
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+        pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+        self.pp_rank, self.vp_stage = pp_rank, vp_stage
+        self.pre_process = pp_rank == 0 and (vp_stage or 0) == 0
+        self.post_process = pp_rank == pp - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+        self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        self.layers = torch.nn.ModuleList([
+            build_module(blocks.single if config.is_single(offset + i) else blocks.double,
+                         config=config, layer_number=offset + i + 1)
+            for i in range(count)
+        ])
+        h = config.hidden_size
+        if self.pre_process:
+            self.x_embed = ReplicatedLinear(config.in_channels, h, config=config)
+            self.context_embed = ReplicatedLinear(config.joint_attention_dim, h, config=config)
+            self.time_embed = EmbedMLP(TIMESTEP_CHANNELS, config)
+            if config.guidance_embeds:
+                self.guidance_embed = EmbedMLP(TIMESTEP_CHANNELS, config)
+            self.text_embed = EmbedMLP(config.pooled_projection_dim, config)
+        if self.post_process:
+            self.final_adaln = ReplicatedLinear(h, 2 * h, config=config, sequence_parallel_grad=True)
+            self.final_proj = ReplicatedLinear(h, config.patch_dim, config=config, sequence_parallel_grad=True)
+        self.input_tensor: torch.Tensor | None = None
+        # Read by megatron's schedules / finalize_model_grads (no tied embedding <-> output weights).
+        self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False
+
+    # Same bookkeeping as SD3: block indices and a sharded state dict keyed by GLOBAL block index.
+    global_layer_numbers = SD3MMDiT.global_layer_numbers
+    sharded_state_dict = SD3MMDiT.sharded_state_dict
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Called by megatron's pipeline schedule with the tensor received from the previous stage."""
+        if isinstance(input_tensor, (list, tuple)):
+            assert len(input_tensor) == 1, "FluxTransformer takes one packed tensor per stage"
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def _conditioning(self, timestep, guidance, pooled_projections):
+        """temb [B, h] = time (+ guidance) embedding + pooled-text embedding (diffusers' order)."""
+        dtype = self.config.params_dtype
+        temb = self.time_embed(timestep_features(timestep.to(dtype) * TIMESTEP_SCALE).to(pooled_projections.dtype))
+        if self.config.guidance_embeds:
+            g = timestep_features(guidance.to(dtype) * TIMESTEP_SCALE).to(pooled_projections.dtype)
+            temb = temb + self.guidance_embed(g)
+        return temb + self.text_embed(pooled_projections)
+
+    def _embed(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, guidance):
+        dtype = self.config.params_dtype
+        hidden = self.x_embed(hidden_states.to(dtype).transpose(0, 1))  # [N, B, h]
+        context = self.context_embed(encoder_hidden_states.to(dtype).transpose(0, 1))  # [L, B, h]
+        temb = self._conditioning(timestep, guidance, pooled_projections.to(dtype))
+        if self.sequence_parallel:
+            hidden = scatter_to_sequence_parallel_region(hidden)
+            context = scatter_to_sequence_parallel_region(context)
+        return context, hidden, temb
+
+    def _rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> FluxRope:
+        cos, sin = rope_table(torch.cat([txt_ids, img_ids]), self.config.axes_dims_rope, ROPE_THETA)
+        num_context = txt_ids.shape[0]
+        joint = (cos, sin)
+        if self.sequence_parallel:
+            order = sp_joint_order(num_context, img_ids.shape[0], self.config.tensor_model_parallel_size)
+            joint = (cos[order.to(cos.device)], sin[order.to(cos.device)])
+        return FluxRope(image=(cos[num_context:], sin[num_context:]),
+                        context=(cos[:num_context], sin[:num_context]), joint=joint)
+
+    def _final(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.final_adaln(F.silu(temb)).chunk(2, dim=-1)  # AdaLayerNormContinuous order
+        x = _modulate(F.layer_norm(hidden, hidden.shape[-1:], eps=self.config.layernorm_epsilon), shift, scale)
+        out = self.final_proj(x)  # [N(/tp), B, patch_dim]
+        if self.sequence_parallel:
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        return out.transpose(0, 1).contiguous()
+
+    def _check_inputs(self, num_image: int, num_context: int, guidance) -> None:
+        if self.pre_process and self.config.guidance_embeds != (guidance is not None):
+            raise ValueError(f"guidance={'None' if guidance is None else 'given'} but config.guidance_embeds="
+                             f"{self.config.guidance_embeds}")
+        tp = self.config.tensor_model_parallel_size
+        if self.sequence_parallel and (num_image % tp or num_context % tp):
+            raise ValueError(f"sequence parallelism needs image tokens ({num_image}) and context "
+                             f"tokens ({num_context}) divisible by tp={tp}")
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, txt_ids: torch.Tensor, img_ids: torch.Tensor,
+                guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """Velocity [B, N, patch_dim] on the last stage, else the packed [context; image; temb] tensor.
+
+        Every stage receives the same batch; stages after the first use only the ids."""
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        num_context, num_image = txt_ids.shape[0], img_ids.shape[0]
+        if self.pre_process and (hidden_states.shape[1], encoder_hidden_states.shape[1]) != (num_image, num_context):
+            raise ValueError(f"img_ids/txt_ids have {num_image}/{num_context} rows but hidden_states/"
+                             f"encoder_hidden_states have {hidden_states.shape[1]}/{encoder_hidden_states.shape[1]} tokens")
+        self._check_inputs(num_image, num_context, guidance)
+        if self.pre_process:
+            context, hidden, temb = self._embed(hidden_states, timestep, encoder_hidden_states,
+                                                pooled_projections, guidance)
+        else:
+            assert self.input_tensor is not None, "non-first pipeline stage needs set_input_tensor()"
+            packed = self.input_tensor
+            lr = num_context // (self.config.tensor_model_parallel_size if self.sequence_parallel else 1)
+            context, hidden, temb = packed[:lr], packed[lr:-1], packed[-1]
+        rope = self._rope(txt_ids, img_ids)
+        joint = None
+        for layer in self.layers:
+            if layer.single:
+                joint = torch.cat([context, hidden]) if joint is None else joint
+                joint = layer(joint, temb, rope.joint)
+            else:
+                hidden, context = layer(hidden, context, temb, rope)
+        if joint is not None:
+            context, hidden = joint[:context.shape[0]], joint[context.shape[0]:]
+        if self.post_process:
+            return self._final(hidden, temb)
+        return torch.cat([context, hidden, temb[None]], dim=0)
+
+
+def model_inputs(config: FluxConfig, microbatch: dict) -> dict:
+    """``FluxTransformer.forward`` kwargs for a trainer microbatch.
+
+    Microbatch keys: latents [B, N, C] (packed, x_t), sigma [B], encoder_hidden_states [B, L, D],
+    pooled_projections [B, P], txt_ids [L, 3], img_ids [N, 3], guidance [B] (FLUX.1-dev only).
+    The timestep input of FLUX is sigma itself (the 1000 is applied inside)."""
+    return dict(hidden_states=microbatch["latents"], timestep=microbatch["sigma"],
+                encoder_hidden_states=microbatch["encoder_hidden_states"],
+                pooled_projections=microbatch["pooled_projections"], txt_ids=microbatch["txt_ids"],
+                img_ids=microbatch["img_ids"], guidance=microbatch.get("guidance"))
+
+
+def microbatch_seq_length(config: FluxConfig, microbatch: dict) -> int:
+    """``seq_length`` for megatron's schedule for a trainer microbatch (see ``model_inputs``)."""
+    return pipeline_seq_length(config, microbatch["latents"].shape[1], microbatch["encoder_hidden_states"].shape[1])

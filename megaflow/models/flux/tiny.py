@@ -1,0 +1,92 @@
+"""Tiny FLUX.1 configurations, random diffusers reference models and synthetic batches.
+
+Shared by tests, benchmarks and demos: a diffusers ``FluxTransformer2DModel`` with random weights
+is the ground truth the megatron model is compared with (diffusers is imported lazily).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megaflow.models.flux.model import image_ids
+
+
+def tiny_config(*, guidance_embeds: bool = True, **overrides: Any) -> dict[str, Any]:
+    """A diffusers FLUX transformer config small enough for CPU tests: hidden 32 (4 heads x 8),
+    2 double-stream + 2 single-stream blocks, RoPE axes (2, 2, 4), 16-channel packed tokens."""
+    cfg = dict(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=24, pooled_projection_dim=16,
+        guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 4),
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def diffusers_model(config: dict[str, Any], *, seed: int = 0):
+    """A random-init diffusers FluxTransformer2DModel (fp32, eval mode) for ``config``.
+
+    Weights are redrawn from N(0, 0.05) (q/k norm scales around 1) so that every tensor has the
+    same scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(**config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm_" in name:  # attn.norm_q / norm_k / norm_added_q / norm_added_k
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int = 2, grid: int = 4,
+                context_len: int = 6, seed: int = 1) -> list[dict]:
+    """Rectified-flow microbatches on packed tokens (x0, noise [B, grid*grid, C], sigma,
+    conditioning, ids, guidance if the config has it). txt_ids are random small positions
+    (FluxPipeline uses zeros) so that the context RoPE path is exercised too."""
+    g = torch.Generator().manual_seed(seed)
+    n, c = grid * grid, config["in_channels"]
+    out = []
+    for _ in range(num_microbatches):
+        b = dict(
+            x0=torch.randn(batch, n, c, generator=g),
+            noise=torch.randn(batch, n, c, generator=g),
+            sigma=torch.rand(batch, generator=g).clamp(0.05, 0.95),
+            encoder_hidden_states=torch.randn(batch, context_len, config["joint_attention_dim"], generator=g),
+            pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
+            txt_ids=torch.randint(0, 8, (context_len, 3), generator=g).float(),
+            img_ids=image_ids(grid, grid),
+        )
+        if config.get("guidance_embeds"):
+            b["guidance"] = 1 + 4 * torch.rand(batch, generator=g)
+        out.append(b)
+    return out
+
+
+def noised(b: dict) -> torch.Tensor:
+    """x_t = (1 - sigma) x0 + sigma noise for a batch from ``sft_batches``."""
+    s = b["sigma"].view(-1, 1, 1)
+    return (1 - s) * b["x0"] + s * b["noise"]
+
+
+def diffusers_velocity(model, b: dict, latents: torch.Tensor | None = None) -> torch.Tensor:
+    """The diffusers model's velocity for batch ``b`` at x_t (or at ``latents``); timestep = sigma."""
+    return model(hidden_states=noised(b) if latents is None else latents, timestep=b["sigma"],
+                 encoder_hidden_states=b["encoder_hidden_states"], pooled_projections=b["pooled_projections"],
+                 txt_ids=b["txt_ids"], img_ids=b["img_ids"], guidance=b.get("guidance")).sample
+
+
+def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
+    model.zero_grad()
+    total = 0.0
+    for b in batches:
+        loss = torch.nn.functional.mse_loss(diffusers_velocity(model, b), b["noise"] - b["x0"]) / len(batches)
+        loss.backward()
+        total += float(loss)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return total, grads
