@@ -1,6 +1,6 @@
 """Rank functions for tests/models/test_flux_parallel.py: the megatron FLUX model at several
 TP/SP/PP/VPP layouts inside one gloo launch, compared with diffusers (velocity, loss) and with the
-TP=1 megatron run (grads).
+TP=1 megatron run (grads). The family-independent parts are in common_workers.py.
 
 Module-level functions only: they are pickled by reference into the ranks. The ranks never import
 diffusers (slow); the parent computes the diffusers reference and passes it in a file.
@@ -14,12 +14,12 @@ from __future__ import annotations
 from functools import partial
 
 import megaflow  # noqa: F401  (import guards before megatron)
-import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megaflow.models.flux.model import microbatch_seq_length, model_inputs
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
 from megaflow.trainer.engine import TrainEngine, _megatron_loss
+
+import common_workers
 
 
 class FluxTrainEngine(TrainEngine):
@@ -56,16 +56,8 @@ def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> FluxTrainEngi
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and an engine."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megaflow.models.flux import from_diffusers
-
-    layout = dict(layout)
-    spec = layout.pop("spec", "local")
-    dims = ParallelDims(**layout)
-    init_distributed(dims, seed=seed)
-    cfg = from_diffusers(dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-                         virtual_pipeline_model_parallel_size=dims.vpp, sequence_parallel=dims.sp)
-    return FluxTrainEngine(cfg, family="flux", spec=spec,
-                           ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    return common_workers.build_engine("flux", dcfg, layout, seed=seed, engine_class=FluxTrainEngine,
+                                       ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
 
 
 def microbatches(batches: list[dict]) -> list[dict]:
@@ -81,15 +73,8 @@ def microbatches(batches: list[dict]) -> list[dict]:
     return out
 
 
-def _max_abs(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:3]
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def _run_layout(case: dict, layout: dict) -> tuple[dict, dict]:
     """One layout: velocities (forward only), SFT loss and full grads; (report entry, full grads)."""
-    from megatron.core import parallel_state as ps
-
     from megaflow.trainer.engine import rectified_flow_loss
 
     eng = build_engine(case["dcfg"], layout)
@@ -98,38 +83,9 @@ def _run_layout(case: dict, layout: dict) -> tuple[dict, dict]:
     velocities = eng.forward_backward(mbs, None, forward_only=True)
     results = eng.forward_backward(mbs, rectified_flow_loss)
     grads = dict(eng.iter_full_grads())
-    entry = {"last_stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
-    if velocities:
-        entry["out_err"] = max(float((v - r).abs().max()) for v, r in zip(velocities, case["ref_velocities"]))
-        loss = float(sum(r["loss"] for r in results) / len(results))
-        entry["loss_err"] = abs(loss - case["ref_loss"])
-    return entry, grads
+    return common_workers.layout_entry(velocities, results, case), grads
 
 
 def parity_rank(cases_path: str, layouts: list[dict]) -> dict:
-    """For each case: TP=1 first (reference grads), then every layout; errors per (case, layout).
-
-    ``cases_path``: a torch.save'd list of cases (tensors as args would be passed as fds, too many
-    for multiprocessing). Also checks that ``iter_full_params`` at the last layout returns exactly
-    the loaded weights (full tensors do not depend on the layout)."""
-    from megaflow.models.flux import from_diffusers, weight_map
-
-    cases = torch.load(cases_path, weights_only=False)
-    report = {}
-    for case in cases:
-        ref_entry, ref_grads = _run_layout(case, {})
-        ref_entry["grad_err_vs_diffusers"] = _max_abs(ref_grads, case["ref_grads"])
-        report[(case["name"], "tp1")] = ref_entry
-        for layout in layouts:
-            entry, grads = _run_layout(case, layout)
-            entry["grad_err"] = _max_abs(grads, ref_grads)
-            entry["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
-            report[(case["name"], str(layout))] = entry
-        eng = build_engine(case["dcfg"], layouts[-1])
-        eng.load_diffusers_state_dict(case["state"])
-        expected = weight_map.to_megatron_full(case["state"], from_diffusers(case["dcfg"]))
-        got = dict(eng.iter_full_params())
-        report[(case["name"], "iter_full_params_exact")] = got.keys() == expected.keys() and all(
-            torch.equal(got[k], expected[k]) for k in expected)
-    destroy_distributed()
-    return report
+    """``common_workers.parity_rank`` for FLUX (errors per (case, layout), iter_full_params exact)."""
+    return common_workers.parity_rank("flux", cases_path, layouts, _run_layout, build_engine)

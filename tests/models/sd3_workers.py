@@ -1,5 +1,6 @@
-"""Rank functions for tests/models: the megatron SD3 MMDiT at several TP/SP/PP/VPP layouts inside
-one gloo launch, compared with diffusers (outputs, loss) and with the TP=1 megatron run (grads).
+"""Rank functions for tests/models (SD3): the megatron SD3 MMDiT at several TP/SP/PP/VPP layouts
+inside one gloo launch, compared with diffusers (outputs, loss) and with the TP=1 megatron run
+(grads). The family-independent parts are in common_workers.py.
 
 Module-level functions only: they are pickled by reference into the ranks. The ranks never import
 diffusers (slow); the parent computes the diffusers reference and passes it in.
@@ -7,9 +8,8 @@ diffusers (slow); the parent computes the diffusers reference and passes it in.
 from __future__ import annotations
 
 import megaflow  # noqa: F401  (import guards before megatron)
-import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+import common_workers
 
 
 def megatron_core_attention_spec(*, config, pp_rank, vp_stage):
@@ -30,18 +30,8 @@ def whole_model_provider(*, config, pp_rank, vp_stage):
 
 def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234, optimizer_config=None, ddp_config=None):
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and a TrainEngine."""
-    from megaflow.models.sd3 import from_diffusers
-    from megaflow.trainer.engine import TrainEngine
-
-    layout = dict(layout)
-    spec = layout.pop("spec", "local")
-    dims = ParallelDims(**layout)
-    init_distributed(dims, seed=seed)
-    cfg = from_diffusers(
-        dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp, sequence_parallel=dims.sp,
-    )
-    return TrainEngine(cfg, spec=spec, optimizer_config=optimizer_config, ddp_config=ddp_config)
+    return common_workers.build_engine("sd3", dcfg, layout, seed=seed, optimizer_config=optimizer_config,
+                                       ddp_config=ddp_config)
 
 
 def microbatches(batches: list[dict]) -> list[dict]:
@@ -51,56 +41,21 @@ def microbatches(batches: list[dict]) -> list[dict]:
                                       b["pooled_projections"]) for b in batches]
 
 
-def _max_abs(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:3]
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def _run_layout(case: dict, layout: dict) -> tuple[dict, dict]:
-    """One layout: velocity, SFT loss and full grads; returns (report entry, full grads)."""
-    from megatron.core import parallel_state as ps
+    """One layout: velocity on microbatch 0, SFT loss and full grads; (report entry, full grads)."""
     from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megaflow.trainer.engine import rectified_flow_loss
 
     eng = build_engine(case["dcfg"], layout, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     eng.load_diffusers_state_dict(case["state"])
     mbs = microbatches(case["batches"])
     v = eng.velocity(mbs[0]["latents"], mbs[0]["sigma"], mbs[0]["encoder_hidden_states"], mbs[0]["pooled_projections"])
-    from megaflow.trainer.engine import rectified_flow_loss
-
     results = eng.forward_backward(mbs, rectified_flow_loss)
     grads = dict(eng.iter_full_grads())
-    entry = {"last_stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
-    if v is not None:
-        entry["out_err"] = float((v - case["ref_velocity"]).abs().max())
-        loss = float(sum(r["loss"] for r in results) / len(results))
-        entry["loss_err"] = abs(loss - case["ref_loss"])
-    return entry, grads
+    return common_workers.layout_entry([] if v is None else [v], results, case), grads
 
 
 def parity_rank(cases_path: str, layouts: list[dict]) -> dict:
-    """For each case: TP=1 first (reference grads), then every layout; errors per (case, layout).
-
-    ``cases_path``: a torch.save'd list of cases (tensors as args would be passed as fds, too many
-    for multiprocessing). Also checks that ``iter_full_params`` at the last layout returns exactly
-    the loaded weights."""
-    from megaflow.models.sd3 import from_diffusers, weight_map
-
-    cases = torch.load(cases_path, weights_only=False)
-    report = {}
-    for case in cases:
-        ref_entry, ref_grads = _run_layout(case, {})
-        ref_entry["grad_err_vs_diffusers"] = _max_abs(ref_grads, case["ref_grads"])
-        report[(case["name"], "tp1")] = ref_entry
-        for layout in layouts:
-            entry, grads = _run_layout(case, layout)
-            entry["grad_err"] = _max_abs(grads, ref_grads)
-            entry["grad_scale"] = max(float(g.abs().max()) for g in ref_grads.values())
-            report[(case["name"], str(layout))] = entry
-        eng = build_engine(case["dcfg"], layouts[-1])
-        eng.load_diffusers_state_dict(case["state"])
-        expected = weight_map.to_megatron_full(case["state"], from_diffusers(case["dcfg"]))
-        got = dict(eng.iter_full_params())
-        report[(case["name"], "iter_full_params_exact")] = got.keys() == expected.keys() and all(
-            torch.equal(got[k], expected[k]) for k in expected)
-    destroy_distributed()
-    return report
+    """``common_workers.parity_rank`` for SD3 (errors per (case, layout), iter_full_params exact)."""
+    return common_workers.parity_rank("sd3", cases_path, layouts, _run_layout, build_engine)

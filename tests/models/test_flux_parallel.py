@@ -17,6 +17,7 @@ import torch
 from megaflow.models.flux import tiny
 from megaflow.testing.dist import run_multiprocess
 
+import common_workers
 import flux_workers
 
 LAYOUTS = [
@@ -50,19 +51,4 @@ def test_layouts_match_diffusers_and_tp1(tmp_path):
     ]
     torch.save(cases, tmp_path / "cases.pt")
     reports = run_multiprocess(flux_workers.parity_rank, 4, str(tmp_path / "cases.pt"), LAYOUTS, timeout_s=600)
-    for rank, report in enumerate(reports):
-        for key, entry in report.items():
-            if key[1] == "iter_full_params_exact":
-                assert entry is True, (rank, key)
-                continue
-            print(rank, key, entry)
-            if "out_err" in entry:
-                assert entry["out_err"] <= 1e-5, (rank, key, entry)
-                assert entry["loss_err"] <= 1e-5, (rank, key, entry)
-            if "grad_err" in entry:
-                assert entry["grad_err"] <= 1e-6, (rank, key, entry)
-            if "grad_err_vs_diffusers" in entry:
-                assert entry["grad_err_vs_diffusers"] <= 1e-5, (rank, key, entry)
-    # every layout produced a last-stage velocity on some rank
-    last = {key for report in reports for key, e in report.items() if isinstance(e, dict) and "out_err" in e}
-    assert len(last) == 2 * (len(LAYOUTS) + 1)
+    common_workers.check_reports(reports, num_cases=len(cases), num_layouts=len(LAYOUTS))

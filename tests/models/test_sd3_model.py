@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaflow.models.sd3 import spec, tiny
+from megaflow.models.common import spec
+from megaflow.models.sd3 import tiny
 from megaflow.testing.dist import run_multiprocess
 
 import sd3_workers

@@ -15,6 +15,7 @@ import torch
 from megaflow.models.sd3 import tiny
 from megaflow.testing.dist import run_multiprocess
 
+import common_workers
 import sd3_workers
 
 LAYOUTS = [
@@ -24,23 +25,23 @@ LAYOUTS = [
 
 
 def make_case(name: str, dcfg: dict) -> dict:
-    """Diffusers reference: velocity on microbatch 0, SFT loss and grads (mapped to megatron names)."""
+    """Diffusers reference: velocity on microbatch 0 (``ref_velocities``: a list of one), SFT loss and
+    grads (mapped to megatron names)."""
     from megaflow.models.sd3 import from_diffusers, weight_map
 
     torch.set_num_threads(1)
     model = tiny.diffusers_model(dcfg, seed=3)
     batches = tiny.sft_batches(dcfg, num_microbatches=2, batch=2, context_len=6)
     b = batches[0]
-    s = b["sigma"].view(-1, 1, 1, 1)
     with torch.no_grad():
-        velocity = tiny.diffusers_velocity(model, (1 - s) * b["x0"] + s * b["noise"], b["sigma"],
-                                           b["encoder_hidden_states"], b["pooled_projections"])
+        velocity = tiny.diffusers_velocity(model, tiny.noised(b), b["sigma"], b["encoder_hidden_states"],
+                                           b["pooled_projections"])
     loss, grads = tiny.diffusers_sft_reference(model, batches)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     grads["pos_embed.pos_embed"] = state["pos_embed.pos_embed"]  # a buffer: mapped, then dropped
     ref_grads = weight_map.to_megatron_full(grads, from_diffusers(dcfg))
     ref_grads.pop("patch_embed.pos_embed")
-    return dict(name=name, dcfg=dcfg, state=state, batches=batches, ref_velocity=velocity,
+    return dict(name=name, dcfg=dcfg, state=state, batches=batches, ref_velocities=[velocity],
                 ref_loss=loss, ref_grads=ref_grads)
 
 
@@ -53,19 +54,4 @@ def test_layouts_match_diffusers_and_tp1(tmp_path):
     ]
     torch.save(cases, tmp_path / "cases.pt")
     reports = run_multiprocess(sd3_workers.parity_rank, 4, str(tmp_path / "cases.pt"), LAYOUTS, timeout_s=900)
-    for rank, report in enumerate(reports):
-        for key, entry in report.items():
-            if key[1] == "iter_full_params_exact":
-                assert entry is True, (rank, key)
-                continue
-            print(rank, key, entry)
-            if "out_err" in entry:
-                assert entry["out_err"] <= 1e-5, (rank, key, entry)
-                assert entry["loss_err"] <= 1e-5, (rank, key, entry)
-            if "grad_err" in entry:
-                assert entry["grad_err"] <= 1e-6, (rank, key, entry)
-            if "grad_err_vs_diffusers" in entry:
-                assert entry["grad_err_vs_diffusers"] <= 1e-5, (rank, key, entry)
-    # every layout produced a last-stage velocity on some rank
-    last = {key for report in reports for key, e in report.items() if isinstance(e, dict) and "out_err" in e}
-    assert len(last) == 2 * (len(LAYOUTS) + 1)
+    common_workers.check_reports(reports, num_cases=len(cases), num_layouts=len(LAYOUTS))

@@ -77,19 +77,6 @@ def test_local_shards_tp_and_pp(sd35):
     assert torch.equal(first["layers.0.attention.linear_proj.weight"], full["layers.0.attention.linear_proj.weight"][:, 16:])
 
 
-def test_weight_errors_name_the_tensor(sd35):
-    dcfg, state = sd35
-    cfg = from_diffusers(dcfg)
-    missing = {k: v for k, v in state.items() if k != "transformer_blocks.2.attn2.norm_k.weight"}
-    with pytest.raises(ValueError, match="transformer_blocks.2.attn2.norm_k.weight"):
-        weight_map.to_megatron_full(missing, cfg)
-    with pytest.raises(ValueError, match="extra.weight"):
-        weight_map.to_megatron_full({**state, "extra.weight": torch.zeros(1)}, cfg)
-    full = weight_map.to_megatron_full(state, cfg)
-    with pytest.raises(ValueError, match="final_proj.bias"):
-        weight_map.to_diffusers({k: v for k, v in full.items() if k != "final_proj.bias"}, cfg)
-
-
 def test_registry_and_provider_errors():
     assert registry.get_family("sd3").diffusers_class == "SD3Transformer2DModel"
     with pytest.raises(ValueError, match="'nope'"):

@@ -16,15 +16,11 @@ Mapping (diffusers -> megatron):
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-from megaflow.models.sd3.config import _megatron_defaults
+from megaflow.models.common.config import DiTConfig, build_config, diffusers_config_dict, read_diffusers_config
 
 _DIFFUSERS_KEYS = (
     "patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
@@ -41,13 +37,9 @@ TIMESTEP_SCALE = 1000.0  # FLUX's forward multiplies timestep (= sigma) and guid
 
 
 @dataclass(kw_only=True)
-class FluxConfig(TransformerConfig):
+class FluxConfig(DiTConfig):
     """megatron TransformerConfig plus the FLUX.1 fields (built by ``from_diffusers``)."""
 
-    num_double_layers: int = 19
-    """Double-stream (MMDiT) blocks; they are global blocks 0 .. num_double_layers-1."""
-    num_single_layers: int = 38
-    """Single-stream blocks (fused attention + MLP) after the double-stream ones."""
     patch_size: int = 1
     """diffusers ``patch_size``: output channels per token are patch_size**2 * out_channels (the
     2x2 latent packing itself happens in the pipeline, outside the transformer)."""
@@ -55,16 +47,17 @@ class FluxConfig(TransformerConfig):
     """Channels of a packed latent token (hidden_states is [B, N, in_channels])."""
     out_channels: int = 64
     """Latent channels out per patch (velocity prediction)."""
-    joint_attention_dim: int = 4096
-    """Width of the T5 hidden states (input of ``context_embed``)."""
     pooled_projection_dim: int = 768
-    """Width of the pooled CLIP embedding (input of ``text_embed``)."""
+    """Width of the pooled CLIP embedding (input of ``text_embed``); ``joint_attention_dim`` is
+    the T5 width."""
+    num_double_layers: int = 19
+    """Double-stream (MMDiT) blocks; they are global blocks 0 .. num_double_layers-1."""
+    num_single_layers: int = 38
+    """Single-stream blocks (fused attention + MLP) after the double-stream ones."""
     guidance_embeds: bool = False
     """FLUX.1-dev style guidance distillation: a guidance-scale embedding is added to temb."""
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
     """RoPE channels per position axis of txt_ids / img_ids; they sum to the head dim."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Diffusers metadata keys (``_class_name``, ...) kept verbatim for ``to_diffusers``."""
 
     def __post_init__(self):
         if self.num_double_layers + self.num_single_layers != self.num_layers:
@@ -79,16 +72,6 @@ class FluxConfig(TransformerConfig):
         super().__post_init__()
 
     @property
-    def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.kv_channels
-
-    @property
-    def patch_dim(self) -> int:
-        """Output channels per token: patch_size**2 * out_channels."""
-        return self.patch_size * self.patch_size * self.out_channels
-
-    @property
     def mlp_per_head(self) -> int:
         """Single-block MLP channels stored next to each head in the fused layouts (ffn / heads)."""
         return self.ffn_hidden_size // self.num_attention_heads
@@ -99,59 +82,23 @@ class FluxConfig(TransformerConfig):
 
 
 def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) -> FluxConfig:
-    """Build the FLUX config from a diffusers FLUX transformer config (dict or config.json path).
-
-    ``megatron_kwargs`` (e.g. tensor_model_parallel_size, sequence_parallel, params_dtype) pass
-    through to ``TransformerConfig``; ``pipeline_dtype`` defaults to ``params_dtype`` when PP > 1.
-    Raises ValueError naming the first unknown key or unsupported value.
-    """
-    if not isinstance(diffusers_config, dict):
-        diffusers_config = json.loads(Path(diffusers_config).read_text())
-    unknown = [k for k in diffusers_config if not k.startswith("_") and k not in _DIFFUSERS_KEYS]
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} in FLUX transformer config (FluxTransformer2DModel)")
-    d = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in diffusers_config.items() if not k.startswith("_")}}
-    extra = {k: v for k, v in diffusers_config.items() if k.startswith("_") and k != "_use_default_values"}
-    hidden = d["num_attention_heads"] * d["attention_head_dim"]
-    kwargs = _megatron_defaults()
-    kwargs.update(megatron_kwargs)
-    if kwargs.get("pipeline_model_parallel_size", 1) > 1:
-        kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
-    return FluxConfig(
+    """Build the FLUX config from a diffusers ``FluxTransformer2DModel`` config (dict or
+    config.json path); ``megatron_kwargs`` as for SD3 (parallel degrees, dtypes: see
+    ``common.config.with_megatron_defaults``). ValueError names the first unknown key or bad value."""
+    d, extra = read_diffusers_config(diffusers_config, keys=_DIFFUSERS_KEYS, defaults=_DIFFUSERS_DEFAULTS,
+                                     what="FLUX transformer config (FluxTransformer2DModel)")
+    return build_config(
+        FluxConfig, d, extra, megatron_kwargs,
         num_layers=d["num_layers"] + d["num_single_layers"],
         num_double_layers=d["num_layers"],
         num_single_layers=d["num_single_layers"],
-        hidden_size=hidden,
-        num_attention_heads=d["num_attention_heads"],
-        kv_channels=d["attention_head_dim"],
-        ffn_hidden_size=4 * hidden,
         qk_layernorm=True,
-        patch_size=d["patch_size"],
-        in_channels=d["in_channels"],
-        out_channels=d["out_channels"] if d["out_channels"] is not None else d["in_channels"],
-        joint_attention_dim=d["joint_attention_dim"],
-        pooled_projection_dim=d["pooled_projection_dim"],
         guidance_embeds=bool(d["guidance_embeds"]),
         axes_dims_rope=tuple(d["axes_dims_rope"]),
-        extra=extra,
-        **kwargs,
     )
 
 
 def to_diffusers(config: FluxConfig) -> dict[str, Any]:
-    """The diffusers ``FluxTransformer2DModel`` config dict for ``config`` (inverse of from_diffusers)."""
-    out = {"_class_name": "FluxTransformer2DModel", **config.extra}
-    out.update(
-        patch_size=config.patch_size,
-        in_channels=config.in_channels,
-        out_channels=config.out_channels,
-        num_layers=config.num_double_layers,
-        num_single_layers=config.num_single_layers,
-        attention_head_dim=config.kv_channels,
-        num_attention_heads=config.num_attention_heads,
-        joint_attention_dim=config.joint_attention_dim,
-        pooled_projection_dim=config.pooled_projection_dim,
-        guidance_embeds=config.guidance_embeds,
-        axes_dims_rope=list(config.axes_dims_rope),
-    )
-    return out
+    """The diffusers ``FluxTransformer2DModel`` config dict for ``config`` (inverse of from_diffusers):
+    diffusers' ``num_layers`` counts the double-stream blocks only."""
+    return diffusers_config_dict("FluxTransformer2DModel", config, _DIFFUSERS_KEYS, num_layers="num_double_layers")

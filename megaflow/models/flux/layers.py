@@ -1,9 +1,9 @@
 """FLUX.1 blocks on megatron-core parallel modules (sequence-first layout [s, b, h]).
 
-What each block contains is declared in ``spec.py``; the SD3 pieces that FLUX shares (fused-QKV
+What each block contains is declared in ``spec.py``; the pieces FLUX shares with SD3 (fused-QKV
 joint attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA core attention) are
-imported from ``megaflow.models.sd3.layers``. This file adds rotary position embeddings and the two
-FLUX block kinds.
+in ``megaflow.models.common.layers``. This file adds rotary position embeddings and the two FLUX
+block kinds.
 
 Parallel layout (the TP plan is data in ``weight_map.py``; the reasons live here):
 - Double-stream block: exactly SD3's layout (fused per-head QKV per stream, column-parallel QKV and
@@ -37,8 +37,15 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
 
+from megaflow.models.common.layers import (
+    AdaLNBlockSubmodules,
+    JointAttention,
+    attend,
+    gated_residual,
+    layer_norm,
+    modulate,
+)
 from megaflow.models.flux.config import FluxConfig
-from megaflow.models.sd3.layers import JointAttention, _gated_residual, _modulate
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, head_dim] float32
 
@@ -73,20 +80,8 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """core_attention over the token-concatenation of per-stream [s_i, b, heads, d] tensors ->
-    [sum s_i, b, heads * d]. A core attention that reads ``input_layout = "bhsd"`` (SD3's
-    SDPAttention) gets [s, b, h, d] views of contiguous [b, h, s, d] tensors, built by the one copy
-    the concatenation makes anyway."""
-    if getattr(core_attention, "input_layout", "sbhd") == "bhsd":
-        q, k, v = (torch.cat([t.permute(1, 2, 0, 3) for t in ts], dim=2).permute(2, 0, 1, 3) for ts in (qs, ks, vs))
-    else:
-        q, k, v = (torch.cat(ts) for ts in (qs, ks, vs))
-    return core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
-
-
 class FluxJointAttention(JointAttention):
-    """SD3's joint attention (fused per-head QKV per stream, q/k RMSNorm) with RoPE on q and k.
+    """The shared joint attention (fused per-head QKV per stream, q/k RMSNorm) with RoPE on q and k.
 
     Tokens are attended as ``[context; image]`` (diffusers' order)."""
 
@@ -100,17 +95,7 @@ class FluxJointAttention(JointAttention):
         return self.linear_proj(out[num_context:]), self.context_linear_proj(out[:num_context])
 
 
-@dataclass
-class FluxDoubleLayerSubmodules:
-    """Which class builds each part of a double-stream block; both streams use the same classes."""
-
-    adaln: ModuleSpec | type
-    attention: ModuleSpec | type
-    mlp: ModuleSpec | type
-
-
-def _layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+FluxDoubleLayerSubmodules = AdaLNBlockSubmodules  # the FLUX name of the shared submodule table
 
 
 class FluxDoubleLayer(MegatronModule):
@@ -118,7 +103,7 @@ class FluxDoubleLayer(MegatronModule):
 
     single = False
 
-    def __init__(self, config: FluxConfig, submodules: FluxDoubleLayerSubmodules, layer_number: int):
+    def __init__(self, config: FluxConfig, submodules: AdaLNBlockSubmodules, layer_number: int):
         super().__init__(config=config)
         self.layer_number = layer_number  # 1-based, global (megatron convention)
         h = config.hidden_size
@@ -134,14 +119,14 @@ class FluxDoubleLayer(MegatronModule):
         emb = F.silu(temb)
         mod = self.adaln(emb).chunk(6, dim=-1)  # shift, scale, gate (attn); shift, scale, gate (mlp)
         cmod = self.context_adaln(emb).chunk(6, dim=-1)
-        x = _modulate(_layer_norm(hidden, eps), mod[0], mod[1])
-        c = _modulate(_layer_norm(context, eps), cmod[0], cmod[1])
+        x = modulate(layer_norm(hidden, eps), mod[0], mod[1])
+        c = modulate(layer_norm(context, eps), cmod[0], cmod[1])
         image_attn, context_attn = self.attention(x, c, rope)
-        hidden = _gated_residual(hidden, mod[2], image_attn)
-        hidden = _gated_residual(hidden, mod[5], self.mlp(_modulate(_layer_norm(hidden, eps), mod[3], mod[4])))
-        context = _gated_residual(context, cmod[2], context_attn)
-        context = _gated_residual(context, cmod[5],
-                                  self.context_mlp(_modulate(_layer_norm(context, eps), cmod[3], cmod[4])))
+        hidden = gated_residual(hidden, mod[2], image_attn)
+        hidden = gated_residual(hidden, mod[5], self.mlp(modulate(layer_norm(hidden, eps), mod[3], mod[4])))
+        context = gated_residual(context, cmod[2], context_attn)
+        context = gated_residual(context, cmod[5],
+                                  self.context_mlp(modulate(layer_norm(context, eps), cmod[3], cmod[4])))
         return hidden, context
 
 
@@ -189,7 +174,7 @@ class FluxSingleLayer(MegatronModule):
     def forward(self, joint: torch.Tensor, temb: torch.Tensor, rope: Rope):
         """joint [l + n, b, h] (local shard with SP), temb [b, h], rope in gathered token order."""
         shift, scale, gate = self.adaln(F.silu(temb)).chunk(3, dim=-1)
-        x = _modulate(_layer_norm(joint, self.config.layernorm_epsilon), shift, scale)
+        x = modulate(layer_norm(joint, self.config.layernorm_epsilon), shift, scale)
         fused, _ = self.linear_qkv_mlp(x)
         s, b = fused.shape[:2]
         d = self.head_dim
@@ -199,4 +184,4 @@ class FluxSingleLayer(MegatronModule):
         k = apply_rope(self.k_layernorm(k), rope)
         attn = attend(self.core_attention, [q], [k], [v]).view(s, b, self.heads_local, d)
         mixed = torch.cat([attn, self.config.activation_func(m)], dim=-1).view(s, b, -1)
-        return _gated_residual(joint, gate, self.linear_proj(mixed))
+        return gated_residual(joint, gate, self.linear_proj(mixed))

@@ -10,36 +10,20 @@ on the last stage.
 
 Inside, activations are sequence-first ([tokens, B, h]). Between pipeline stages the streams
 travel as ONE tensor ``[context; image; temb]`` of shape [L + N + 1, B, h] (with SP: L/tp + N/tp
-+ 1 rows per rank), the same row count as SD3's, so ``pipeline_seq_length`` is SD3's. Single
++ 1 rows per rank), the same row count as SD3's, so ``pipeline_seq_length`` is the shared one
+(``megaflow.models.common.model``, with the rest of the stage bookkeeping: ``DiTModel``). Single
 blocks work on the joint ``[context; image]`` sequence, which is that tensor minus the temb row.
 RoPE tables are recomputed on every stage from txt_ids / img_ids (no parameters, cheap).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.enums import ModelType
-from megatron.core.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megaflow.models.common.layers import ReplicatedLinear
+from megaflow.models.common.model import TIMESTEP_CHANNELS, DiTModel, EmbedMLP, pipeline_seq_length, timestep_features
 from megaflow.models.flux.config import ROPE_THETA, TIMESTEP_SCALE, FluxConfig
 from megaflow.models.flux.layers import FluxRope, rope_table
-from megaflow.models.sd3.layers import ReplicatedLinear, _modulate
-from megaflow.models.sd3.model import TIMESTEP_CHANNELS, EmbedMLP, SD3MMDiT, timestep_features
-from megaflow.models.sd3.model import pipeline_seq_length as _sd3_pipeline_seq_length
-
-
-def pipeline_seq_length(config: FluxConfig, num_image_tokens: int, num_context_tokens: int) -> int:
-    """``seq_length`` for megatron's pipeline schedule: the p2p tensor is [context; image; temb]
-    (with SP: L/tp + N/tp + 1 rows, i.e. seq_length // tp) -- the same count as SD3's."""
-    return _sd3_pipeline_seq_length(config, num_image_tokens, num_context_tokens)
 
 
 def image_ids(height: int, width: int) -> torch.Tensor:
@@ -57,33 +41,18 @@ def sp_joint_order(num_context: int, num_image: int, tp: int) -> torch.Tensor:
                       for r in range(tp)])
 
 
-class FluxTransformer(MegatronModule):
+class FluxTransformer(DiTModel):
     """FLUX.1 (dev: with guidance embedding; schnell: without) on megatron-core, one pipeline
     stage / virtual chunk of it. ``layer_spec`` is ``spec.get_flux_layer_spec(...)``."""
 
     def __init__(self, config: FluxConfig, layer_spec: ModuleSpec, *, pp_rank: int | None = None,
                  vp_stage: int | None = None):
-        super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError(f"context_parallel_size={config.context_parallel_size}: FluxTransformer has no context parallelism yet")
+        super().__init__(config, pp_rank=pp_rank, vp_stage=vp_stage)
         blocks = getattr(layer_spec, "submodules", None)
         if not (hasattr(blocks, "double") and hasattr(blocks, "single")):
             raise ValueError("a FLUX layer spec must be a ModuleSpec whose submodules have .double and .single "
                              "(see megaflow.models.flux.spec.get_flux_layer_spec)")
-        if pp_rank is None:
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-        pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-        self.pp_rank, self.vp_stage = pp_rank, vp_stage
-        self.pre_process = pp_rank == 0 and (vp_stage or 0) == 0
-        self.post_process = pp_rank == pp - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
-        self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
-        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
-        count = get_num_layers_to_build(config, vp_stage, pp_rank)
-        self.layers = torch.nn.ModuleList([
-            build_module(blocks.single if config.is_single(offset + i) else blocks.double,
-                         config=config, layer_number=offset + i + 1)
-            for i in range(count)
-        ])
+        self._build_layers(lambda index: blocks.single if config.is_single(index) else blocks.double)
         h = config.hidden_size
         if self.pre_process:
             self.x_embed = ReplicatedLinear(config.in_channels, h, config=config)
@@ -93,23 +62,7 @@ class FluxTransformer(MegatronModule):
                 self.guidance_embed = EmbedMLP(TIMESTEP_CHANNELS, config)
             self.text_embed = EmbedMLP(config.pooled_projection_dim, config)
         if self.post_process:
-            self.final_adaln = ReplicatedLinear(h, 2 * h, config=config, sequence_parallel_grad=True)
-            self.final_proj = ReplicatedLinear(h, config.patch_dim, config=config, sequence_parallel_grad=True)
-        self.input_tensor: torch.Tensor | None = None
-        # Read by megatron's schedules / finalize_model_grads (no tied embedding <-> output weights).
-        self.model_type = ModelType.encoder_or_decoder
-        self.share_embeddings_and_output_weights = False
-
-    # Same bookkeeping as SD3: block indices and a sharded state dict keyed by GLOBAL block index.
-    global_layer_numbers = SD3MMDiT.global_layer_numbers
-    sharded_state_dict = SD3MMDiT.sharded_state_dict
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """Called by megatron's pipeline schedule with the tensor received from the previous stage."""
-        if isinstance(input_tensor, (list, tuple)):
-            assert len(input_tensor) == 1, "FluxTransformer takes one packed tensor per stage"
-            input_tensor = input_tensor[0]
-        self.input_tensor = input_tensor
+            self._build_final()
 
     def _conditioning(self, timestep, guidance, pooled_projections):
         """temb [B, h] = time (+ guidance) embedding + pooled-text embedding (diffusers' order)."""
@@ -125,9 +78,7 @@ class FluxTransformer(MegatronModule):
         hidden = self.x_embed(hidden_states.to(dtype).transpose(0, 1))  # [N, B, h]
         context = self.context_embed(encoder_hidden_states.to(dtype).transpose(0, 1))  # [L, B, h]
         temb = self._conditioning(timestep, guidance, pooled_projections.to(dtype))
-        if self.sequence_parallel:
-            hidden = scatter_to_sequence_parallel_region(hidden)
-            context = scatter_to_sequence_parallel_region(context)
+        hidden, context = self._scatter(hidden, context)
         return context, hidden, temb
 
     def _rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> FluxRope:
@@ -141,21 +92,13 @@ class FluxTransformer(MegatronModule):
                         context=(cos[:num_context], sin[:num_context]), joint=joint)
 
     def _final(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.final_adaln(F.silu(temb)).chunk(2, dim=-1)  # AdaLayerNormContinuous order
-        x = _modulate(F.layer_norm(hidden, hidden.shape[-1:], eps=self.config.layernorm_epsilon), shift, scale)
-        out = self.final_proj(x)  # [N(/tp), B, patch_dim]
-        if self.sequence_parallel:
-            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
-        return out.transpose(0, 1).contiguous()
+        return self._final_tokens(hidden, temb).transpose(0, 1).contiguous()  # [B, N, patch_dim]
 
     def _check_inputs(self, num_image: int, num_context: int, guidance) -> None:
         if self.pre_process and self.config.guidance_embeds != (guidance is not None):
             raise ValueError(f"guidance={'None' if guidance is None else 'given'} but config.guidance_embeds="
                              f"{self.config.guidance_embeds}")
-        tp = self.config.tensor_model_parallel_size
-        if self.sequence_parallel and (num_image % tp or num_context % tp):
-            raise ValueError(f"sequence parallelism needs image tokens ({num_image}) and context "
-                             f"tokens ({num_context}) divisible by tp={tp}")
+        self._check_sp_divisible(num_image, num_context)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, txt_ids: torch.Tensor, img_ids: torch.Tensor,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megaflow.models.common.tiny import noised, random_model, sft_reference
 from megaflow.models.flux.model import image_ids
 
 
@@ -25,22 +26,12 @@ def tiny_config(*, guidance_embeds: bool = True, **overrides: Any) -> dict[str, 
 
 
 def diffusers_model(config: dict[str, Any], *, seed: int = 0):
-    """A random-init diffusers FluxTransformer2DModel (fp32, eval mode) for ``config``.
-
-    Weights are redrawn from N(0, 0.05) (q/k norm scales around 1) so that every tensor has the
-    same scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    """A random-init diffusers FluxTransformer2DModel (fp32, eval mode) for ``config``; weights
+    drawn as ``common.tiny.random_model`` says (q/k norm scales around 1)."""
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".norm_" in name:  # attn.norm_q / norm_k / norm_added_q / norm_added_k
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return model
+    # ".norm_": attn.norm_q / norm_k / norm_added_q / norm_added_k
+    return random_model(FluxTransformer2DModel, config, seed=seed, is_norm_scale=lambda name: ".norm_" in name)
 
 
 def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int = 2, grid: int = 4,
@@ -67,12 +58,6 @@ def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int
     return out
 
 
-def noised(b: dict) -> torch.Tensor:
-    """x_t = (1 - sigma) x0 + sigma noise for a batch from ``sft_batches``."""
-    s = b["sigma"].view(-1, 1, 1)
-    return (1 - s) * b["x0"] + s * b["noise"]
-
-
 def diffusers_velocity(model, b: dict, latents: torch.Tensor | None = None) -> torch.Tensor:
     """The diffusers model's velocity for batch ``b`` at x_t (or at ``latents``); timestep = sigma."""
     return model(hidden_states=noised(b) if latents is None else latents, timestep=b["sigma"],
@@ -82,11 +67,4 @@ def diffusers_velocity(model, b: dict, latents: torch.Tensor | None = None) -> t
 
 def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
-    model.zero_grad()
-    total = 0.0
-    for b in batches:
-        loss = torch.nn.functional.mse_loss(diffusers_velocity(model, b), b["noise"] - b["x0"]) / len(batches)
-        loss.backward()
-        total += float(loss)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return total, grads
+    return sft_reference(model, batches, diffusers_velocity)

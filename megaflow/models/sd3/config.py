@@ -15,14 +15,17 @@ Mapping (diffusers -> megatron):
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megaflow.models.common.config import (  # noqa: F401  (gelu_tanh: re-exported)
+    DiTConfig,
+    build_config,
+    diffusers_config_dict,
+    gelu_tanh,
+    read_diffusers_config,
+)
 
 # Diffusers config keys we map; keys starting with "_" (class name, version) are metadata.
 _DIFFUSERS_KEYS = (
@@ -40,37 +43,20 @@ _DIFFUSERS_DEFAULTS = {  # SD3Transformer2DModel.__init__ defaults (diffusers 0.
 SUPPORTED_QK_NORMS = (None, "rms_norm")
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (diffusers FeedForward "gelu-approximate")."""
-    return F.gelu(x, approximate="tanh")
-
-
 @dataclass(kw_only=True)
-class MMDiTConfig(TransformerConfig):
+class MMDiTConfig(DiTConfig):
     """megatron TransformerConfig plus the SD3 MMDiT fields (built by ``from_diffusers``)."""
 
     sample_size: int = 128
     """Latent height/width the positional grid was trained for (diffusers ``sample_size``)."""
-    patch_size: int = 2
-    """Square patch size of the patch embedding."""
-    in_channels: int = 16
-    """Latent channels in."""
-    out_channels: int = 16
-    """Latent channels out (velocity prediction)."""
     pos_embed_max_size: int = 96
     """Side of the stored sin-cos position grid; inputs use a centred crop of it."""
-    joint_attention_dim: int = 4096
-    """Width of the text-encoder hidden states (input of ``context_embed``)."""
-    pooled_projection_dim: int = 2048
-    """Width of the pooled text embedding (input of ``text_embed``)."""
     dual_attention_layers: tuple[int, ...] = ()
     """Blocks with a second, image-only self-attention (SD3.5-medium "MMDiT-X")."""
     qk_norm: str | None = None
     """Per-head q/k normalisation: None or "rms_norm" (SD3.5)."""
     num_train_timesteps: int = 1000
     """The DiT's timestep input is ``sigma * num_train_timesteps`` (flow-matching convention)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Diffusers metadata keys (``_class_name``, ...) kept verbatim for ``to_diffusers``."""
 
     def __post_init__(self):
         if self.qk_norm not in SUPPORTED_QK_NORMS:
@@ -80,46 +66,16 @@ class MMDiTConfig(TransformerConfig):
             raise ValueError(f"dual_attention_layers {bad} outside [0, num_layers={self.num_layers})")
         super().__post_init__()
 
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.kv_channels
-
-    @property
-    def patch_dim(self) -> int:
-        """Output channels per token: patch_size**2 * out_channels."""
-        return self.patch_size * self.patch_size * self.out_channels
-
-
-def _megatron_defaults() -> dict[str, Any]:
-    """Megatron knobs that are fixed by the SD3 architecture or by running on CPU."""
-    return dict(
-        add_bias_linear=True,
-        gated_linear_unit=False,
-        activation_func=gelu_tanh,
-        bias_activation_fusion=False,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=not torch.cuda.is_available(),
-    )
-
 
 def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) -> MMDiTConfig:
     """Build the MMDiT config from a diffusers SD3 transformer config (dict or config.json path).
 
     ``megatron_kwargs`` (e.g. tensor_model_parallel_size, sequence_parallel, params_dtype) pass
-    through to ``TransformerConfig``; ``pipeline_dtype`` defaults to ``params_dtype`` when PP > 1.
-    Raises ValueError naming the first unknown key or unsupported value.
+    through to ``TransformerConfig`` (see ``common.config.with_megatron_defaults``). Raises
+    ValueError naming the first unknown key or unsupported value.
     """
-    if not isinstance(diffusers_config, dict):
-        diffusers_config = json.loads(Path(diffusers_config).read_text())
-    unknown = [k for k in diffusers_config if not k.startswith("_") and k not in _DIFFUSERS_KEYS]
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} in SD3 transformer config")
-    d = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in diffusers_config.items() if not k.startswith("_")}}
-    extra = {k: v for k, v in diffusers_config.items() if k.startswith("_") and k != "_use_default_values"}
+    d, extra = read_diffusers_config(diffusers_config, keys=_DIFFUSERS_KEYS, defaults=_DIFFUSERS_DEFAULTS,
+                                     what="SD3 transformer config")
     hidden = d["num_attention_heads"] * d["attention_head_dim"]
     if d["caption_projection_dim"] != hidden:
         raise ValueError(
@@ -128,47 +84,17 @@ def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) 
         )
     if d["pos_embed_max_size"] is None:
         raise ValueError("pos_embed_max_size=None is not supported (SD3 always crops a stored grid)")
-    kwargs = _megatron_defaults()
-    kwargs.update(megatron_kwargs)
-    if kwargs.get("pipeline_model_parallel_size", 1) > 1:
-        kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
-    return MMDiTConfig(
+    return build_config(
+        MMDiTConfig, d, extra, megatron_kwargs,
         num_layers=d["num_layers"],
-        hidden_size=hidden,
-        num_attention_heads=d["num_attention_heads"],
-        kv_channels=d["attention_head_dim"],
-        ffn_hidden_size=4 * hidden,
         qk_layernorm=d["qk_norm"] is not None,
         sample_size=d["sample_size"],
-        patch_size=d["patch_size"],
-        in_channels=d["in_channels"],
-        out_channels=d["out_channels"] if d["out_channels"] is not None else d["in_channels"],
         pos_embed_max_size=d["pos_embed_max_size"],
-        joint_attention_dim=d["joint_attention_dim"],
-        pooled_projection_dim=d["pooled_projection_dim"],
         dual_attention_layers=tuple(d["dual_attention_layers"]),
         qk_norm=d["qk_norm"],
-        extra=extra,
-        **kwargs,
     )
 
 
 def to_diffusers(config: MMDiTConfig) -> dict[str, Any]:
     """The diffusers ``SD3Transformer2DModel`` config dict for ``config`` (inverse of from_diffusers)."""
-    out = {"_class_name": "SD3Transformer2DModel", **config.extra}
-    out.update(
-        sample_size=config.sample_size,
-        patch_size=config.patch_size,
-        in_channels=config.in_channels,
-        num_layers=config.num_layers,
-        attention_head_dim=config.kv_channels,
-        num_attention_heads=config.num_attention_heads,
-        joint_attention_dim=config.joint_attention_dim,
-        caption_projection_dim=config.hidden_size,
-        pooled_projection_dim=config.pooled_projection_dim,
-        out_channels=config.out_channels,
-        pos_embed_max_size=config.pos_embed_max_size,
-        dual_attention_layers=list(config.dual_attention_layers),
-        qk_norm=config.qk_norm,
-    )
-    return out
+    return diffusers_config_dict("SD3Transformer2DModel", config, _DIFFUSERS_KEYS, caption_projection_dim="hidden_size")

@@ -1,265 +1,25 @@
-"""SD3 MMDiT building blocks on megatron-core parallel modules (sequence-first layout [s, b, h]).
+"""The SD3 MMDiT block on megatron-core (sequence-first layout [s, b, h]).
 
-What each block contains is declared in ``spec.py`` (which linear / attention / norm class builds
-each submodule); this file is the wiring, independent of the implementation (local or TE).
-
-Parallel layout (the TP plan, as data in ``weight_map.py``; the reasons live here):
-- QKV of each stream: one fused column-parallel linear per stream, weight rows interleaved per
-  head ``[h0:q,k,v | h1:q,k,v | ...]`` (megatron's layout), so a TP rank owns whole heads.
-- Attention output projections and MLP fc2: row-parallel; fc1: column-parallel.
-- adaLN modulation linears stay REPLICATED: their input is the [b, h] conditioning vector (no
-  sequence dim), so splitting them saves no activation memory and would add a gather per block;
-  the price is 6h^2 (9h^2 with dual attention) weights per block held by every TP rank.
-- q/k RMSNorm weights (per head_dim, shared by all heads) are replicated; each TP rank sees only
-  its heads, so their grads are partial sums. They are named ``*q_layernorm`` / ``*k_layernorm``,
-  which megatron's ``finalize_model_grads`` all-reduces over TP when ``config.qk_layernorm``.
-- Sequence parallelism: both token streams are split on the sequence dim between blocks; every
-  replicated parameter whose grad then becomes a per-shard partial sum (adaLN, the timestep/text
-  embedding that feeds it, the final layer) carries ``sequence_parallel=True`` so megatron sums it
-  over TP, exactly as it does for LayerNorm weights.
+What the block contains is declared in ``spec.py``; the pieces it is made of (fused-QKV joint
+attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA core attention) and the
+reasons for their parallel layout are in ``megaflow.models.common.layers``. SD3-specific here:
+- adaLN modulation linears stay REPLICATED (see common.layers); the price is 6h^2 (9h^2 with dual
+  attention) weights per block held by every TP rank.
+- The last block is context_pre_only: its context stream only feeds keys/values and has no
+  output projection or MLP.
+- SD3.5 "MMDiT-X" blocks add a second, image-only self-attention (``attention2``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.utils import divide
+from megatron.core.transformer.spec_utils import build_module
 
+from megaflow.models.common.layers import AdaLNBlockSubmodules, gated_residual, layer_norm, modulate
 from megaflow.models.sd3.config import MMDiTConfig
 
-
-class ReplicatedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose weights are identical on every TP rank (adaLN, embeddings, final layer).
-
-    ``sequence_parallel_grad=True`` marks the parameters ``sequence_parallel`` so that, when
-    sequence parallelism is on, megatron all-reduces their (per-shard partial) grads over TP.
-    """
-
-    def __init__(self, in_features: int, out_features: int, *, config: MMDiTConfig,
-                 bias: bool = True, sequence_parallel_grad: bool = False):
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=config.params_dtype)
-        if config.perform_initialization:
-            with torch.no_grad():
-                config.init_method(self.weight)
-                if self.bias is not None:
-                    self.bias.zero_()
-        for p in self.parameters():
-            p.sequence_parallel = sequence_parallel_grad
-
-
-def _fast_forward_impl(base: type):
-    """A ``_forward_impl`` for subclasses of megatron's ``base`` linear: ``F.linear`` (bias fused
-    into the GEMM, plain torch autograd) when megatron's linear function would communicate nothing
-    itself (TP=1, no SP, no grad-accumulation fusion); otherwise ``base``'s own implementation."""
-
-    def _forward_impl(self, input, weight, bias=None, *, gradient_accumulation_fusion=False,
-                      allreduce_dgrad=False, sequence_parallel=False, **kwargs):
-        if allreduce_dgrad or sequence_parallel or gradient_accumulation_fusion or kwargs.get("grad_output_buffer"):
-            return base._forward_impl(
-                self, input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, **kwargs)
-        return F.linear(input, weight, bias)
-
-    return _forward_impl
-
-
-class LocalColumnParallelLinear(ColumnParallelLinear):
-    """megatron's ColumnParallelLinear; at TP=1 (no comm inside the linear) it runs ``F.linear``:
-    megatron's local path is matmul + a separate bias add + a Python autograd Function (measured
-    ~8% slower fwd+bwd per linear on CPU). Weights, sharding and checkpoints are unchanged."""
-
-    _forward_impl = _fast_forward_impl(ColumnParallelLinear)
-
-
-class LocalRowParallelLinear(RowParallelLinear):
-    """megatron's RowParallelLinear with the same ``F.linear`` fast path (see LocalColumnParallelLinear)."""
-
-    _forward_impl = _fast_forward_impl(RowParallelLinear)
-
-
-class HeadRMSNorm(torch.nn.Module):
-    """RMSNorm over the last dim (a head's channels) with a learned scale; TENorm-compatible init."""
-
-    def __init__(self, config: MMDiTConfig, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=config.params_dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-class SDPAttention(MegatronModule):
-    """Core attention via torch SDPA; same interface as megatron's DotProductAttention / TE's.
-
-    q, k, v: [s, b, heads_local, head_dim] -> context [s, b, heads_local * head_dim]. Bidirectional
-    (no mask): MMDiT attends over all image + context tokens.
-
-    ``input_layout = "bhsd"`` tells ``JointAttention`` to hand over q/k/v as [s, b, h, d] VIEWS of
-    contiguous [b, h, s, d] tensors (what torch's CPU flash kernel reads fastest; measured ~1.5x
-    faster fwd+bwd than the same call on permuted sequence-first tensors).
-    """
-
-    input_layout = "bhsd"
-
-    def __init__(self, config: MMDiTConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, **unused: Any):
-        super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.no_mask:
-            raise ValueError(f"SDPAttention supports only AttnMaskType.no_mask, got {attn_mask_type}")
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        assert attention_mask is None and attention_bias is None and packed_seq_params is None
-        s, b, heads, head_dim = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
-        )
-        return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
-
-
-@dataclass
-class JointAttentionSubmodules:
-    """Which class builds each part of a joint attention (see spec.py)."""
-
-    linear_qkv: ModuleSpec | type
-    linear_proj: ModuleSpec | type
-    core_attention: ModuleSpec | type
-    q_layernorm: ModuleSpec | type | None = None
-    k_layernorm: ModuleSpec | type | None = None
-
-
-class JointAttention(MegatronModule):
-    """MMDiT attention: fused QKV per stream, one attention over [image; context] tokens.
-
-    ``has_context=False`` gives plain image self-attention (SD3.5 dual attention, ``attn2``);
-    ``context_output=False`` drops the context output projection (the last, context_pre_only
-    block: context tokens are attended to but not updated).
-    """
-
-    def __init__(self, config: MMDiTConfig, submodules: JointAttentionSubmodules, layer_number: int,
-                 has_context: bool = True, context_output: bool = True):
-        super().__init__(config=config)
-        self.has_context, self.context_output = has_context, has_context and context_output
-        self.heads_local = divide(config.num_attention_heads, config.tensor_model_parallel_size)
-        self.head_dim = config.kv_channels
-        streams = [""] + (["context_"] if has_context else [])
-        for p in streams:
-            self.add_module(f"{p}linear_qkv", self._qkv_linear(submodules))
-            if p == "" or self.context_output:
-                self.add_module(f"{p}linear_proj", self._proj_linear(submodules))
-            if config.qk_layernorm:
-                for n in ("q", "k"):
-                    spec = getattr(submodules, f"{n}_layernorm")
-                    norm = build_module(spec, config=config, hidden_size=self.head_dim,
-                                        eps=config.layernorm_epsilon)
-                    self.add_module(f"{p}{n}_layernorm", norm)
-        self.core_attention = build_module(
-            submodules.core_attention, config=config, layer_number=layer_number,
-            attn_mask_type=AttnMaskType.no_mask, attention_type="self",
-        )
-
-    def _qkv_linear(self, submodules):
-        c = self.config
-        return build_module(
-            submodules.linear_qkv, c.hidden_size, 3 * c.num_attention_heads * c.kv_channels,
-            config=c, init_method=c.init_method, gather_output=False, bias=True,
-            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="qkv",
-        )
-
-    def _proj_linear(self, submodules):
-        c = self.config
-        return build_module(
-            submodules.linear_proj, c.num_attention_heads * c.kv_channels, c.hidden_size,
-            config=c, init_method=c.output_layer_init_method, bias=True, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj",
-        )
-
-    def _project(self, x: torch.Tensor, prefix: str):
-        """[s, b, h] -> q, k, v each [s, b, heads_local, head_dim] (q/k normalised if configured)."""
-        mixed, _ = getattr(self, f"{prefix}linear_qkv")(x)
-        s, b = mixed.shape[:2]
-        q, k, v = mixed.view(s, b, self.heads_local, 3 * self.head_dim).split(self.head_dim, dim=-1)
-        if self.config.qk_layernorm:
-            q = getattr(self, f"{prefix}q_layernorm")(q)
-            k = getattr(self, f"{prefix}k_layernorm")(k)
-        return q, k, v
-
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor | None = None):
-        """Returns ``(image_out, image_bias), (context_out, context_bias)``; biases un-added so the
-        caller can fuse them with the gate. Context outputs are None without a context projection."""
-        streams = [self._project(hidden, "")]
-        num_image = streams[0][0].shape[0]
-        if self.has_context:
-            streams.append(self._project(context, "context_"))
-        if getattr(self.core_attention, "input_layout", "sbhd") == "bhsd":
-            # concatenate as contiguous [b, h, s, d]; pass [s, b, h, d] views of it
-            q, k, v = (torch.cat([st[i].permute(1, 2, 0, 3) for st in streams], dim=2).permute(2, 0, 1, 3)
-                       for i in range(3))
-        else:
-            q, k, v = (torch.cat([st[i] for st in streams]) for i in range(3))
-        out = self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
-        image = self.linear_proj(out[:num_image])
-        ctx = self.context_linear_proj(out[num_image:]) if self.context_output else (None, None)
-        return image, ctx
-
-
-class MMDiTMLP(MegatronModule):
-    """fc1 (column-parallel, bias in the GEMM) -> GELU(tanh) -> fc2 (row-parallel, bias returned).
-
-    diffusers' FeedForward(dim, mult=4, "gelu-approximate"). Unlike megatron's MLP, fc1 keeps its
-    bias inside the linear (one fused GEMM on the local/CPU path instead of GEMM + bias add); the
-    names (``linear_fc1`` / ``linear_fc2``) and checkpoint layout are the same as megatron's MLP."""
-
-    def __init__(self, config: MMDiTConfig, submodules, ffn_hidden_size: int | None = None):
-        super().__init__(config=config)
-        ffn = ffn_hidden_size or config.ffn_hidden_size
-        self.linear_fc1 = build_module(
-            submodules.linear_fc1, config.hidden_size, ffn, config=config, init_method=config.init_method,
-            gather_output=False, bias=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1")
-        self.linear_fc2 = build_module(
-            submodules.linear_fc2, ffn, config.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2")
-
-    def forward(self, x: torch.Tensor):
-        """[s, b, h] -> (out [s, b, h], fc2 bias or None)."""
-        hidden, _ = self.linear_fc1(x)
-        return self.linear_fc2(self.config.activation_func(hidden))
-
-
-@dataclass
-class MMDiTLayerSubmodules:
-    """Which class builds each part of an MMDiT block; both streams use the same classes."""
-
-    adaln: ModuleSpec | type
-    attention: ModuleSpec | type
-    mlp: ModuleSpec | type
-
-
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x * (1 + scale) + shift with [b, h] modulation broadcast over the sequence dim of x [s, b, h]."""
-    return torch.addcmul(shift, x, 1 + scale)
-
-
-def _gated_residual(residual, gate, out_and_bias):
-    """residual + gate * (out + bias), bias optional."""
-    out, bias = out_and_bias
-    if bias is not None:
-        out = out + bias
-    return torch.addcmul(residual, gate, out)
+MMDiTLayerSubmodules = AdaLNBlockSubmodules  # the SD3 name of the shared submodule table
 
 
 class MMDiTLayer(MegatronModule):
@@ -269,7 +29,7 @@ class MMDiTLayer(MegatronModule):
     (modulated by a 2h "continuous" adaLN, scale then shift) and is not returned.
     """
 
-    def __init__(self, config: MMDiTConfig, submodules: MMDiTLayerSubmodules, layer_number: int):
+    def __init__(self, config: MMDiTConfig, submodules: AdaLNBlockSubmodules, layer_number: int):
         super().__init__(config=config)
         self.layer_number = layer_number  # 1-based, global (megatron convention)
         self.context_pre_only = layer_number == config.num_layers
@@ -292,7 +52,7 @@ class MMDiTLayer(MegatronModule):
                                             ffn_hidden_size=config.ffn_hidden_size)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), eps=self.config.layernorm_epsilon)
+        return layer_norm(x, self.config.layernorm_epsilon)
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor):
         """hidden [n, b, h], context [l, b, h], temb [b, h] -> (hidden, context or None)."""
@@ -300,22 +60,22 @@ class MMDiTLayer(MegatronModule):
         mod = self.adaln(emb).chunk(9 if self.dual else 6, dim=-1)
         cmod = self.context_adaln(emb).chunk(2 if self.context_pre_only else 6, dim=-1)
         normed = self._norm(hidden)
-        x = _modulate(normed, mod[0], mod[1])
+        x = modulate(normed, mod[0], mod[1])
         cnormed = self._norm(context)
         if self.context_pre_only:
-            c = _modulate(cnormed, cmod[1], cmod[0])  # AdaLayerNormContinuous: (scale, shift)
+            c = modulate(cnormed, cmod[1], cmod[0])  # AdaLayerNormContinuous: (scale, shift)
         else:
-            c = _modulate(cnormed, cmod[0], cmod[1])
+            c = modulate(cnormed, cmod[0], cmod[1])
         image_attn, context_attn = self.attention(x, c)
-        hidden = _gated_residual(hidden, mod[2], image_attn)
+        hidden = gated_residual(hidden, mod[2], image_attn)
         if self.dual:
-            image_attn2, _ = self.attention2(_modulate(normed, mod[6], mod[7]))
-            hidden = _gated_residual(hidden, mod[8], image_attn2)
-        x = _modulate(self._norm(hidden), mod[3], mod[4])
-        hidden = _gated_residual(hidden, mod[5], self.mlp(x))
+            image_attn2, _ = self.attention2(modulate(normed, mod[6], mod[7]))
+            hidden = gated_residual(hidden, mod[8], image_attn2)
+        x = modulate(self._norm(hidden), mod[3], mod[4])
+        hidden = gated_residual(hidden, mod[5], self.mlp(x))
         if self.context_pre_only:
             return hidden, None
-        context = _gated_residual(context, cmod[2], context_attn)
-        c = _modulate(self._norm(context), cmod[3], cmod[4])
-        context = _gated_residual(context, cmod[5], self.context_mlp(c))
+        context = gated_residual(context, cmod[2], context_attn)
+        c = modulate(self._norm(context), cmod[3], cmod[4])
+        context = gated_residual(context, cmod[5], self.context_mlp(c))
         return hidden, context

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megaflow.models.common.tiny import noised, random_model, sft_reference
+
 
 def tiny_config(*, qk_norm: str | None = None, dual_attention_layers: tuple[int, ...] = (),
                 **overrides: Any) -> dict[str, Any]:
@@ -28,22 +30,12 @@ def tiny_config(*, qk_norm: str | None = None, dual_attention_layers: tuple[int,
 
 
 def diffusers_model(config: dict[str, Any], *, seed: int = 0):
-    """A random-init diffusers SD3Transformer2DModel (fp32, eval mode) for ``config``.
-
-    Weights are redrawn from N(0, 0.05) (q/k norm scales around 1) so that every tensor has the
-    same scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    """A random-init diffusers SD3Transformer2DModel (fp32, eval mode) for ``config``; weights
+    drawn as ``common.tiny.random_model`` says (q/k norm scales around 1)."""
     from diffusers import SD3Transformer2DModel
 
-    torch.manual_seed(seed)
-    model = SD3Transformer2DModel(**config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return model
+    norm_scales = ("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")
+    return random_model(SD3Transformer2DModel, config, seed=seed, is_norm_scale=lambda name: name.endswith(norm_scales))
 
 
 def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int = 2,
@@ -72,14 +64,5 @@ def diffusers_velocity(model, latents, sigma, encoder_hidden_states, pooled_proj
 
 def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
-    model.zero_grad()
-    total = 0.0
-    for b in batches:
-        s = b["sigma"].view(-1, 1, 1, 1)
-        x_t = (1 - s) * b["x0"] + s * b["noise"]
-        v = diffusers_velocity(model, x_t, b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])
-        loss = torch.nn.functional.mse_loss(v, b["noise"] - b["x0"]) / len(batches)
-        loss.backward()
-        total += float(loss)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return total, grads
+    return sft_reference(model, batches, lambda m, b: diffusers_velocity(
+        m, noised(b), b["sigma"], b["encoder_hidden_states"], b["pooled_projections"]))

@@ -1,0 +1,275 @@
+"""DiT building blocks shared by the families, on megatron-core parallel modules (sequence-first
+layout [s, b, h]).
+
+What a block contains is declared in the family's ``spec.py`` (which linear / attention / norm
+class builds each submodule, resolved by ``common.spec``); these classes are the wiring,
+independent of the implementation (local or TE).
+
+Parallel layout of these pieces (the TP plan is data in each family's ``weight_map.py``):
+- QKV of each stream: one fused column-parallel linear per stream, weight rows interleaved per
+  head ``[h0:q,k,v | h1:q,k,v | ...]`` (megatron's layout), so a TP rank owns whole heads.
+- Attention output projections and MLP fc2: row-parallel; fc1: column-parallel.
+- ``ReplicatedLinear`` (adaLN modulation, embeddings, final layer): same weights on every TP
+  rank. adaLN linears take the [b, h] conditioning vector (no sequence dim), so splitting them
+  saves no activation memory and would add a gather per block.
+- q/k RMSNorm weights (per head_dim, shared by all heads) are replicated; each TP rank sees only
+  its heads, so their grads are partial sums. They are named ``*q_layernorm`` / ``*k_layernorm``,
+  which megatron's ``finalize_model_grads`` all-reduces over TP when ``config.qk_layernorm``.
+- Sequence parallelism: token streams are split on the sequence dim between blocks; every
+  replicated parameter whose grad then becomes a per-shard partial sum (adaLN, the timestep/text
+  embedding that feeds it, the final layer) carries ``sequence_parallel=True`` so megatron sums it
+  over TP, exactly as it does for LayerNorm weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class ReplicatedLinear(torch.nn.Linear):
+    """``nn.Linear`` whose weights are identical on every TP rank (adaLN, embeddings, final layer).
+
+    ``sequence_parallel_grad=True`` marks the parameters ``sequence_parallel`` so that, when
+    sequence parallelism is on, megatron all-reduces their (per-shard partial) grads over TP.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                 bias: bool = True, sequence_parallel_grad: bool = False):
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=config.params_dtype)
+        if config.perform_initialization:
+            with torch.no_grad():
+                config.init_method(self.weight)
+                if self.bias is not None:
+                    self.bias.zero_()
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel_grad
+
+
+def _fast_forward_impl(base: type):
+    """A ``_forward_impl`` for subclasses of megatron's ``base`` linear: ``F.linear`` (bias fused
+    into the GEMM, plain torch autograd) when megatron's linear function would communicate nothing
+    itself (TP=1, no SP, no grad-accumulation fusion); otherwise ``base``'s own implementation."""
+
+    def _forward_impl(self, input, weight, bias=None, *, gradient_accumulation_fusion=False,
+                      allreduce_dgrad=False, sequence_parallel=False, **kwargs):
+        if allreduce_dgrad or sequence_parallel or gradient_accumulation_fusion or kwargs.get("grad_output_buffer"):
+            return base._forward_impl(
+                self, input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, **kwargs)
+        return F.linear(input, weight, bias)
+
+    return _forward_impl
+
+
+class LocalColumnParallelLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear; at TP=1 (no comm inside the linear) it runs ``F.linear``:
+    megatron's local path is matmul + a separate bias add + a Python autograd Function (measured
+    ~8% slower fwd+bwd per linear on CPU). Weights, sharding and checkpoints are unchanged."""
+
+    _forward_impl = _fast_forward_impl(ColumnParallelLinear)
+
+
+class LocalRowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear with the same ``F.linear`` fast path (see LocalColumnParallelLinear)."""
+
+    _forward_impl = _fast_forward_impl(RowParallelLinear)
+
+
+class HeadRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim (a head's channels) with a learned scale; TENorm-compatible init."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=config.params_dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention via torch SDPA; same interface as megatron's DotProductAttention / TE's.
+
+    q, k, v: [s, b, heads_local, head_dim] -> context [s, b, heads_local * head_dim]. Bidirectional
+    (no mask): a DiT attends over all image + context tokens.
+
+    ``input_layout = "bhsd"`` tells ``attend`` to hand over q/k/v as [s, b, h, d] VIEWS of
+    contiguous [b, h, s, d] tensors (what torch's CPU flash kernel reads fastest; measured ~1.5x
+    faster fwd+bwd than the same call on permuted sequence-first tensors).
+    """
+
+    input_layout = "bhsd"
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, **unused: Any):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.no_mask:
+            raise ValueError(f"SDPAttention supports only AttnMaskType.no_mask, got {attn_mask_type}")
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        assert attention_mask is None and attention_bias is None and packed_seq_params is None
+        s, b, heads, head_dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+
+
+def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """core_attention over the token-concatenation of per-stream [s_i, b, heads, d] tensors ->
+    [sum s_i, b, heads * d]. A core attention that reads ``input_layout = "bhsd"`` (SDPAttention)
+    gets [s, b, h, d] views of contiguous [b, h, s, d] tensors, built by the one copy the
+    concatenation makes anyway."""
+    if getattr(core_attention, "input_layout", "sbhd") == "bhsd":
+        q, k, v = (torch.cat([t.permute(1, 2, 0, 3) for t in ts], dim=2).permute(2, 0, 1, 3) for ts in (qs, ks, vs))
+    else:
+        q, k, v = (torch.cat(ts) for ts in (qs, ks, vs))
+    return core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+
+
+@dataclass
+class JointAttentionSubmodules:
+    """Which class builds each part of a joint attention (see the families' spec.py)."""
+
+    linear_qkv: ModuleSpec | type
+    linear_proj: ModuleSpec | type
+    core_attention: ModuleSpec | type
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
+
+
+class JointAttention(MegatronModule):
+    """MMDiT attention: fused QKV per stream, one attention over [image; context] tokens.
+
+    ``has_context=False`` gives plain image self-attention (SD3.5 dual attention, ``attn2``);
+    ``context_output=False`` drops the context output projection (SD3's last, context_pre_only
+    block: context tokens are attended to but not updated).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: JointAttentionSubmodules, layer_number: int,
+                 has_context: bool = True, context_output: bool = True):
+        super().__init__(config=config)
+        self.has_context, self.context_output = has_context, has_context and context_output
+        self.heads_local = divide(config.num_attention_heads, config.tensor_model_parallel_size)
+        self.head_dim = config.kv_channels
+        streams = [""] + (["context_"] if has_context else [])
+        for p in streams:
+            self.add_module(f"{p}linear_qkv", self._qkv_linear(submodules))
+            if p == "" or self.context_output:
+                self.add_module(f"{p}linear_proj", self._proj_linear(submodules))
+            if config.qk_layernorm:
+                for n in ("q", "k"):
+                    spec = getattr(submodules, f"{n}_layernorm")
+                    norm = build_module(spec, config=config, hidden_size=self.head_dim,
+                                        eps=config.layernorm_epsilon)
+                    self.add_module(f"{p}{n}_layernorm", norm)
+        self.core_attention = build_module(
+            submodules.core_attention, config=config, layer_number=layer_number,
+            attn_mask_type=AttnMaskType.no_mask, attention_type="self",
+        )
+
+    def _qkv_linear(self, submodules):
+        c = self.config
+        return build_module(
+            submodules.linear_qkv, c.hidden_size, 3 * c.num_attention_heads * c.kv_channels,
+            config=c, init_method=c.init_method, gather_output=False, bias=True,
+            skip_bias_add=False, is_expert=False, tp_comm_buffer_name="qkv",
+        )
+
+    def _proj_linear(self, submodules):
+        c = self.config
+        return build_module(
+            submodules.linear_proj, c.num_attention_heads * c.kv_channels, c.hidden_size,
+            config=c, init_method=c.output_layer_init_method, bias=True, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj",
+        )
+
+    def _project(self, x: torch.Tensor, prefix: str):
+        """[s, b, h] -> q, k, v each [s, b, heads_local, head_dim] (q/k normalised if configured)."""
+        mixed, _ = getattr(self, f"{prefix}linear_qkv")(x)
+        s, b = mixed.shape[:2]
+        q, k, v = mixed.view(s, b, self.heads_local, 3 * self.head_dim).split(self.head_dim, dim=-1)
+        if self.config.qk_layernorm:
+            q = getattr(self, f"{prefix}q_layernorm")(q)
+            k = getattr(self, f"{prefix}k_layernorm")(k)
+        return q, k, v
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor | None = None):
+        """Returns ``(image_out, image_bias), (context_out, context_bias)``; biases un-added so the
+        caller can fuse them with the gate. Context outputs are None without a context projection."""
+        streams = [self._project(hidden, "")]
+        num_image = streams[0][0].shape[0]
+        if self.has_context:
+            streams.append(self._project(context, "context_"))
+        out = attend(self.core_attention, *([st[i] for st in streams] for i in range(3)))
+        image = self.linear_proj(out[:num_image])
+        ctx = self.context_linear_proj(out[num_image:]) if self.context_output else (None, None)
+        return image, ctx
+
+
+class MMDiTMLP(MegatronModule):
+    """fc1 (column-parallel, bias in the GEMM) -> GELU(tanh) -> fc2 (row-parallel, bias returned).
+
+    diffusers' FeedForward(dim, mult=4, "gelu-approximate"). Unlike megatron's MLP, fc1 keeps its
+    bias inside the linear (one fused GEMM on the local/CPU path instead of GEMM + bias add); the
+    names (``linear_fc1`` / ``linear_fc2``) and checkpoint layout are the same as megatron's MLP."""
+
+    def __init__(self, config: TransformerConfig, submodules, ffn_hidden_size: int | None = None):
+        super().__init__(config=config)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, config.hidden_size, ffn, config=config, init_method=config.init_method,
+            gather_output=False, bias=True, skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1")
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, ffn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2")
+
+    def forward(self, x: torch.Tensor):
+        """[s, b, h] -> (out [s, b, h], fc2 bias or None)."""
+        hidden, _ = self.linear_fc1(x)
+        return self.linear_fc2(self.config.activation_func(hidden))
+
+
+@dataclass
+class AdaLNBlockSubmodules:
+    """Which class builds each part of an adaLN-Zero double-stream block (SD3's MMDiT block,
+    FLUX's double-stream block); both streams use the same classes."""
+
+    adaln: ModuleSpec | type
+    attention: ModuleSpec | type
+    mlp: ModuleSpec | type
+
+
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim without affine parameters (adaLN supplies scale and shift)."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * (1 + scale) + shift with [b, h] modulation broadcast over the sequence dim of x [s, b, h]."""
+    return torch.addcmul(shift, x, 1 + scale)
+
+
+def gated_residual(residual, gate, out_and_bias):
+    """residual + gate * (out + bias), bias optional."""
+    out, bias = out_and_bias
+    if bias is not None:
+        out = out + bias
+    return torch.addcmul(residual, gate, out)

@@ -1,0 +1,170 @@
+"""Pipeline-stage bookkeeping and embedders shared by the DiT family models.
+
+``DiTModel`` is the base of every family's megatron model (one pipeline stage / virtual chunk):
+which stage it is (``pre_process`` holds the embeddings, ``post_process`` the final adaLN and
+projection), which global blocks it builds, the packed tensor megatron's schedule hands between
+stages (``set_input_tensor``), sequence-parallel scatter/gather of the token streams and a
+sharded state dict keyed by GLOBAL block index. The family subclass builds its blocks and
+embeddings and defines ``forward``.
+
+Between pipeline stages every family sends ONE tensor: its token streams plus one temb row
+([tokens + 1, B, h]; with SP each stream is split over TP and the temb row is replicated), so
+``pipeline_seq_length`` is the same for all families.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+
+from megaflow.models.common.layers import ReplicatedLinear, layer_norm, modulate
+
+TIMESTEP_CHANNELS = 256  # sinusoidal timestep features (diffusers Timesteps(num_channels=256))
+
+
+def timestep_features(timestep: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
+    """Sinusoidal timestep features [B, dim], cos first (diffusers flip_sin_to_cos=True, shift 0)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
+    args = timestep[:, None].float() * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class EmbedMLP(torch.nn.Module):
+    """linear_1 -> SiLU -> linear_2 (timestep, guidance and pooled-text embedders)."""
+
+    def __init__(self, in_features: int, config: TransformerConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.linear_1 = ReplicatedLinear(in_features, h, config=config, sequence_parallel_grad=True)
+        self.linear_2 = ReplicatedLinear(h, h, config=config, sequence_parallel_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+def pipeline_seq_length(config: TransformerConfig, num_image_tokens: int, num_context_tokens: int) -> int:
+    """``seq_length`` for megatron's pipeline schedule so that the p2p tensor is the image and
+    context tokens plus one temb row on each rank (with SP: N/tp + L/tp + 1 rows, i.e.
+    seq_length // tp)."""
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return num_image_tokens + num_context_tokens + tp
+
+
+def stage_layers(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None) -> range:
+    """Global block indices held by pipeline rank ``pp_rank`` (virtual chunk ``vp_stage``)."""
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    return range(offset, offset + get_num_layers_to_build(config, vp_stage, pp_rank))
+
+
+def stage_ends(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None) -> tuple[bool, bool]:
+    """(first, last): whether pipeline rank ``pp_rank`` / chunk ``vp_stage`` is the first stage
+    (holds the embeddings) and the last one (holds the final layer) of the whole model."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    first = pp_rank == 0 and (vp_stage or 0) == 0
+    last = pp_rank == config.pipeline_model_parallel_size - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    return first, last
+
+
+class DiTModel(MegatronModule):
+    """One pipeline stage / virtual chunk of a DiT family model (see the module docstring).
+
+    Subclass ``__init__``: call ``super().__init__``, then ``_build_layers``, the embeddings (if
+    ``pre_process``) and ``_build_final`` (if ``post_process``), in the order their parameters
+    should be registered."""
+
+    def __init__(self, config: TransformerConfig, *, pp_rank: int | None = None, vp_stage: int | None = None):
+        super().__init__(config=config)
+        name = type(self).__name__
+        if config.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: {name} has no context parallelism yet")
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+        self.pp_rank, self.vp_stage = pp_rank, vp_stage
+        self.pre_process, self.post_process = stage_ends(config, pp_rank, vp_stage)
+        self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        self.input_tensor: torch.Tensor | None = None
+        # Read by megatron's schedules / finalize_model_grads (no tied embedding <-> output weights).
+        self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False
+
+    def _build_layers(self, spec_of: Callable[[int], ModuleSpec]) -> None:
+        """``self.layers``: this chunk's blocks; ``spec_of(global 0-based index)`` is a block's spec."""
+        self.layers = torch.nn.ModuleList([
+            build_module(spec_of(i), config=self.config, layer_number=i + 1)
+            for i in stage_layers(self.config, self.pp_rank, self.vp_stage)
+        ])
+
+    def _build_final(self) -> None:
+        """The last stage's final adaLN (scale, shift) and projection to ``config.patch_dim``."""
+        h = self.config.hidden_size
+        self.final_adaln = ReplicatedLinear(h, 2 * h, config=self.config, sequence_parallel_grad=True)
+        self.final_proj = ReplicatedLinear(h, self.config.patch_dim, config=self.config, sequence_parallel_grad=True)
+
+    @property
+    def global_layer_numbers(self) -> list[int]:
+        """0-based global indices of the blocks this chunk holds."""
+        return [layer.layer_number - 1 for layer in self.layers]
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Called by megatron's pipeline schedule with the tensor received from the previous stage."""
+        if isinstance(input_tensor, (list, tuple)):
+            assert len(input_tensor) == 1, f"{type(self).__name__} takes one packed tensor per stage"
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def _check_sp_divisible(self, num_image: int, num_context: int) -> None:
+        """ValueError unless both token streams split evenly over TP (with sequence parallelism)."""
+        tp = self.config.tensor_model_parallel_size
+        if self.sequence_parallel and (num_image % tp or num_context % tp):
+            raise ValueError(f"sequence parallelism needs image tokens ({num_image}) and context "
+                             f"tokens ({num_context}) divisible by tp={tp}")
+
+    def _scatter(self, *streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each [s, B, h] stream split on the sequence dim over TP (unchanged without SP)."""
+        if not self.sequence_parallel:
+            return streams
+        return tuple(scatter_to_sequence_parallel_region(s) for s in streams)
+
+    def _final_tokens(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """Final adaLN (AdaLayerNormContinuous: scale, then shift) and projection: image tokens
+        [N(/tp), B, h] -> [N, B, patch_dim], gathered over TP with sequence parallelism."""
+        scale, shift = self.final_adaln(F.silu(temb)).chunk(2, dim=-1)
+        out = self.final_proj(modulate(layer_norm(hidden, self.config.layernorm_epsilon), shift, scale))
+        if self.sequence_parallel:
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Sharded state dict with GLOBAL block indices (``layers.<global>.``), so a checkpoint
+        saved at one TP/PP layout loads at another. Blocks are heterogeneous (SD3's last block is
+        context_pre_only, FLUX has two kinds), so each block is its own set of tensors, not one
+        stacked tensor."""
+        assert not sharded_offsets, f"{type(self).__name__} is the top-level module"
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = parallel_state.get_tensor_model_parallel_group()  # replica ids of replicated tensors
+        out = {}
+        for name, child in self.named_children():
+            if name != "layers":
+                out.update(sharded_state_dict_default(child, f"{prefix}{name}.", (), metadata, tp_group=tp_group))
+        for local_index, layer in enumerate(self.layers):
+            local_prefix = f"{prefix}layers.{local_index}."
+            layer_sd = layer.sharded_state_dict(local_prefix, (), metadata)
+            replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.{layer.layer_number - 1}.")
+            out.update(layer_sd)
+        return out

@@ -1,0 +1,78 @@
+"""Layer-spec implementations shared by the families: WHICH classes build a block's parts.
+
+- ``local``: megatron-core's own ColumnParallelLinear / RowParallelLinear (run anywhere, incl. CPU
+  with gloo; subclassed only to fuse the bias into the GEMM when no TP comm is involved), torch
+  SDPA for the core attention, a torch RMSNorm for q/k norms.
+- ``te``: Transformer Engine linears, TE fused attention and TENorm (CUDA + transformer_engine).
+- ``auto``: ``te`` when Transformer Engine and a CUDA device are present, else ``local``.
+
+A family's ``spec.py`` says WHAT its blocks contain, taking the classes from ``impl_classes``;
+``adaln_block_spec`` is the double-stream (MMDiT) block both SD3 and FLUX have. megatron's local
+``DotProductAttention`` fits the ``core_attention`` slot too (same interface).
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megaflow.models.common.layers import (
+    AdaLNBlockSubmodules,
+    HeadRMSNorm,
+    JointAttentionSubmodules,
+    LocalColumnParallelLinear,
+    LocalRowParallelLinear,
+    MMDiTMLP,
+    ReplicatedLinear,
+    SDPAttention,
+)
+
+IMPLS = ("auto", "local", "te")
+__all__ = ["HAVE_TE", "IMPLS", "adaln_block_spec", "impl_classes", "resolve_impl"]
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'te' with Transformer Engine on CUDA, else 'local'; validates the name."""
+    if impl not in IMPLS:
+        raise ValueError(f"layer implementation {impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "te" if HAVE_TE and torch.cuda.is_available() else "local"
+    if impl == "te" and not HAVE_TE:
+        raise ValueError("layer implementation 'te' needs transformer_engine, which is not installed")
+    return impl
+
+
+def impl_classes(impl: str) -> dict[str, type]:
+    """The classes of implementation ``impl`` ('auto' | 'local' | 'te', resolved by
+    ``resolve_impl``): ``column`` / ``row`` parallel linears, ``core`` attention, q/k ``norm``."""
+    if resolve_impl(impl) == "local":
+        return dict(column=LocalColumnParallelLinear, row=LocalRowParallelLinear, core=SDPAttention, norm=HeadRMSNorm)
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
+        TEDotProductAttention,
+        TENorm,
+        TERowParallelLinear,
+    )
+
+    return dict(column=TEColumnParallelLinear, row=TERowParallelLinear, core=TEDotProductAttention, norm=TENorm)
+
+
+def adaln_block_spec(block: type, attention: type, classes: dict[str, type], *,
+                     core_attention: type | None = None) -> ModuleSpec:
+    """Spec of an adaLN-Zero double-stream ``block`` (replicated adaLN linears, joint
+    ``attention`` with fused per-stream QKV and q/k norms, GELU MLP) built from ``classes``
+    (``impl_classes``); ``core_attention`` replaces the implementation's core attention."""
+    attn = ModuleSpec(
+        module=attention,
+        submodules=JointAttentionSubmodules(
+            linear_qkv=classes["column"],
+            linear_proj=classes["row"],
+            core_attention=core_attention or classes["core"],
+            q_layernorm=classes["norm"],
+            k_layernorm=classes["norm"],
+        ),
+    )
+    mlp = ModuleSpec(module=MMDiTMLP, submodules=MLPSubmodules(linear_fc1=classes["column"],
+                                                               linear_fc2=classes["row"]))
+    return ModuleSpec(module=block, submodules=AdaLNBlockSubmodules(adaln=ReplicatedLinear, attention=attn, mlp=mlp))

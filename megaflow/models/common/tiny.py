@@ -1,0 +1,47 @@
+"""Helpers shared by the families' ``tiny.py`` (tiny configs, random diffusers reference models,
+synthetic batches): every diffusers reference model is drawn and every SFT reference loss and
+grad is computed the same way, whatever the family.
+
+diffusers is never imported here; the family passes its model class.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def random_model(model_class: type, config: dict[str, Any], *, seed: int, is_norm_scale: Callable[[str], bool]):
+    """``model_class(**config)`` (fp32, eval mode) with weights redrawn from N(0, 0.05) and q/k
+    norm scales (``is_norm_scale(name)``) from 1 + N(0, 0.1), so that every tensor has the same
+    scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    torch.manual_seed(seed)
+    model = model_class(**config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_norm_scale(name):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def noised(b: dict) -> torch.Tensor:
+    """x_t = (1 - sigma) x0 + sigma noise for a batch from a family's ``sft_batches``."""
+    s = b["sigma"].view(-1, *[1] * (b["x0"].ndim - 1))
+    return (1 - s) * b["x0"] + s * b["noise"]
+
+
+def sft_reference(model, batches: list[dict],
+                  velocity: Callable[[Any, dict], torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``;
+    ``velocity(model, batch)`` is the model's velocity at ``noised(batch)``."""
+    model.zero_grad()
+    total = 0.0
+    for b in batches:
+        loss = torch.nn.functional.mse_loss(velocity(model, b), b["noise"] - b["x0"]) / len(batches)
+        loss.backward()
+        total += float(loss)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return total, grads

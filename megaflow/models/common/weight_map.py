@@ -1,0 +1,232 @@
+"""The generic weight map: conversions between diffusers and megatron state dicts over one
+family's name table.
+
+A family's ``weight_map.py`` holds its table (``param_maps(config)``: one ``ParamMap`` per megatron
+tensor) and the recipes of its fused kinds, and builds a ``WeightMap`` from them; the methods of
+that object are the module's public functions (``split_dim``, ``to_megatron_full``,
+``megatron_to_diffusers``, ``to_diffusers``, ``to_megatron``, ``select_local``), so trainer,
+bridge and tools call every family the same way.
+
+Megatron names are GLOBAL (``layers.<global block index>.``, as in dist checkpoints and
+``iter_full_params``); ``to_megatron`` / ``select_local`` return a rank's LOCAL state dict (local
+block indices, this rank's TP shard, this stage's modules), ready for ``model.load_state_dict``.
+
+Kinds shared by all families (the TP plan; reasons in ``common/layers.py``):
+    replicated  same tensor on every TP rank
+    column      split on dim 0 (weight and bias)
+    row         weight split on dim 1, bias replicated
+    qkv         three diffusers tensors q, k, v [H, h] fused into one [3H, h] with rows
+                interleaved per head ``[h0: q k v | h1: q k v | ...]``, then split on dim 0
+A family may add kinds: a ``ParamMap`` subclass gives their split dim, a ``Recipe`` their fusing.
+
+Table rows are ``(megatron module, diffusers module(s), kind, param suffixes, when)``; ``when``
+says which stage (top-level rows: "first" / "last") or which blocks (block rows) have the tensor,
+decided by the family. The rows of modules built by shared code live here: ``embed_mlp_rows``
+(``EmbedMLP``), ``FINAL_ROWS`` (``DiTModel``'s final layer) and the adaLN double-stream block
+(``ADALN_ATTENTION_ROWS`` + ``ADALN_MLP_ROWS``: SD3's MMDiT block and FLUX's double-stream block,
+which diffusers names alike).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from megaflow.models.common.model import stage_ends, stage_layers
+
+__all__ = [
+    "ADALN_ATTENTION_ROWS", "ADALN_MLP_ROWS", "FINAL_ROWS", "QKV", "W", "WB", "ParamMap", "Recipe", "WeightMap",
+    "embed_mlp_rows", "fuse_qkv", "join", "shard", "stage_layers", "unfuse_qkv",
+]
+
+W, WB = ("weight",), ("weight", "bias")  # param suffixes of a norm / of a biased linear
+
+FINAL_ROWS = (
+    ("final_adaln", "norm_out.linear", "replicated", WB, "last"),
+    ("final_proj", "proj_out", "replicated", WB, "last"),
+)
+# Block rows, relative to "layers.{i}." / the diffusers block prefix. when: all | context_out (not
+# in a block whose context stream is only attended to: SD3's context_pre_only last block) | qk
+# (q/k RMSNorm configured).
+ADALN_ATTENTION_ROWS = (
+    ("adaln", "norm1.linear", "replicated", WB, "all"),
+    ("context_adaln", "norm1_context.linear", "replicated", WB, "all"),
+    ("attention.linear_qkv", ("attn.to_q", "attn.to_k", "attn.to_v"), "qkv", WB, "all"),
+    ("attention.linear_proj", "attn.to_out.0", "row", WB, "all"),
+    ("attention.context_linear_qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "qkv", WB, "all"),
+    ("attention.context_linear_proj", "attn.to_add_out", "row", WB, "context_out"),
+    ("attention.q_layernorm", "attn.norm_q", "replicated", W, "qk"),
+    ("attention.k_layernorm", "attn.norm_k", "replicated", W, "qk"),
+    ("attention.context_q_layernorm", "attn.norm_added_q", "replicated", W, "qk"),
+    ("attention.context_k_layernorm", "attn.norm_added_k", "replicated", W, "qk"),
+)
+ADALN_MLP_ROWS = (
+    ("mlp.linear_fc1", "ff.net.0.proj", "column", WB, "all"),
+    ("mlp.linear_fc2", "ff.net.2", "row", WB, "all"),
+    ("context_mlp.linear_fc1", "ff_context.net.0.proj", "column", WB, "context_out"),
+    ("context_mlp.linear_fc2", "ff_context.net.2", "row", WB, "context_out"),
+)
+
+
+def embed_mlp_rows(megatron: str, diffusers: str, when: str) -> tuple[tuple, ...]:
+    """Rows of an ``EmbedMLP`` (diffusers' ``TimestepEmbedding`` / text projection): linear_1, linear_2."""
+    return tuple((f"{megatron}.linear_{i}", f"{diffusers}.linear_{i}", "replicated", WB, when) for i in (1, 2))
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One megatron tensor and where it comes from."""
+
+    megatron: str
+    diffusers: tuple[str, ...]  # one name, or the fused parts (e.g. (q, k, v) for kind "qkv")
+    kind: str
+    layer: int | None  # global block index, None for top-level modules
+    stage: str = "block"  # "first" / "last": top-level module of the first / last pipeline stage
+    buffer: bool = False  # a persistent buffer (no grad), not a parameter
+
+    @property
+    def split_dim(self) -> int | None:
+        """TP split dim of the megatron tensor (None = replicated)."""
+        if self.kind in ("column", "qkv"):
+            return 0
+        if self.kind == "row" and self.megatron.endswith(".weight"):
+            return 1
+        return None
+
+
+def join(module: str, suffix: str) -> str:
+    """``module.suffix`` (just ``module`` for the empty suffix of a buffer)."""
+    return f"{module}.{suffix}" if suffix else module
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[H, ...] x3 -> [3H, ...] with rows interleaved per head (megatron's fused-QKV layout)."""
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"q/k/v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    per_head = [t.reshape(num_heads, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.stack(per_head, dim=1).reshape(3 * q.shape[0], *q.shape[1:])
+
+
+def unfuse_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_qkv``."""
+    per_head = qkv.reshape(num_heads, 3, -1, *qkv.shape[1:])
+    return tuple(per_head[:, j].reshape(qkv.shape[0] // 3, *qkv.shape[1:]) for j in range(3))
+
+
+def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's contiguous slice of ``full`` along ``dim`` (the whole tensor if None)."""
+    if dim is None or tp_size == 1:
+        return full
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"dim {dim} of size {full.shape[dim]} is not divisible by tp={tp_size}")
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the megatron tensor of a fused kind is built from its diffusers tensors and split back.
+
+    ``fuse(m, tensors, config)``: the diffusers tensors (in ``m.diffusers`` order) -> the FULL
+    megatron tensor; ``unfuse(m, tensor, config)``: its inverse, a list in ``m.diffusers`` order."""
+
+    fuse: Callable[[ParamMap, list[torch.Tensor], Any], torch.Tensor]
+    unfuse: Callable[[ParamMap, torch.Tensor, Any], list[torch.Tensor]]
+
+
+def _fuse_qkv_recipe(m: ParamMap, tensors: list[torch.Tensor], config) -> torch.Tensor:
+    return fuse_qkv(*tensors, config.num_attention_heads)
+
+
+def _unfuse_qkv_recipe(m: ParamMap, tensor: torch.Tensor, config) -> list[torch.Tensor]:
+    return list(unfuse_qkv(tensor, config.num_attention_heads))
+
+
+QKV = Recipe(fuse=_fuse_qkv_recipe, unfuse=_unfuse_qkv_recipe)
+"""Recipe of kind "qkv" (``fuse_qkv`` / ``unfuse_qkv`` with the config's head count)."""
+
+
+class WeightMap:
+    """The conversions over one family's table: ``param_maps(config)`` lists every megatron tensor
+    of the full model (global names, stable order); ``recipes`` maps each fused kind to its
+    ``Recipe`` (other kinds are one diffusers tensor, unchanged); ``family`` names the family in
+    error messages."""
+
+    def __init__(self, family: str, param_maps: Callable[[Any], list[ParamMap]], recipes: dict[str, Recipe]):
+        self.family, self.param_maps, self.recipes = family, param_maps, dict(recipes)
+
+    def _lookup(self, config, megatron_name: str) -> ParamMap:
+        m = {m.megatron: m for m in self.param_maps(config)}.get(megatron_name)
+        if m is None:
+            raise ValueError(f"unknown megatron tensor {megatron_name!r} for this {self.family} config")
+        return m
+
+    def split_dim(self, config, megatron_name: str) -> int | None:
+        """TP split dim of a global megatron tensor name (ValueError for an unknown name)."""
+        return self._lookup(config, megatron_name).split_dim
+
+    def _fuse(self, m: ParamMap, tensors: list[torch.Tensor], config) -> torch.Tensor:
+        recipe = self.recipes.get(m.kind)
+        return tensors[0] if recipe is None else recipe.fuse(m, tensors, config)
+
+    def to_megatron_full(self, diffusers_sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        """Full (un-split) megatron state dict with global names from a diffusers state dict.
+
+        ValueError names the first missing or unexpected diffusers tensor (a wrong architecture)."""
+        maps = self.param_maps(config)
+        expected = {d for m in maps for d in m.diffusers}
+        missing = [d for m in maps for d in m.diffusers if d not in diffusers_sd]
+        if missing:
+            raise ValueError(f"diffusers tensor {missing[0]!r} is missing (config does not match the weights)")
+        unexpected = [k for k in diffusers_sd if k not in expected]
+        if unexpected:
+            raise ValueError(f"unexpected diffusers tensor {unexpected[0]!r} (config does not match the weights)")
+        return {m.megatron: self._fuse(m, [diffusers_sd[d] for d in m.diffusers], config) for m in maps}
+
+    def megatron_to_diffusers(self, name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch.Tensor]]:
+        """One FULL megatron tensor (global name) -> its diffusers tensor(s); streaming-friendly."""
+        m = self._lookup(config, name)
+        recipe = self.recipes.get(m.kind)
+        if recipe is None:
+            return [(m.diffusers[0], tensor)]
+        return list(zip(m.diffusers, recipe.unfuse(m, tensor, config)))
+
+    def to_diffusers(self, megatron_full_sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        """Full megatron state dict (global names; ``_extra_state`` entries ignored) -> diffusers.
+
+        ValueError names the first missing or unexpected megatron tensor."""
+        names = {k for k in megatron_full_sd if not k.endswith("_extra_state")}
+        maps = self.param_maps(config)
+        missing = [m.megatron for m in maps if m.megatron not in names]
+        if missing:
+            raise ValueError(f"megatron tensor {missing[0]!r} is missing")
+        unexpected = sorted(names - {m.megatron for m in maps})
+        if unexpected:
+            raise ValueError(f"unexpected megatron tensor {unexpected[0]!r}")
+        out = {}
+        for m in maps:
+            out.update(self.megatron_to_diffusers(m.megatron, megatron_full_sd[m.megatron], config))
+        return out
+
+    def to_megatron(self, diffusers_sd: dict[str, torch.Tensor], config, *, tp_rank: int = 0,
+                    tp_size: int | None = None, pp_rank: int = 0, vp_stage: int | None = None) -> dict[str, torch.Tensor]:
+        """The LOCAL megatron state dict of one rank: its TP shard of its stage's modules, block
+        indices renumbered from 0 as in the stage's ``model.state_dict()``."""
+        tp_size = tp_size or config.tensor_model_parallel_size
+        full = self.to_megatron_full(diffusers_sd, config)
+        return self.select_local(full, config, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, vp_stage=vp_stage)
+
+    def select_local(self, full: dict[str, torch.Tensor], config, *, tp_rank: int, tp_size: int,
+                     pp_rank: int = 0, vp_stage: int | None = None) -> dict[str, torch.Tensor]:
+        """Slice a full global megatron state dict down to one rank's local state dict."""
+        layers = stage_layers(config, pp_rank, vp_stage)
+        first, last = stage_ends(config, pp_rank, vp_stage)
+        out = {}
+        for m in self.param_maps(config):
+            if m.layer is None:
+                if (first if m.stage == "first" else last):
+                    out[m.megatron] = shard(full[m.megatron], m.split_dim, tp_rank, tp_size)
+            elif m.layer in layers:
+                local = m.megatron.replace(f"layers.{m.layer}.", f"layers.{m.layer - layers.start}.", 1)
+                out[local] = shard(full[m.megatron], m.split_dim, tp_rank, tp_size)
+        return out
