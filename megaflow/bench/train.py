@@ -3,11 +3,15 @@ diffusers, on CPU at TP=1 with identical weights and batches.
 
 A step = forward + backward + optimizer update (Adam, lr 1e-4, grad clip 1.0) over ``microbatches``
 microbatches of ``batch`` samples (rectified-flow loss). megatron side: ``TrainEngine.train_step``
-(megatron schedule, DDP grad buffers, finalize_model_grads, megatron optimizer); diffusers side:
-``SD3Transformer2DModel`` + ``torch.optim.AdamW`` (foreach) + ``clip_grad_norm_``.
+(megatron schedule, DDP grad buffers, finalize_model_grads, megatron optimizer) with megaflow's
+fast paths (``trainer.engine.FastPaths``, listed in ``fast_paths``); diffusers side:
+``SD3Transformer2DModel`` + ``torch.AdamW`` (foreach) + ``clip_grad_norm_``. With ``plain=True``
+(default) a third side runs the same megatron step with every fast path off (``megatron_plain_ms``,
+``ratio_plain``): the before/after of the fast paths within one run, and a check that they change
+nothing (``fast_paths_bit_identical``: both megatron sides end with equal weights).
 
-Timing: ``warmup`` untimed steps each, then ``repeats`` rounds alternating megatron / diffusers
-(shared-machine load hits both alike); per-step time = median over rounds (``ratio``);
+Timing: ``warmup`` untimed steps each, then ``repeats`` rounds, the sides in rotating order
+(shared-machine load hits all alike); per-step time = median over rounds (``ratio``);
 ``ratio_min`` compares the fastest rounds, the least load-disturbed estimate. ``max_abs_diff`` is the
 largest velocity difference of the two models on the first microbatch at the common initial
 weights; ``loss_diff`` the largest difference of the per-step losses while both train.
@@ -49,16 +53,51 @@ def _diffusers_loss_backward(model, batches):
     return total, None
 
 
+def _timed(step) -> tuple[float, float]:
+    """(step's return value, wall seconds it took)."""
+    t0 = time.perf_counter()
+    value = step()
+    return value, time.perf_counter() - t0
+
+
+def _time_rounds(sides: dict, *, warmup: int, repeats: int) -> tuple[dict[str, list[float]], float]:
+    """Run every side once per round, in rotating order; per side the timed seconds of the rounds
+    after ``warmup``, and the largest megatron vs diffusers loss difference over all rounds."""
+    times = {k: [] for k in sides}
+    loss_diff = 0.0
+    for i in range(warmup + repeats):
+        loss = {}
+        for name in list(sides)[i % len(sides):] + list(sides)[:i % len(sides)]:
+            loss[name], seconds = sides[name]()
+            if i >= warmup:
+                times[name].append(seconds)
+        loss_diff = max(loss_diff, abs(loss["megatron"] - loss["diffusers"]))
+    return times, loss_diff
+
+
+def _ratios(times: dict[str, list[float]]) -> dict:
+    """Median ms per side; median and best-of-N (least load-disturbed) ratios to diffusers."""
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    out = {}
+    for side, tag in (("megatron", ""), ("megatron_plain", "_plain")):
+        if side in times:
+            out.update({f"{side}_ms": round(ms[side], 3), f"ratio{tag}": round(ms[side] / ms["diffusers"], 4),
+                        f"ratio{tag}_min": round(min(times[side]) / min(times["diffusers"]), 4)})
+    out["diffusers_ms"] = round(ms["diffusers"], 3)
+    return out
+
+
 def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16, warmup: int = 3,
                 repeats: int = 10, distributed_optimizer: bool = False, threads: int = 1,
-                spec: str = "local", seed: int = 0, **config_overrides) -> dict:
+                spec: str = "local", seed: int = 0, plain: bool = True, **config_overrides) -> dict:
     """Time megatron vs diffusers SFT steps; returns a JSON-able dict (see module docstring).
 
     ``config_overrides`` are diffusers SD3 config keys (e.g. num_layers=4, attention_head_dim=64)."""
     import megaflow  # noqa: F401  (import guards before megatron)
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
-    from megaflow.trainer.engine import TrainEngine, adam_config, rectified_flow_microbatch
+    from megaflow.parallel.cpu import apply_perf_patches, remove_perf_patches
+    from megaflow.trainer.engine import FastPaths, TrainEngine, adam_config, rectified_flow_microbatch
 
     torch.set_num_threads(threads)
     dcfg = {**_default_config(), **config_overrides}
@@ -68,37 +107,44 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
     ref = tiny.diffusers_model(dcfg, seed=seed).train()
     init_state = {k: v.clone() for k, v in ref.state_dict().items()}
 
-    init_distributed(ParallelDims(), seed=seed)
-    try:
-        eng = TrainEngine(from_diffusers(dcfg), spec=spec,
+    def engine(fast_paths=None):
+        eng = TrainEngine(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
                           optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
         eng.load_diffusers_state_dict(init_state)
+        return eng
+
+    init_distributed(ParallelDims(), seed=seed)
+    try:
+        eng = engine()
+        eng_plain = engine(FastPaths(single_rank_grads=False, single_rank_finalize=False, joint_adam_groups=False,
+                                     megatron_patches=frozenset())) if plain else None
         with torch.no_grad():
             m0 = mbs[0]
             v_mg = eng.velocity(m0["latents"], m0["sigma"], m0["encoder_hidden_states"], m0["pooled_projections"])
             v_df = tiny.diffusers_velocity(ref, m0["latents"], m0["sigma"], m0["encoder_hidden_states"], m0["pooled_projections"])
-        max_abs_diff = float((v_mg - v_df).abs().max())
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
 
-        mg_times, df_times, losses = [], [], []
-        for i in range(warmup + repeats):
-            t0 = time.perf_counter()
-            mg_loss = float(eng.train_step(mbs)["loss"])
-            t1 = time.perf_counter()
-            df_loss = _diffusers_step(ref, opt, mbs)
-            t2 = time.perf_counter()
-            losses.append(abs(mg_loss - df_loss))
-            if i >= warmup:
-                mg_times.append(t1 - t0)
-                df_times.append(t2 - t1)
+        def plain_step():  # megatron's own code: the process-wide patches are off while it runs
+            remove_perf_patches()
+            try:
+                return _timed(lambda: float(eng_plain.train_step(mbs)["loss"]))
+            finally:
+                apply_perf_patches()
+
+        sides = {"megatron": lambda: _timed(lambda: float(eng.train_step(mbs)["loss"])),
+                 "diffusers": lambda: _timed(lambda: _diffusers_step(ref, opt, mbs))}
+        if plain:
+            sides["megatron_plain"] = plain_step
+        times, loss_diff = _time_rounds(sides, warmup=warmup, repeats=repeats)
+        extra = {"fast_paths": eng.fast_paths_active}
+        if plain:  # both megatron sides took the same steps: the fast paths must not change a bit
+            fast_w, plain_w = dict(eng.iter_full_params()), dict(eng_plain.iter_full_params())
+            extra["fast_paths_bit_identical"] = all(torch.equal(fast_w[k], plain_w[k]) for k in fast_w)
     finally:
         destroy_distributed()
-    mg_ms, df_ms = 1e3 * statistics.median(mg_times), 1e3 * statistics.median(df_times)
     return {
-        "megatron_ms": round(mg_ms, 3), "diffusers_ms": round(df_ms, 3), "ratio": round(mg_ms / df_ms, 4),
-        "ratio_min": round(min(mg_times) / min(df_times), 4),  # best-of-N: least disturbed by load
-        "max_abs_diff": max_abs_diff, "loss_diff": max(losses),
-        "megatron_ms_all": [round(1e3 * t, 3) for t in mg_times], "diffusers_ms_all": [round(1e3 * t, 3) for t in df_times],
+        **_ratios(times), **extra, "max_abs_diff": float((v_mg - v_df).abs().max()), "loss_diff": loss_diff,
+        **{f"{k}_ms_all": [round(1e3 * t, 3) for t in v] for k, v in times.items()},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dcfg.items()},
         "batch": batch, "microbatches": microbatches, "context_len": context_len, "threads": threads,
         "distributed_optimizer": distributed_optimizer, "spec": spec,

@@ -30,6 +30,7 @@ def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     tp2 = ParallelDims(tp=2, sp=True)
     eng = _engine(case["dcfg"], tp2, optimizer=True)
     eng.load_diffusers_state_dict(case["state"])
+    fast_paths = eng.fast_paths_active
     losses = [float(eng.train_step(mbs)["loss"]) for _ in range(3)]
     saved = {k: v.clone() for k, v in eng.iter_full_params()}  # replicated ones alias live params
     save_checkpoint(eng.chunks, ckpt, family="sd3", diffusers_config=case["dcfg"], optimizer=eng.optimizer)
@@ -46,7 +47,7 @@ def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     pp2 = dict(eng.iter_full_params())
     destroy_distributed()
     return {
-        "losses": losses, "step4": step4, "resumed4": resumed4,
+        "losses": losses, "step4": step4, "resumed4": resumed4, "fast_paths": fast_paths,
         "resume_param_err": max(float((after4[k] - resumed_after4[k]).abs().max()) for k in after4),
         "pp2_mismatch": sorted(k for k in saved if not torch.equal(saved[k], pp2.get(k, torch.empty(0)))),
         "moved": max(float((after4[k] - saved[k]).abs().max()) for k in saved),
