@@ -98,3 +98,4 @@ def tensor_sha256(t: torch.Tensor) -> str:
     h.update(repr(tuple(t.shape)).encode())
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaflow.bridge.buckets import tensor_sha256
+from megaflow.bridge.target import ModuleTarget
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, config_for_step, sigma_max_of, step
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
@@ -208,17 +208,9 @@ class DiffusersEngine:
         t0 = time.perf_counter()
         items = list(named_tensors)
         with self._lock:
-            own = self._dit_tensors()
-            bad = [n for n, t in items if n not in own or tuple(own[n].shape) != tuple(t.shape)]
-            if bad:
-                return WeightUpdateResult(ok=False, num_tensors=0, seconds=time.perf_counter() - t0,
-                                          message=f"unknown names or shape mismatch: {bad[:5]}")
-            with torch.no_grad():
-                for name, tensor in items:
-                    own[name].copy_(tensor)
-        return WeightUpdateResult(ok=True, num_tensors=len(items),
-                                  num_bytes=sum(t.numel() * t.element_size() for _, t in items),
-                                  seconds=time.perf_counter() - t0)
+            result = ModuleTarget(self.transformer, self.engine_id).update_weights(items)
+        result.seconds = time.perf_counter() - t0
+        return result
 
     def load_bucket(self, bucket) -> WeightUpdateResult:
         """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update."""
@@ -227,13 +219,7 @@ class DiffusersEngine:
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Re-hash the named DiT tensors (``megaflow.bridge.buckets.tensor_sha256``, the engine's recipe)."""
         with self._lock:
-            own = self._dit_tensors()
-            for name, digest in expected_sha256.items():
-                if name not in own:
-                    return False, f"tensor {name!r} not held by {self.engine_id}"
-                if tensor_sha256(own[name]) != digest:
-                    return False, f"tensor {name!r} differs from what was sent"
-        return True, f"{len(expected_sha256)} tensors match"
+            return ModuleTarget(self.transformer, self.engine_id).verify_weights(expected_sha256)
 
     def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
         """Load the DiT of a pipeline dir (``path/transformer``) or a transformer dir."""
