@@ -37,15 +37,21 @@ class ModelFamily:
     """Module with param_maps / to_megatron / to_diffusers / megatron_to_diffusers / split_dim."""
     pipeline_seq_length: Callable[..., int]
     """(config, num_image_tokens, num_context_tokens) -> seq_length for megatron's schedule."""
+    model_inputs: Callable[[Any, dict], dict]
+    """(config, trainer microbatch) -> the model's forward kwargs."""
+    microbatch_seq_length: Callable[[Any, dict], int]
+    """(config, trainer microbatch) -> seq_length for megatron's schedule."""
 
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
                      weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type) -> ModelFamily:
         """The family of a package laid out like ``megaflow.models.sd3``: ``config`` has
-        ``from_diffusers`` / ``to_diffusers``, ``model`` has ``pipeline_seq_length``."""
+        ``from_diffusers`` / ``to_diffusers``, ``model`` has ``pipeline_seq_length``, ``model_inputs``
+        and ``microbatch_seq_length``."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
-                   weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length)
+                   weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
+                   model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length)
 
 
 def family_names() -> tuple[str, ...]:

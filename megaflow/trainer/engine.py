@@ -132,17 +132,11 @@ class TrainEngine:
         """Run megatron's schedule over ``microbatches``; returns, on the last pipeline stage, the
         loss functions' metric dicts (or the raw velocities when ``loss_fn`` is None), else []."""
         first = microbatches[0]
-        p = self.config.patch_size
-        num_image = (first["latents"].shape[-2] // p) * (first["latents"].shape[-1] // p)
-        seq_length = self.family.pipeline_seq_length(
-            self.config, num_image, first["encoder_hidden_states"].shape[1])
-        scale = float(self.config.num_train_timesteps)
+        seq_length = self.family.microbatch_seq_length(self.config, first)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(latents=mb["latents"], timestep=mb["sigma"] * scale,
-                        encoder_hidden_states=mb["encoder_hidden_states"],
-                        pooled_projections=mb["pooled_projections"])
+            out = model(**self.family.model_inputs(self.config, mb))
             return out, (partial(_megatron_loss, loss_fn, mb) if loss_fn is not None else None)
 
         if not forward_only:

@@ -5,42 +5,16 @@ TP=1 megatron run (grads). The family-independent parts are in common_workers.py
 Module-level functions only: they are pickled by reference into the ranks. The ranks never import
 diffusers (slow); the parent computes the diffusers reference and passes it in a file.
 
-``FluxTrainEngine`` is TrainEngine with the family-specific part of ``forward_backward`` taken
-from the family (``model_inputs`` / ``microbatch_seq_length``): the change TrainEngine needs to
-train FLUX (see megaflow.models.flux.model).
+TrainEngine builds FLUX's forward inputs through the family (``model_inputs`` /
+``microbatch_seq_length`` in megaflow.models.flux.model).
 """
 from __future__ import annotations
 
-from functools import partial
-
 import megaflow  # noqa: F401  (import guards before megatron)
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megaflow.models.flux.model import microbatch_seq_length, model_inputs
-from megaflow.trainer.engine import TrainEngine, _megatron_loss
+from megaflow.trainer.engine import TrainEngine
 
 import common_workers
-
-
-class FluxTrainEngine(TrainEngine):
-    """TrainEngine whose forward step builds the model inputs with ``flux.model.model_inputs``."""
-
-    def forward_backward(self, microbatches, loss_fn, *, forward_only=False):
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            out = model(**model_inputs(self.config, mb))
-            return out, (partial(_megatron_loss, loss_fn, mb) if loss_fn is not None else None)
-
-        if not forward_only:
-            for m in self.model:
-                m.zero_grad_buffer()
-        iterators = [iter(microbatches) for _ in self.model]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model, num_microbatches=len(microbatches),
-            seq_length=microbatch_seq_length(self.config, microbatches[0]),
-            micro_batch_size=microbatches[0]["latents"].shape[0], forward_only=forward_only,
-        )
 
 
 def megatron_core_attention_spec(*, config, pp_rank, vp_stage):
@@ -52,11 +26,11 @@ def megatron_core_attention_spec(*, config, pp_rank, vp_stage):
     return get_flux_layer_spec("local", core_attention=DotProductAttention)
 
 
-def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> FluxTrainEngine:
+def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> TrainEngine:
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and an engine."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return common_workers.build_engine("flux", dcfg, layout, seed=seed, engine_class=FluxTrainEngine,
+    return common_workers.build_engine("flux", dcfg, layout, seed=seed,
                                        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
 
 

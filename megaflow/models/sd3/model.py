@@ -128,3 +128,20 @@ class SD3MMDiT(DiTModel):
         if self.post_process:
             return self._final(hidden, temb, height, width)
         return torch.cat([hidden, context, temb[None]], dim=0)
+
+
+def model_inputs(config: MMDiTConfig, microbatch: dict) -> dict:
+    """``SD3MMDiT.forward`` kwargs for a trainer microbatch.
+
+    Microbatch keys: latents [B, C, H, W] (x_t), sigma [B], encoder_hidden_states [B, L, D],
+    pooled_projections [B, P]. SD3's timestep input is sigma * num_train_timesteps."""
+    return dict(latents=microbatch["latents"], timestep=microbatch["sigma"] * float(config.num_train_timesteps),
+                encoder_hidden_states=microbatch["encoder_hidden_states"],
+                pooled_projections=microbatch["pooled_projections"])
+
+
+def microbatch_seq_length(config: MMDiTConfig, microbatch: dict) -> int:
+    """``seq_length`` for megatron's schedule for a trainer microbatch (see ``model_inputs``)."""
+    p = config.patch_size
+    num_image = (microbatch["latents"].shape[-2] // p) * (microbatch["latents"].shape[-1] // p)
+    return pipeline_seq_length(config, num_image, microbatch["encoder_hidden_states"].shape[1])
