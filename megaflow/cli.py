@@ -39,6 +39,13 @@ def _print_json(result: dict, as_json: bool) -> None:
 
 def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
+    if args.pipeline is not None:
+        from megaflow.evals.sample import brief, evaluate_pipeline
+        out_dir = args.out or args.pipeline.parent / f"{args.pipeline.name}-shapeeval"
+        result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
+                                         num_steps=args.steps, resolution=args.resolution, out_dir=out_dir))
+        _print_json(result, True)
+        return 0
     if args.ground_truth:
         result = evaluate_ground_truth(args.num, seed=args.seed, resolution=args.resolution)
     elif args.corrupt:
@@ -46,7 +53,7 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     elif args.images:
         result = evaluate_images(args.images)
     else:
-        raise ValueError("eval shapes needs --images DIR, --ground-truth or --corrupt KIND")
+        raise ValueError("eval shapes needs --pipeline DIR, --images DIR, --ground-truth or --corrupt KIND")
     _print_json(result, args.json)
     return 0
 
@@ -60,6 +67,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
     metrics = run(cfg)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import logging
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.model.pretrained:
+        raise ValueError("the demo needs model.pretrained (the shipped ShapeEval pipeline)")
+    if not (Path(cfg.model.pretrained) / "model_index.json").is_file():
+        raise ValueError(f"model.pretrained: {cfg.model.pretrained} is not a diffusers pipeline directory")
+    from megaflow.demo import run_demo
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_demo(cfg)
+    return 0
+
+
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from megaflow.pretrain.loop import run
+    result = run(cfg)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
     return 0
 
 
@@ -108,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
     p_train.set_defaults(handler=_cmd_train)
 
+    p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
+                            "ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
+    p_demo.add_argument("--config", "-c", default="configs/shapes_demo.toml", help="TOML run file.")
+    p_demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="Override one config value (repeatable).")
+    p_demo.set_defaults(handler=_cmd_demo)
+
+    p_pre = sub.add_parser("pretrain", help="Supervised rectified-flow pretraining of the ShapeEval pipeline "
+                           "(text encoders, VAE, then the DiT through megatron-core); writes <run dir>/pipeline.")
+    _add_config_args(p_pre)
+    p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
+    p_pre.set_defaults(handler=_cmd_pretrain)
+
     p_bench = sub.add_parser("bench", help="Benchmarks (print / write one JSON object).")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
     p_bt = bench_sub.add_parser("train", help="megaflow megatron SFT step vs diffusers SD3 step, same weights, TP=1.")
@@ -131,13 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
     p_shapes = eval_sub.add_parser("shapes", help="ShapeEval: score generated images, or the checker's ceiling "
                                    "on ground-truth renders.")
+    p_shapes.add_argument("--pipeline", type=Path, default=None,
+                          help="Diffusers pipeline dir: sample --num held-out prompts (+ --num-seen of the categories "
+                          "too small to split) through an SGLang engine, ODE, fixed seeds; prints JSON with 95%% "
+                          "intervals and saves the images, manifest and grid to --out.")
+    p_shapes.add_argument("--num-seen", type=int, default=60, help="Seen-category prompts with --pipeline.")
+    p_shapes.add_argument("--steps", type=int, default=10, help="Sampling steps with --pipeline.")
+    p_shapes.add_argument("--out", type=Path, default=None,
+                          help="Where --pipeline writes its images (default: <pipeline>-shapeeval beside it).")
     p_shapes.add_argument("--images", type=Path, default=None,
                           help="Folder of images; prompts from manifest.jsonl or file names.")
     p_shapes.add_argument("--ground-truth", action="store_true",
                           help="Render --num held-out ground-truth images and score them.")
     p_shapes.add_argument("--corrupt", default=None, metavar="KIND",
                           help="Render corrupted variants (colour, count, position, ...) and score them.")
-    p_shapes.add_argument("--num", type=int, default=200, help="Images for --ground-truth / --corrupt.")
+    p_shapes.add_argument("--num", type=int, default=300, help="Images for --pipeline / --ground-truth / --corrupt.")
     p_shapes.add_argument("--seed", type=int, default=0)
     p_shapes.add_argument("--resolution", type=int, default=32)
     p_shapes.add_argument("--json", action="store_true", help="Print one JSON object.")

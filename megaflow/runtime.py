@@ -34,6 +34,17 @@ def resolve_pipeline(cfg: MegaflowConfig, run_dir: Path) -> Path:
     return path
 
 
+def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowConfig:
+    """``cfg`` with ``rollout.max_sequence_length`` = the pipeline's declared prompt length when left at 0."""
+    import dataclasses
+
+    from megaflow.evals.sample import pipeline_text_len
+    declared = pipeline_text_len(pipeline_dir)
+    if cfg.rollout.max_sequence_length or declared is None:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_sequence_length=declared))
+
+
 def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     """(TrainEngine with optimizer, reference TrainEngine or None), loaded from the pipeline's DiT."""
     from safetensors.torch import load_file

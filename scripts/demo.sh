@@ -11,4 +11,4 @@ VENV="$(bash scripts/setup_env.sh | tail -n 1)"
 # This checkout first on the path, even if the shared venv's editable install points at another clone.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/megaflow" train -c configs/cpu_demo.toml "$@"
+exec "$VENV/bin/megaflow" demo -c configs/shapes_demo.toml "$@"

@@ -17,12 +17,20 @@ Sources
 - Train/rollout mismatch (slime ``examples/train_infer_mismatch_helper/mis.py``, verl rollout IS):
   log r = logp_old_train − logp_rollout aggregated per "step", per "trajectory" (sum over the trained
   steps) or "geometric" (mean over them); w = exp(log r). TIS: w ← clamp(w, lower, upper); MIS
-  (rejection): w ← 0 and the step dropped from the mean where w ∉ [lower, upper]. The weights multiply
-  the per-step policy loss (they carry no gradient); the KL term is not reweighted.
+  (rejection): w ← 0 and the step dropped from the mean where w ∉ [lower, upper] (with a ``normalizer``
+  a rejected step adds 0 and still counts in N). The weights multiply the per-step policy loss (they
+  carry no gradient); the KL term is not reweighted.
 
 Shapes: per-step tensors are ``[B]`` (one step at a time) or ``[B, T]`` (steps stacked); advantages are
 ``[B]`` (broadcast over steps) or the log-prob shape; ``mask`` (bool, the log-prob shape) selects what
 enters the means. Stats are detached 0-dim tensors (no host sync); call ``float()`` to log.
+
+Reduction: by default the loss is the mean over the masked-in entries of this call. With
+``normalizer=N`` it is their SUM divided by N: the trainer passes the global count of real (sample, step)
+items of one optimizer step, so every item has weight 1/N whatever the microbatch / DP split (flow_grpo's
+equal weighting). Masked-out entries never reach the arithmetic: their log-probs, advantages, weights and
+reference means are replaced (``torch.where``) before use, so NaN / ±inf there cannot turn the loss, the
+KL or the gradient into NaN (a multiply-by-zero mask would: 0·NaN = NaN).
 """
 from __future__ import annotations
 
@@ -115,9 +123,22 @@ def _mask_like(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return mask.to(device=like.device, dtype=torch.bool)
 
 
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over ``mask``; masked-out entries are dropped by ``torch.where`` (NaN/inf there stay out)."""
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp(min=1)
+    return _masked_sum(values, mask) / mask.sum().clamp(min=1).to(values.dtype)
+
+
+def _reduce(values: torch.Tensor, mask: torch.Tensor, normalizer) -> torch.Tensor:
+    """Masked mean (``normalizer`` None) or masked sum / normalizer."""
+    if normalizer is None:
+        return _masked_mean(values, mask)
+    if not float(normalizer) > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
+    return _masked_sum(values, mask) / normalizer
 
 
 def _broadcast_adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -130,24 +151,27 @@ def _broadcast_adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor
 
 
 def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, *,
-                  clip_range: float, mask: torch.Tensor | None = None,
-                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Masked mean of ``w·max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))``; ``weights`` (TIS/MIS) default 1."""
+                  clip_range: float, mask: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                  normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``w·max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` reduced over ``mask`` (mean, or sum / ``normalizer``);
+    ``weights`` (TIS/MIS) default 1. Stats are means over the masked-in entries of this call."""
     if log_prob.shape != old_log_prob.shape:
         raise ValueError(f"log_prob {tuple(log_prob.shape)} and old_log_prob {tuple(old_log_prob.shape)} differ")
     mask = _mask_like(mask, log_prob)
-    adv = _broadcast_adv(advantages, log_prob)
-    delta = log_prob - old_log_prob.detach()
+    zero = torch.zeros((), dtype=torch.float32, device=log_prob.device)
+    adv = torch.where(mask, _broadcast_adv(advantages, log_prob), zero)
+    old = old_log_prob.detach().to(device=log_prob.device)
+    delta = torch.where(mask, log_prob - torch.where(mask, old, log_prob.detach()), zero)
     ratio = torch.exp(delta)
     per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
     if weights is not None:
-        per = per * weights.detach().to(per.dtype)
-    loss = _masked_mean(per, mask)
+        per = per * torch.where(mask, weights.detach().to(device=per.device, dtype=per.dtype), zero)
+    loss = _reduce(per, mask, normalizer)
     with torch.no_grad():
         r = ratio.detach()
         any_kept = bool(mask.any())
         stats = {
-            "policy_loss": loss.detach(),
+            "policy_loss": loss.detach() if normalizer is None else _masked_mean(per.detach(), mask),
             "clip_frac": _masked_mean(((r - 1).abs() > clip_range).float(), mask),
             "approx_kl": _masked_mean(0.5 * delta.detach() ** 2, mask),
             "ratio_mean": _masked_mean(r, mask),
@@ -172,15 +196,17 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -
 
 def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                    config: LossConfig, ref_mean: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                   is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   is_weights: torch.Tensor | None = None,
+                   normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total FlowGRPO loss ``L_pg + β·KL`` of a recomputed step (or stacked steps).
 
     ``policy`` is ``transition_log_prob`` under the trained weights (its log_prob/mean carry the graph);
     ``ref_mean`` is the reference model's μ for the same x (needed iff β > 0). KL on a kept step with
-    std 0 (CPS last step, ODE) raises ValueError: such steps must be masked out.
+    std 0 (CPS last step, ODE) raises ValueError: such steps must be masked out. Both terms are reduced
+    the same way (mean over ``mask``, or sum / ``normalizer``); stats are means over ``mask``.
     """
     loss, stats = ppo_clip_loss(policy.log_prob, old_log_prob, advantages, clip_range=config.clip_range,
-                                mask=mask, weights=is_weights)
+                                mask=mask, weights=is_weights, normalizer=normalizer)
     if config.beta > 0:
         if ref_mean is None:
             raise ValueError(f"beta={config.beta} > 0 needs ref_mean (the reference policy's step mean)")
@@ -188,10 +214,13 @@ def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages
         std = policy.std_dev_t if config.kl_std == "flow_grpo" else policy.std
         if bool(((std == 0) & keep).any()):
             raise ValueError("KL on a step with std 0 (CPS sigma_next=0 or ODE): mask those steps out")
-        kl = _masked_mean(gaussian_kl(policy.mean, ref_mean, std), keep)
-        loss = loss + config.beta * kl
-        stats["kl"] = kl.detach()
-    stats["loss"] = loss.detach()
+        lead = keep.view(*keep.shape, *([1] * (policy.mean.dim() - keep.dim())))
+        ref = torch.where(lead, ref_mean.detach().to(policy.mean.device), policy.mean.detach())
+        per_step = gaussian_kl(policy.mean, ref, torch.where(keep, std, torch.ones_like(std)))
+        kl_term = _reduce(per_step, keep, normalizer)
+        loss = loss + config.beta * kl_term
+        stats["kl"] = _masked_mean(per_step.detach(), keep)
+    stats["loss"] = stats["policy_loss"] + config.beta * stats["kl"] if config.beta > 0 else stats["policy_loss"]
     return loss, stats
 
 
@@ -240,18 +269,27 @@ def mismatch_weights(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
 
 
 def train_step_indices(num_steps: int, transition: TransitionConfig,
-                       sde_step_indices: Sequence[int] | None = None) -> list[int]:
+                       sde_step_indices: Sequence[int] | None = None, *,
+                       timestep_fraction: float = 1.0) -> list[int]:
     """The denoising steps to train: the stochastic ones (FlowGRPO-Fast: only the SDE window).
 
     ODE steps have log-prob 0 and no policy ratio; with CPS the last step (σ' = 0) is deterministic
     (std 0) and is left out as well. An all-ODE rollout has nothing to train: ValueError.
+    Without a window only steps ``t < int(num_steps · timestep_fraction)`` are trained (flow_grpo
+    ``train_sd3.py``: 0.99 leaves the last step out); with a window every window step is trained and
+    ``timestep_fraction`` is not used (flow_grpo ``train_sd3_fast.py``).
     """
     if transition.kind == "ode":
         raise ValueError("an ode rollout has no stochastic step to train on; use kind 'sde' or 'cps'")
+    if not 0 < timestep_fraction <= 1:
+        raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction!r}")
     mask = sde_step_mask(num_steps, sde_step_indices)
     if transition.kind == "cps":
         mask[num_steps - 1] = False
+    if sde_step_indices is None:
+        mask[int(num_steps * timestep_fraction):] = False
     steps = mask.nonzero().flatten().tolist()
     if not steps:
-        raise ValueError(f"no trainable step among sde_step_indices={sde_step_indices!r} for {transition.kind}")
+        raise ValueError(f"no trainable step among sde_step_indices={sde_step_indices!r} for {transition.kind} "
+                         f"(num_steps={num_steps}, timestep_fraction={timestep_fraction})")
     return steps

@@ -65,7 +65,15 @@ class RolloutConfig:
     sde_type: str = opt("sde", "Rollout transition: sde, cps or ode.", choices=("sde", "cps", "ode"))
     noise_level: float = opt(0.7, "SDE/CPS noise level a (0.7 SDE, 0.8 CPS in flow_grpo).", ge=0.0, le=1.0)
     sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.")
+    sde_window_size: int = opt(0, "FlowGRPO-Fast: > 0 draws a fresh window of this many consecutive SDE steps every "
+                               "iteration (seeded by run.seed and the iteration; start uniform in sde_window_range); "
+                               "the engine samples SDE only there, ODE elsewhere, and only window steps are trained. "
+                               "0 = off. Excludes sde_window.", ge=0)
+    sde_window_range: list = opt([], "FlowGRPO-Fast: [lo, hi], the window lies inside steps lo .. hi-1 "
+                                 "(0 <= lo < hi <= num_steps); empty = [0, num_steps].")
     log_prob_no_const: bool = opt(False, "Use -mean((x'-mu)^2) log-probs (required with CPS).")
+    max_sequence_length: int = opt(0, "Prompt length in tokens for every text encoder (SGLang pads each to it); "
+                                   "0 = what the pipeline declares in its megaflow.json, else the engine default.", ge=0)
     max_batch_outputs: int = opt(16, "Engine batching: most samples merged into one denoising call (a group "
                                  "larger than this still runs whole).", ge=1)
     batch_window_ms: float = opt(5.0, "Engine batching: wait this long for more requests to merge.", ge=0.0)
@@ -75,7 +83,12 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    clip_range: float = opt(1e-4, "PPO clip epsilon on the per-step ratio.", gt=0.0)
+    clip_range: float = opt(0.0, "PPO clip epsilon on the per-step ratio; 0 = auto as flow_grpo: 1e-4 for SDE, "
+                            "1e-5 for CPS or with an SDE window (rollout.sde_window / sde_window_size).",
+                            ge=0.0, lt=1.0)
+    timestep_fraction: float = opt(0.99, "Without an SDE window, train steps t < int(num_steps * fraction) "
+                                   "(flow_grpo: 0.99 leaves the last step out); not used with a window.",
+                                   gt=0.0, le=1.0)
     kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off).", ge=0.0)
     adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip].", gt=0.0)
     std_mode: str = opt("batch", "Advantage std over the whole batch (flow_grpo) or per group.",
@@ -103,6 +116,11 @@ class TrainConfig:
     weight_decay: float = opt(1e-4, "AdamW weight decay.", ge=0.0)
     grad_clip: float = opt(1.0, "Global grad-norm clip (0 = off).", ge=0.0)
     micro_batch_size: int = opt(4, "Samples per micro-batch in the trainer.", ge=1)
+    num_inner_epochs: int = opt(1, "Passes over each rollout batch (flow_grpo train.num_inner_epochs); kept samples "
+                                "are reshuffled each pass (seeded by run.seed and the iteration).", ge=1)
+    num_minibatches: int = opt(1, "Optimizer steps per pass: kept samples are split into this many minibatches "
+                               "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
+                               "sampling policy, so from the second step on the clip acts on a stale policy.", ge=1)
     save_every: int = opt(0, "Save a checkpoint every N iterations (0 = only at the end).", ge=0)
 
 
@@ -121,6 +139,41 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """ShapeEval of the model before and after training (``megaflow demo``)."""
+
+    num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.", ge=1)
+    num_seen: int = opt(60, "Prompts of the categories too small to split, reported apart as seen.", ge=0)
+    seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0)
+    num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0)
+
+
+@dataclass(kw_only=True)
+class PretrainConfig:
+    """``megaflow pretrain``: supervised rectified flow on ground-truth ShapeEval renders of TRAIN prompts."""
+
+    resolution: int = opt(32, "Image side in pixels (latents are resolution/2 with the trained VAE).",
+                          choices=(32, 64))
+    num_layers: int = opt(5, "DiT (SD3 MMDiT) blocks.", ge=1)
+    num_heads: int = opt(4, "DiT attention heads.", ge=1)
+    head_dim: int = opt(32, "DiT attention head width (hidden = num_heads * head_dim).", ge=8)
+    text_steps: int = opt(300, "Optimizer steps of the CLIP scene-parsing objective (megaflow.pretrain.text).", ge=0)
+    vae_steps: int = opt(500, "Optimizer steps of the VAE autoencoder training.", ge=1)
+    num_images: int = opt(40000, "Ground-truth renders pre-encoded once (the training pool).", ge=64)
+    batch_size: int = opt(64, "Images per optimizer step (global, split over data-parallel ranks).", ge=1)
+    lr: float = opt(1e-3, "AdamW learning rate (linear warm-up, then constant).", gt=0.0)
+    warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0.0)
+    ema_decay: float = opt(0.999, "EMA of the weights; evaluation and the saved pipeline use the EMA.", ge=0.0, lt=1.0)
+    prompt_dropout: float = opt(0.1, "Share of images trained with the empty prompt (enables CFG).", ge=0.0, lt=1.0)
+    minutes: float = opt(60.0, "Wall-clock budget of the DiT phase (stops at minutes or max_steps).", gt=0.0)
+    max_steps: int = opt(1_000_000, "Most DiT optimizer steps.", ge=1)
+    eval_every: int = opt(500, "Evaluate on held-out prompts and save the pipeline every N steps.", ge=1)
+    eval_prompts: int = opt(100, "Held-out prompts sampled per evaluation (balanced over held-out categories).", ge=1)
+    sample_steps: int = opt(10, "Deterministic (ODE) sampling steps in evaluations.", ge=1)
+
+
+@dataclass(kw_only=True)
 class MegaflowConfig:
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run-wide settings."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model family and weights."})
@@ -132,3 +185,5 @@ class MegaflowConfig:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
     bridge: BridgeConfig = field(default_factory=BridgeConfig, metadata={"help": "Weight-update bridge."})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics."})
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig, metadata={"help": "megaflow pretrain."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "ShapeEval before/after (megaflow demo)."})

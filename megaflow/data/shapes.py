@@ -17,8 +17,9 @@ position       2 groups (different shapes) + relation      "a circle left of a s
 composite      2 coloured groups, counts, relation         "two red circles left of a blue square"
 =============  ==========================================  ====================================
 
-Train and held-out eval prompt sets are a deterministic, seeded, disjoint split of every
-category's prompt universe (``split_prompts``). Rendering lives in ``shape_render``, checking in
+Train and held-out eval prompt sets are a deterministic, seeded split (``split_prompts``): held-out
+prompts are new combinations of words seen in training; the two smallest categories cannot be
+split and are reported apart as seen during training (``SEEN_CATEGORIES``). Rendering lives in ``shape_render``, checking in
 ``megaflow.evals.shapes``.
 """
 from __future__ import annotations
@@ -184,25 +185,62 @@ def _universe(category: str) -> list[Scene]:
     raise ValueError(f"unknown ShapeEval category: {category!r} (known: {', '.join(CATEGORIES)})")
 
 
+# Categories whose universe is too small to hold anything out (3 and 6 prompts): every prompt is
+# trained on, and evaluation reports them apart, as seen during training.
+SEEN_CATEGORIES: tuple[str, ...] = ("single_object", "two_object")
+HELD_OUT_CATEGORIES: tuple[str, ...] = tuple(c for c in CATEGORIES if c not in SEEN_CATEGORIES)
+# Held-out share per category: a third of the small universes (colors 18 -> 6, counting 9 -> 3,
+# position 24 -> 8), a quarter of the large ones (color_attr 180 -> 45, composite 6120 -> 1530).
+_HOLDOUT_FRACTION = {"colors": 1 / 3, "counting": 1 / 3, "position": 1 / 3}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptSplit:
-    """Disjoint train / held-out eval scenes per category."""
+    """Train / eval scenes per category. For ``HELD_OUT_CATEGORIES`` the two are disjoint; for
+    ``SEEN_CATEGORIES`` both hold the whole universe (reported apart as seen during training)."""
 
     train: dict[str, tuple[Scene, ...]]
     eval: dict[str, tuple[Scene, ...]]
 
 
+def _attributes(scene: Scene) -> set[tuple]:
+    """Every (slot, attribute, value) a scene uses: the words a held-out combination must still teach."""
+    out = {("relation", scene.relation)}
+    for i, g in enumerate(scene.groups):
+        out |= {(i, "shape", g.shape), (i, "color", g.color), (i, "count", g.count)}
+    return out
+
+
 def split_prompts(*, seed: int = 0, eval_fraction: float = 0.25) -> PromptSplit:
-    """Deterministically shuffle each category's universe with ``seed`` and hold out
-    ``eval_fraction`` of it (at least one scene, at least one left for training)."""
+    """Hold out combinations, not words: each held-out category's universe is shuffled with ``seed``
+    and scenes are held out (``eval_fraction``, or a third of the small universes) only while every
+    attribute they use -- shape, colour, count per group, relation -- still occurs in that category's
+    training scenes. So a held-out prompt is a new combination of seen words."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     train, held = {}, {}
     for i, cat in enumerate(CATEGORIES):
         scenes = _universe(cat)
+        if cat in SEEN_CATEGORIES:
+            train[cat] = held[cat] = tuple(scenes)
+            continue
         random.Random(seed * 1000 + i).shuffle(scenes)
-        num_eval = min(len(scenes) - 1, max(1, round(eval_fraction * len(scenes))))
-        held[cat], train[cat] = tuple(scenes[:num_eval]), tuple(scenes[num_eval:])
+        want = max(1, round(_HOLDOUT_FRACTION.get(cat, eval_fraction) * len(scenes)))
+        counts: dict[tuple, int] = {}
+        for s in scenes:
+            for a in _attributes(s):
+                counts[a] = counts.get(a, 0) + 1
+        chosen = []
+        for s in scenes:
+            if len(chosen) == want:
+                break
+            attrs = _attributes(s)
+            if all(counts[a] > 1 for a in attrs):
+                chosen.append(s)
+                for a in attrs:
+                    counts[a] -= 1
+        picked = set(chosen)
+        held[cat], train[cat] = tuple(chosen), tuple(s for s in scenes if s not in picked)
     return PromptSplit(train=train, eval=held)
 
 

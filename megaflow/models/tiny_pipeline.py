@@ -42,8 +42,19 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, map(chr, chars)))
 
 
-def make_clip_tokenizer():
-    """Byte-level BPE: every byte (plain and word-final), plus left-to-right merges spelling _WORDS."""
+def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Byte-pair encoding of one word: repeatedly merge the lowest-ranked adjacent pair."""
+    while len(symbols) > 1:
+        pairs = [(ranks.get(p, len(ranks)), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == len(ranks):
+            break
+        symbols = symbols[:i] + [symbols[i] + symbols[i + 1]] + symbols[i + 2:]
+    return symbols
+
+
+def make_clip_tokenizer(words: tuple[str, ...] = _WORDS):
+    """Byte-level BPE: every byte (plain and word-final), plus left-to-right merges spelling ``words``."""
     from transformers import CLIPTokenizer
 
     alphabet = list(_bytes_to_unicode().values())
@@ -51,35 +62,33 @@ def make_clip_tokenizer():
     for tok in alphabet + [c + "</w>" for c in alphabet]:
         vocab.setdefault(tok, len(vocab))
     merges: list[tuple[str, str]] = []
-    for word in _WORDS:
-        symbols = list(word[:-1]) + [word[-1] + "</w>"]
-        left = symbols[0]
-        for right in symbols[1:]:
-            if (left, right) not in merges:
-                merges.append((left, right))
-            left = left + right
-            vocab.setdefault(left, len(vocab))
+    for word in words:  # add merges until each word is one token under the merges so far (exact BPE order)
+        symbols = _bpe(list(word[:-1]) + [word[-1] + "</w>"], {m: r for r, m in enumerate(merges)})
+        while len(symbols) > 1:
+            merges.append((symbols[0], symbols[1]))
+            symbols = [symbols[0] + symbols[1]] + symbols[2:]
+            vocab.setdefault(symbols[0], len(vocab))
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab[special] = len(vocab)
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=_CLIP_MAX_LEN)
 
 
-def make_t5_tokenizer():
+def make_t5_tokenizer(words: tuple[str, ...] = _WORDS):
     """Unigram vocab: <pad>, </s>, <unk>, then '▁'-prefixed words and single characters."""
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [("▁" + w, -1.0) for w in _WORDS]
+    pieces += [("▁" + w, -1.0) for w in words]
     pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def make_clip_encoder(tokenizer, *, hidden: int, seed: int, with_projection: bool):
-    """A 2-layer CLIP text encoder whose special-token ids match ``tokenizer``."""
+def make_clip_encoder(tokenizer, *, hidden: int, seed: int, with_projection: bool, num_layers: int = 2):
+    """A ``num_layers`` CLIP text encoder whose special-token ids match ``tokenizer``."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
         num_attention_heads=2, max_position_embeddings=_CLIP_MAX_LEN, projection_dim=hidden,
         hidden_act="quick_gelu", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

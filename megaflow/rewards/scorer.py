@@ -39,7 +39,9 @@ class RewardScores:
 
     def summary(self) -> dict[str, float]:
         """JSON-able means over valid samples (NaN-free), for logging."""
-        out = {"reward/total": _nanmean(self.total), "reward/masked_frac": float((~self.valid).float().mean())}
+        finite = self.total[torch.isfinite(self.total)]
+        out = {"reward/total": _nanmean(self.total), "reward/masked_frac": float((~self.valid).float().mean()),
+               "reward/total_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan")}
         for label, v in self.components.items():
             out[f"reward/{label}"] = _nanmean(v)
             out[f"reward/{label}_seconds"] = self.seconds[label]

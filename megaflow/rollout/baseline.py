@@ -65,7 +65,7 @@ def _batch_key(r: RolloutRequest) -> tuple:
     """Requests with equal keys share one denoising loop (same grid, shapes and transition)."""
     window = tuple(r.sde_step_indices) if r.sde_step_indices is not None else None
     return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, window, r.log_prob_no_const,
-            r.do_cfg, r.guidance_scale if r.do_cfg else 1.0, r.return_images)
+            r.do_cfg, r.guidance_scale if r.do_cfg else 1.0, r.return_images, r.max_sequence_length)
 
 
 class DiffusersEngine:
@@ -86,15 +86,22 @@ class DiffusersEngine:
             raise ValueError("scheduler uses dynamic shifting: the baseline supports SD3's static shift only")
         self._shift = float(scheduler_cfg.get("shift", 1.0))
         self._num_train_timesteps = int(scheduler_cfg.get("num_train_timesteps", 1000))
+        self.text_len: int | None = None
+        """Prompt length the pipeline declares (megaflow.json; set by ``from_pretrained``): the default of
+        requests without ``max_sequence_length``."""
 
     @classmethod
     def from_pretrained(cls, pipeline_dir: str, *, config: DiffusersEngineConfig | None = None) -> DiffusersEngine:
         """Load the fp32 SD3 pipeline of ``pipeline_dir`` (model_index.json + components) on CPU."""
         from diffusers import StableDiffusion3Pipeline
 
+        from megaflow.evals.sample import pipeline_text_len
+
         pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, config=config)
+        engine = cls(pipe, config=config)
+        engine.text_len = pipeline_text_len(pipeline_dir)
+        return engine
 
     # ---------------------------------------------------------------- sampling
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
@@ -138,8 +145,22 @@ class DiffusersEngine:
         return trajs
 
     def _encode(self, requests: list[RolloutRequest]) -> dict[str, torch.Tensor]:
-        """Text conditioning, one row per request (each prompt encoded once, shared by its group)."""
+        """Text conditioning, one row per request (each prompt encoded once, shared by its group).
+
+        With a prompt length (the request's ``max_sequence_length``, else the pipeline's declared one) every
+        text encoder, CLIP included, gets prompts padded to it, as SGLang encodes such a request
+        (``megaflow.pretrain.pipeline.encode_prompts``); otherwise diffusers' ``encode_prompt``."""
         r0 = requests[0]
+        seq_len = r0.max_sequence_length or self.text_len
+        if seq_len:
+            from megaflow.pretrain.pipeline import encode_prompts
+            pe, ppe = encode_prompts(self.pipe, [r.prompt for r in requests], max_sequence_length=seq_len)
+            cond = {"encoder_hidden_states": pe, "pooled_projections": ppe}
+            if r0.do_cfg:
+                npe, nppe = encode_prompts(self.pipe, [r.negative_prompt for r in requests],
+                                           max_sequence_length=seq_len)
+                cond.update(negative_encoder_hidden_states=npe, negative_pooled_projections=nppe)
+            return cond
         pe, npe, ppe, nppe = self.pipe.encode_prompt(
             prompt=[r.prompt for r in requests], prompt_2=None, prompt_3=None, device=torch.device("cpu"),
             num_images_per_prompt=1, do_classifier_free_guidance=r0.do_cfg,

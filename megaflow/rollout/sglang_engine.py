@@ -133,7 +133,8 @@ class _Item:
 def _sampling_signature(r: RolloutRequest) -> tuple:
     """Requests with equal signatures can share one denoising batch."""
     return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
-            tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale)
+            tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
+            r.max_sequence_length)
 
 
 class SGLangEngine:
@@ -514,6 +515,8 @@ class _EngineServer:
             rollout_debug_mode=return_model_outputs, save_output=False, suppress_logs=not log_request)
         if r0.do_cfg:
             kwargs["negative_prompt"] = r0.negative_prompt
+        if r0.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = r0.max_sequence_length
         sampling = SamplingParams.from_user_sampling_params_args(
             self.server_args.model_path, server_args=self.server_args, **kwargs)
         req = prepare_request(server_args=self.server_args, sampling_params=sampling)

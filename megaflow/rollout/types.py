@@ -49,6 +49,8 @@ class RolloutRequest:
     """Steps sampled stochastically (the SDE window); other steps are ODE with log-prob 0. None = all."""
     log_prob_no_const: bool = False
     """Log-prob without the Gaussian constants: -mean((x' - mu)^2). Required for CPS (sigma' = 0 at the end)."""
+    max_sequence_length: int | None = None
+    """Prompt length in tokens for every text encoder (SGLang pads each to it); None = the pipeline's default."""
     return_images: bool = True
     """Decode latents to images (needed for rewards; off for pure log-prob checks)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -1,18 +1,30 @@
-"""FlowGRPO in the megatron trainer: trajectories -> (sample, step) microbatches -> PPO-clip loss.
+"""FlowGRPO in the megatron trainer: trajectories -> optimizer steps -> PPO-clip loss, flow_grpo's semantics.
 
 Each trained item is one denoising step of one kept sample: the trainer recomputes
 log p_theta(x_{t+1} | x_t) with its own velocity (the engine's log-prob depends only on the noise
 and the sigma grid, FACTS §3, so it cannot stand in for the policy's) and applies the FlowGRPO
-objective (megaflow.algo.loss). One optimizer step per rollout batch, accumulated over all
-microbatches through megatron's schedule, as flow_grpo accumulates over timesteps.
+objective (megaflow.algo.loss). ``grpo_update`` runs flow_grpo's inner loop over one rollout batch
+(``num_inner_epochs`` x ``num_minibatches`` optimizer steps, megaflow.trainer.grpo_batches);
+``grpo_train_step`` is one optimizer step, accumulated over microbatches through megatron's schedule.
 
-Old policy: with one update per batch, the policy before the update IS the sampling policy, so
-``old_log_prob`` is the engine's rollout log-prob; with mismatch correction on, the trainer's own
-detached log-prob is the old policy and w = f(exp(logp_train - logp_rollout)) reweights the loss
-(TIS / MIS, megaflow.algo.loss.mismatch_weights).
+Equal weighting (flow_grpo: every loss is a mean over the samples of a timestep batch, accumulated
+over timesteps, all batches equal-sized): every real (sample, step) item of an optimizer step has
+weight 1/N in the gradient, N = the global count of real items of that step (all microbatches, all
+DP ranks). megatron's legacy loss path (a 2-tuple from the loss function) multiplies each
+microbatch loss by cp/M (M = microbatches on this rank) and DDP averages grads over the dp·cp ranks
+(``DistributedDataParallel``: gradient_scaling_factor = 1/dp_cp_size unless
+``calculate_per_token_loss``), so the loss function returns (sum over its real items) / (N / (M·dp)):
+the factors cancel to Σ_items / N on every layout. Padding items (``real=False``) are masked with
+``torch.where`` and add exactly zero (and can hold NaN/inf without harm, megaflow.algo.loss).
 
-Data parallelism: every rank receives the whole batch; DP rank r trains items r, r + dp, ...,
-padded with zero-advantage copies so every DP rank runs the same number of microbatches.
+Old policy: ``old_log_prob`` is the engine's rollout (sampling-time) log-prob, as in flow_grpo, in
+every optimizer step, so from the second step on the ratio and the clip see a stale policy. With
+mismatch correction on, the old policy is the TRAINER's log-prob under the weights before the first
+update (one extra forward pass over all items when there are several optimizer steps) and
+w = f(exp(logp_old_train − logp_rollout)) reweights the loss (TIS / MIS, megaflow.algo.loss).
+
+CFG: with ``do_cfg`` trajectories the DiT runs both branches and the loss uses the guided velocity
+(grpo_batches.guided_velocity), as the engine sampled with it.
 """
 from __future__ import annotations
 
@@ -24,8 +36,18 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
-from megaflow.flow.step import TransitionConfig, sigma_max_of, transition_log_prob, transition_mean_std
+from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
 from megaflow.rollout.types import Trajectory
+from megaflow.trainer.grpo_batches import (
+    guided_velocity,
+    microbatches_for,
+    num_samples,
+    plan_updates,
+    policy_input,
+)
+
+_MAX_KEYS = ("logp_abs_diff_rollout", "ratio_max")
+_MIN_KEYS = ("ratio_min",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,97 +56,195 @@ class GRPOSettings:
     loss: LossConfig
     mismatch: MismatchConfig | None = None
     micro_batch_size: int = 4
+    num_inner_epochs: int = 1
+    """Passes over one rollout batch (flow_grpo ``train.num_inner_epochs``)."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass: kept samples are shuffled and split into this many minibatches."""
 
-
-def _items(trajs: Sequence[Trajectory], keep: torch.Tensor, steps: Sequence[int]) -> list[tuple[int, int]]:
-    return [(i, t) for i in range(len(trajs)) if bool(keep[i]) for t in steps]
-
-
-def _dp_slice(items: list, micro_batch_size: int) -> tuple[list, list[bool]]:
-    """This DP rank's items (strided), padded to a whole number of equal-count microbatches."""
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = -(-len(items) // dp)
-    per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
-    mine = items[rank::dp]
-    real = [True] * len(mine) + [False] * (per_rank - len(mine))
-    mine = mine + [items[0]] * (per_rank - len(mine))
-    return mine, real
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "num_inner_epochs", "num_minibatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def build_microbatches(trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                        steps: Sequence[int], micro_batch_size: int, device: torch.device) -> list[dict]:
-    """Stack (sample, step) items into microbatches (the TrainEngine microbatch protocol + GRPO keys)."""
-    items = _items(trajs, keep, steps)
-    if not items:
-        return []
-    mine, real = _dp_slice(items, micro_batch_size)
-    out = []
-    for start in range(0, len(mine), micro_batch_size):
-        chunk, is_real = mine[start:start + micro_batch_size], real[start:start + micro_batch_size]
-        tr = [trajs[i] for i, _ in chunk]
-        ts = [t for _, t in chunk]
-        adv = torch.stack([advantages[i] for i, _ in chunk]).float()
-        adv = adv * torch.tensor(is_real, dtype=torch.float32)
-        mb = {
-            "latents": torch.stack([x.latents[t] for x, t in zip(tr, ts)]),
-            "x_next": torch.stack([x.latents[t + 1] for x, t in zip(tr, ts)]),
-            "sigma": torch.stack([x.sigmas[t] for x, t in zip(tr, ts)]).float(),
-            "sigma_next": torch.stack([x.sigmas[t + 1] for x, t in zip(tr, ts)]).float(),
-            "sigma_max": torch.stack([sigma_max_of(x.sigmas) for x in tr]).float(),
-            "encoder_hidden_states": torch.stack([x.conditioning["encoder_hidden_states"] for x in tr]),
-            "pooled_projections": torch.stack([x.conditioning["pooled_projections"] for x in tr]),
-            "rollout_log_prob": torch.stack([x.log_probs[t] for x, t in zip(tr, ts)]).float(),
-            "advantages": adv,
-            "real": torch.tensor(is_real),
-        }
-        out.append({k: v.to(device) for k, v in mb.items()})
-    return out
+    """This DP rank's microbatches of ONE optimizer step over every kept (sample, step) item."""
+    (items,) = plan_updates(_kept(keep), steps) or [[]]
+    return microbatches_for(trajs, advantages, items, micro_batch_size, device)
+
+
+def _kept(keep: torch.Tensor) -> list[int]:
+    return [i for i in range(len(keep)) if bool(keep[i])]
+
+
+def _velocity_mean(mb: dict, velocity: torch.Tensor, transition: TransitionConfig) -> torch.Tensor:
+    v = guided_velocity(velocity.detach(), mb)
+    mean, _, _ = transition_mean_std(policy_input(mb), v, mb["sigma"][:num_samples(mb)], mb["sigma_next"],
+                                     sigma_max=mb["sigma_max"], config=transition)
+    return mean
 
 
 def attach_reference(ref_engine, microbatches: list[dict], transition: TransitionConfig) -> None:
     """Add ``ref_mean`` (the frozen reference policy's step mean) to every microbatch (for the KL)."""
     velocities = ref_engine.forward_backward(microbatches, None, forward_only=True)
     for mb, v in zip(microbatches, velocities):  # empty on non-last pipeline stages (no loss there)
-        mean, _, _ = transition_mean_std(mb["latents"], v.detach(), mb["sigma"], mb["sigma_next"],
-                                         sigma_max=mb["sigma_max"], config=transition)
-        mb["ref_mean"] = mean.detach()
+        mb["ref_mean"] = _velocity_mean(mb, v, transition).detach()
 
 
-def grpo_loss(velocity: torch.Tensor, mb: dict, *, settings: GRPOSettings):
-    """Loss of one microbatch (runs on the last pipeline stage); returns (loss, detached stats)."""
-    policy = transition_log_prob(mb["latents"], velocity, mb["x_next"], mb["sigma"], mb["sigma_next"],
-                                 sigma_max=mb["sigma_max"], config=settings.transition)
+def _policy(velocity: torch.Tensor, mb: dict, transition: TransitionConfig):
+    n = num_samples(mb)
+    return transition_log_prob(policy_input(mb), guided_velocity(velocity, mb), mb["x_next"], mb["sigma"][:n],
+                               mb["sigma_next"], sigma_max=mb["sigma_max"], config=transition)
+
+
+def grpo_loss(velocity: torch.Tensor, mb: dict, *, settings: GRPOSettings, normalizer: float):
+    """Loss of one microbatch (last pipeline stage): Σ over its real items / ``normalizer``; detached stats
+    are means over its real items plus ``num_real``."""
+    policy = _policy(velocity, mb, settings.transition)
     mask = mb["real"]
     old, weights, stats_extra = mb["rollout_log_prob"], None, {}
     if settings.mismatch is not None:
-        old = policy.log_prob.detach()
+        old = mb["old_log_prob"] if "old_log_prob" in mb else policy.log_prob.detach()
         mw = mismatch_weights(old, mb["rollout_log_prob"], settings.mismatch, mask=mask)
         weights, mask = mw.weights, mw.keep
         stats_extra = {k: v.detach() for k, v in mw.stats.items()}
     loss, stats = flow_grpo_loss(policy, old_log_prob=old, advantages=mb["advantages"], config=settings.loss,
-                                 ref_mean=mb.get("ref_mean"), mask=mask, is_weights=weights)
-    train_vs_rollout = (policy.log_prob.detach() - mb["rollout_log_prob"]).abs()
+                                 ref_mean=mb.get("ref_mean"), mask=mask, is_weights=weights, normalizer=normalizer)
+    diff = (policy.log_prob.detach() - mb["rollout_log_prob"]).abs()
     stats = {k: v.detach().float() for k, v in {**stats, **stats_extra}.items()}
-    stats["logp_abs_diff_rollout"] = train_vs_rollout.max()
+    stats["logp_abs_diff_rollout"] = torch.where(mb["real"], diff, torch.zeros_like(diff)).max()
+    stats["num_real"] = mb["real"].sum().float()
     return loss, stats
 
 
-def grpo_train_step(engine, microbatches: list[dict], settings: GRPOSettings, ref_engine=None) -> dict:
-    """One optimizer step over ``microbatches``; returns mean stats (on every rank)."""
+def _global_real_count(microbatches: list[dict]) -> int:
+    count = torch.tensor(float(sum(int(mb["real"].sum()) for mb in microbatches)))
+    if ps.get_data_parallel_world_size() > 1:
+        group = ps.get_data_parallel_group()
+        count = count.to(next(iter(microbatches[0].values())).device)
+        torch.distributed.all_reduce(count, group=group)
+    return int(count.item())
+
+
+def grpo_train_step(engine, microbatches: list[dict], settings: GRPOSettings, ref_engine=None, *,
+                    num_items: int | None = None) -> dict:
+    """One optimizer step over ``microbatches`` (this DP rank's; equal count on every rank).
+
+    ``num_items``: the global count of real items of this step (every rank must pass the same);
+    None = count them (one all-reduce over the DP group). Returns stats (on every rank): item-weighted
+    means over this rank's real items, grad_norm, update_ok, num_microbatches, num_items."""
+    if getattr(engine.config, "calculate_per_token_loss", False):
+        raise ValueError("the GRPO step normalises by the global item count itself and needs megatron's "
+                         "calculate_per_token_loss=False")
     if settings.loss.beta > 0:
         if ref_engine is None:
             raise ValueError(f"algo.kl_beta = {settings.loss.beta} > 0 needs a reference model")
         attach_reference(ref_engine, microbatches, settings.transition)
+    n = _global_real_count(microbatches) if num_items is None else int(num_items)
+    if n < 1:
+        raise ValueError(f"num_items must be >= 1 (real items in this step), got {n}")
+    normalizer = n / (len(microbatches) * ps.get_data_parallel_world_size())
     engine.optimizer.zero_grad()
-    results = engine.forward_backward(microbatches, partial(grpo_loss, settings=settings))
+    results = engine.forward_backward(microbatches, partial(grpo_loss, settings=settings, normalizer=normalizer))
     update_ok, grad_norm, _ = engine.optimizer.step()
     stats: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                               "update_ok": float(bool(update_ok)), "num_microbatches": float(len(microbatches))}
-    if results:
-        for key in results[0]:
-            vals = torch.stack([r[key].float().reshape(()) for r in results])
-            stats[key] = float(vals.max() if key == "logp_abs_diff_rollout" else vals.mean())
+                               "update_ok": float(bool(update_ok)), "num_microbatches": float(len(microbatches)),
+                               "num_items": float(n)}
+    stats.update(_aggregate(results))
     return _share_from_last_stage(stats)
+
+
+def _aggregate(results: list[dict]) -> dict[str, float]:
+    """Item-weighted means of per-microbatch stats (max/min for extremes); padding-only ones weigh 0."""
+    if not results:
+        return {}
+    w = torch.stack([r["num_real"].reshape(()) for r in results])
+    out = {}
+    for key in results[0]:
+        vals = torch.stack([r[key].float().reshape(()) for r in results])
+        if key == "num_real":
+            continue
+        if key in _MAX_KEYS or key in _MIN_KEYS:
+            vals = vals[w > 0] if bool((w > 0).any()) else vals
+            out[key] = float(vals.max() if key in _MAX_KEYS else vals.min())
+        else:
+            out[key] = float((vals * w).sum() / w.sum().clamp(min=1))
+    return out
+
+
+def _pre_update_log_probs(engine, trajs, advantages, items, settings: GRPOSettings, device) -> dict:
+    """The trainer's log-prob of every item under the current weights (before any update), on every DP
+    rank of the last pipeline stage ({} elsewhere): the old policy of mismatch correction."""
+    mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device)
+    velocities = engine.forward_backward(mbs, None, forward_only=True)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    log_probs = []
+    for mb, v in zip(mbs, velocities):  # this rank's items in order, padding at the end
+        lp = _policy(v.detach(), mb, settings.transition).log_prob.cpu()
+        log_probs.extend(lp[mb["real"].cpu()])
+    mine = dict(zip(items[rank::dp], log_probs)) if velocities else {}
+    if dp > 1:
+        parts = [None] * dp
+        torch.distributed.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
+        mine = {k: v for part in parts for k, v in part.items()}
+    return mine
+
+
+def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
+                steps: Sequence[int], settings: GRPOSettings, ref_engine=None, *, seed: int = 0,
+                device: torch.device | None = None) -> dict:
+    """flow_grpo's training phase for one rollout batch: every optimizer step of
+    ``plan_updates(kept samples, steps, num_inner_epochs, num_minibatches, seed)``.
+
+    Returns stats (every rank): item-weighted means over all steps, grad_norm (mean), update_ok (all),
+    num_updates; ``logp_abs_diff_rollout`` comes from the first step only (the weights that sampled);
+    ``clip_frac_stale`` is the clip fraction of the later steps (stale policy). {"skipped": 1.0} when
+    nothing is kept."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    plan = plan_updates(_kept(keep), steps, num_inner_epochs=settings.num_inner_epochs,
+                        num_minibatches=settings.num_minibatches, seed=seed)
+    if not plan:
+        return {"skipped": 1.0}
+    old = None
+    if settings.mismatch is not None and len(plan) > 1:
+        every_item = sorted({it for items in plan for it in items})
+        old = _pre_update_log_probs(engine, trajs, advantages, every_item, settings, device)
+    per_step = []
+    for items in plan:
+        mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device,
+                               old_log_probs=old or None)  # {} off the last stage
+        per_step.append(grpo_train_step(engine, mbs, settings, ref_engine, num_items=len(items)))
+    return _combine_steps(per_step)
+
+
+def _combine_steps(per_step: list[dict]) -> dict:
+    first = per_step[0]
+    w = [s["num_items"] for s in per_step]
+    out = {}
+    for key in first:
+        vals = [s.get(key, float("nan")) for s in per_step]
+        if key == "logp_abs_diff_rollout":
+            out[key] = first[key]
+        elif key in ("num_microbatches", "num_items"):
+            out[key] = float(sum(vals))
+        elif key == "update_ok":
+            out[key] = float(min(vals))
+        elif key in _MAX_KEYS:
+            out[key] = max(vals)
+        elif key in _MIN_KEYS:
+            out[key] = min(vals)
+        elif key == "grad_norm":
+            out[key] = sum(vals) / len(vals)
+        else:
+            out[key] = sum(v * n for v, n in zip(vals, w)) / sum(w)
+    out["num_updates"] = float(len(per_step))
+    if len(per_step) > 1 and "clip_frac" in first:
+        later = per_step[1:]
+        total = sum(s["num_items"] for s in later)
+        out["clip_frac_stale"] = sum(s["clip_frac"] * s["num_items"] for s in later) / total
+    return out
 
 
 def _share_from_last_stage(stats: dict) -> dict:

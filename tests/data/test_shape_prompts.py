@@ -4,8 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from megaflow.data.shapes import (BACKGROUND, CATEGORIES, PALETTE, Group, Scene, _universe, category_of,
-                                  parse_prompt, relation_holds, sample_prompts, sample_scenes, split_prompts)
+from megaflow.data.shapes import (BACKGROUND, CATEGORIES, HELD_OUT_CATEGORIES, PALETTE, SEEN_CATEGORIES, Group, Scene,
+                                  _attributes, _universe, category_of, parse_prompt, relation_holds, sample_prompts,
+                                  sample_scenes, split_prompts)
 
 
 def test_every_scene_round_trips_through_its_prompt_and_category():
@@ -37,17 +38,29 @@ def test_split_is_disjoint_complete_and_seeded():
     a, b, c = split_prompts(seed=0), split_prompts(seed=0), split_prompts(seed=1)
     assert a == b
     assert a.eval != c.eval
-    for cat in CATEGORIES:
+    for cat in HELD_OUT_CATEGORIES:
         train, held = set(a.train[cat]), set(a.eval[cat])
         assert train and held and not train & held
         assert train | held == set(_universe(cat))
+    for cat in SEEN_CATEGORIES:  # too small to split: trained on and reported apart
+        assert set(a.train[cat]) == set(a.eval[cat]) == set(_universe(cat))
+
+
+def test_held_out_prompts_are_new_combinations_of_seen_words():
+    split = split_prompts(seed=0)
+    sizes = {c: len(split.eval[c]) for c in HELD_OUT_CATEGORIES}
+    assert sizes == {"colors": 6, "counting": 3, "color_attr": 45, "position": 8, "composite": 1530}
+    for cat in HELD_OUT_CATEGORIES:
+        seen = set().union(*(_attributes(s) for s in split.train[cat]))
+        for scene in split.eval[cat]:
+            assert _attributes(scene) <= seen, f"{scene.prompt!r} uses a word its category never trains"
 
 
 def test_samples_are_balanced_deterministic_and_held_out():
-    prompts = sample_prompts("eval", 70, seed=5)
-    assert prompts == sample_prompts("eval", 70, seed=5)
-    assert prompts != sample_prompts("eval", 70, seed=6)
-    train = {s.prompt for s in itertools.chain.from_iterable(split_prompts().train.values())}
+    prompts = sample_prompts("eval", 50, seed=5, categories=HELD_OUT_CATEGORIES)
+    assert prompts == sample_prompts("eval", 50, seed=5, categories=HELD_OUT_CATEGORIES)
+    assert prompts != sample_prompts("eval", 50, seed=6, categories=HELD_OUT_CATEGORIES)
+    train = {s.prompt for c in HELD_OUT_CATEGORIES for s in split_prompts().train[c]}
     assert not set(prompts) & train
     cats = [category_of(s) for s in sample_scenes("eval", 70, seed=5)]
     assert all(cats.count(c) == 10 for c in CATEGORIES)

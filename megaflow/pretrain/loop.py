@@ -1,0 +1,234 @@
+"""``megaflow pretrain``: build, train and save the ShapeEval pipeline.
+
+Phases: (1) text encoders on the grammar (``pretrain.text``), (2) the VAE on renders
+(``pretrain.vae``), (3) the DiT by rectified flow through megatron-core's ``TrainEngine`` (any
+TP/PP/DP; the SFT loss and the schedule are the trainer's own), with an EMA of the weights, periodic
+held-out evaluation (ODE sampling with the trainer's own forward, VAE decode, ShapeEval checker) and
+an atomic save of the diffusers pipeline (EMA weights) at every evaluation. Everything is seeded.
+
+    megaflow pretrain -c configs/shapes_pretrain.toml
+    torchrun --nproc-per-node 2 -m megaflow.cli pretrain -c configs/shapes_pretrain.toml --set parallel.tp=2
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaflow.config import MegaflowConfig, save_config
+from megaflow.data.shapes import CATEGORIES, HELD_OUT_CATEGORIES, SEEN_CATEGORIES, sample_prompts, split_prompts
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[pretrain] {msg}", flush=True)
+
+
+def build_parts(cfg: MegaflowConfig, run_dir: Path):
+    """Phases 1-2 (seeded, identical on every rank): trained text encoders and VAE."""
+    from megaflow.pretrain.pipeline import text_components
+    from megaflow.pretrain.text import switch_off_t5, train_text_encoder
+    from megaflow.pretrain.vae import make_shapes_vae, train_vae
+
+    p, seed = cfg.pretrain, cfg.run.seed
+    split = split_prompts(seed=0)
+    train = [s.prompt for c in CATEGORIES for s in split.train[c]]
+    held = [s.prompt for c in HELD_OUT_CATEGORIES for s in split.eval[c]][::2]
+    text = text_components(seed=seed)
+    stats = {}
+    for k, (tok, enc) in enumerate(((text[0], text[3]), (text[1], text[4]))):
+        t0 = time.perf_counter()
+        st = train_text_encoder(enc, tok, train, steps=p.text_steps, seed=seed + k, eval_prompts=held)
+        stats[f"clip{k + 1}"] = {**st, "seconds": time.perf_counter() - t0}
+        _log(f"text encoder {k + 1}: {st} in {time.perf_counter() - t0:.0f}s")
+    switch_off_t5(text[5])
+    t0 = time.perf_counter()
+    vae = make_shapes_vae(seed=seed + 1)
+    stats["vae"] = {**train_vae(vae, train, resolution=p.resolution, steps=p.vae_steps, seed=seed, log=_log),
+                    "seconds": time.perf_counter() - t0}
+    _log(f"vae: {stats['vae']}")
+    return text, vae, stats
+
+
+def build_pool(cfg: MegaflowConfig, pipe, vae) -> dict:
+    """The training pool: ``num_images`` renders of TRAIN prompts (balanced over categories) as
+    normalised latents, and every pool prompt's conditioning (prompt embeds, pooled) plus the empty
+    prompt's (for prompt dropout)."""
+    from megaflow.data.shape_render import render_prompts
+    from megaflow.pretrain.pipeline import encode_prompts
+    from megaflow.pretrain.vae import encode
+
+    p = cfg.pretrain
+    prompts = sample_prompts("train", p.num_images, seed=cfg.run.seed)
+    uniq = sorted(set(prompts))
+    index = {q: i for i, q in enumerate(uniq)}
+    embeds, pooled = encode_prompts(pipe, uniq + [""])
+    latents = []
+    for i in range(0, len(prompts), 512):
+        imgs = render_prompts(prompts[i:i + 512], resolution=p.resolution, seed=cfg.run.seed * 7919 + i)
+        latents.append(encode(vae, imgs))
+    return {"latents": torch.cat(latents), "prompt_index": torch.tensor([index[q] for q in prompts]),
+            "embeds": embeds, "pooled": pooled, "empty": len(uniq)}
+
+
+def _batch(pool: dict, gen: torch.Generator, batch: int, dropout: float) -> dict:
+    from megaflow.trainer.engine import rectified_flow_microbatch
+    idx = torch.randint(len(pool["latents"]), (batch,), generator=gen)
+    cond = pool["prompt_index"][idx]
+    cond = torch.where(torch.rand(batch, generator=gen) < dropout, pool["empty"], cond)
+    x0 = pool["latents"][idx]
+    noise = torch.randn(x0.shape, generator=gen)
+    sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # logit-normal(0, 1), as SD3
+    return rectified_flow_microbatch(x0, noise, sigma, pool["embeds"][cond], pool["pooled"][cond])
+
+
+class EMA:
+    """Exponential moving average of this rank's parameter shards (fp32)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().float().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange live weights and EMA weights (call twice to restore)."""
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+
+
+@torch.no_grad()
+def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor | None:
+    """Deterministic Euler (ODE) sampling with the trainer's own forward (None off the last stage)."""
+    from megaflow.flow.schedule import sd3_sigmas
+    sigmas = sd3_sigmas(num_steps, shift=shift)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    for i in range(num_steps):
+        v = engine.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
+        if v is None:
+            return None
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+    return x
+
+
+def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict | None:
+    """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples."""
+    from megaflow.data.shapes import parse_prompt
+    from megaflow.evals.shape_checker import score_image
+    from megaflow.evals.shapes import summarize
+    from megaflow.pretrain.pipeline import encode_prompts
+    from megaflow.pretrain.vae import decode
+
+    p = cfg.pretrain
+    held = sample_prompts("eval", p.eval_prompts, seed=seed, categories=HELD_OUT_CATEGORIES)
+    seen = sample_prompts("eval", max(2, p.eval_prompts // 5), seed=seed, categories=SEEN_CATEGORIES)
+    prompts = held + seen
+    embeds, pooled = encode_prompts(pipe, prompts)
+    size = p.resolution // 2
+    lat = sample_latents(engine, embeds, pooled, shape=(len(prompts), 4, size, size), num_steps=p.sample_steps, seed=seed)
+    if lat is None:
+        return None
+    imgs = (decode(vae, lat) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    scores = [score_image(im, parse_prompt(q)) for im, q in zip(imgs, prompts)]
+    out = summarize(scores[:len(held)])
+    out["seen"] = summarize(scores[len(held):])
+    return out
+
+
+def run(cfg: MegaflowConfig) -> dict:
+    from megaflow.config.to_megatron import transformer_kwargs
+    from megaflow.models.registry import get_family
+    from megaflow.parallel import ParallelDims, init_distributed
+    from megaflow.pretrain.pipeline import MEGAFLOW_JSON, TEXT_LEN, assemble, save_pipeline, transformer_config
+    from megaflow.trainer.engine import TrainEngine, adam_config
+
+    torch.set_num_threads(cfg.run.num_threads)
+    par, p = cfg.parallel, cfg.pretrain
+    init_distributed(ParallelDims(tp=par.tp, pp=par.pp, cp=par.cp, sp=par.sp, vpp=par.vpp or None), seed=cfg.run.seed)
+    rank0 = dist.get_rank() == 0
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    if rank0:
+        save_config(cfg, run_dir)
+    t_start = time.perf_counter()
+    text, vae, stats = build_parts(cfg, run_dir)
+    tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads, head_dim=p.head_dim)
+    pipe = assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=None, seed=cfg.run.seed)
+    pool = build_pool(cfg, pipe, vae)
+    _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
+
+    family = get_family("sd3")
+    tdir = run_dir / ".init-transformer"
+    if rank0:
+        pipe.transformer.save_pretrained(tdir, safe_serialization=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
+    engine = TrainEngine(mcfg, family="sd3", spec=cfg.model.spec,
+                         optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
+    engine.load_diffusers_state_dict(pipe.transformer.state_dict())
+    params = [q for m in engine.chunks for q in m.parameters()]
+    ema = EMA(params, p.ema_decay)
+    dp, dp_rank = _dp()
+    if p.batch_size % dp:
+        raise ValueError(f"pretrain.batch_size = {p.batch_size} must be divisible by the data-parallel size {dp}")
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    history, log_path = [], run_dir / "pretrain.jsonl"
+    t_dit, step, losses = time.perf_counter(), 0, []
+
+    def checkpoint(step: int) -> None:
+        ema.swap()
+        result = evaluate(cfg, engine, pipe, vae)
+        state = {n: t for name, tensor in engine.iter_full_params()
+                 for n, t in family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
+        ema.swap()
+        if not rank0:
+            return
+        row = {"step": step, "minutes": (time.perf_counter() - t_dit) / 60, "loss": float(np.mean(losses[-100:])),
+               "accuracy": result["accuracy"], "partial": result["partial_mean"],
+               "per_category": result["per_category"], "seen": result["seen"]["per_category"]}
+        history.append(row)
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps(row, sort_keys=True) + "\n")
+        _log(f"step {step} ({row['minutes']:.1f} min): loss {row['loss']:.4f} held-out acc {row['accuracy']:.3f} "
+             f"partial {row['partial']:.3f} per-category {json.dumps({k: round(v, 2) for k, v in row['per_category'].items()})}"
+             f" seen {json.dumps({k: round(v, 2) for k, v in row['seen'].items()})}")
+        meta = {"max_sequence_length": TEXT_LEN, "pretrain": {
+            "config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step, "history": history,
+            "parts": stats}}
+        save_pipeline(assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=state, seed=cfg.run.seed),
+                      run_dir / "pipeline", extra_files={MEGAFLOW_JSON: json.dumps(meta, indent=2)})
+
+    while step < p.max_steps and (time.perf_counter() - t_dit) < p.minutes * 60:
+        mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
+        mb = {k: v.chunk(dp)[dp_rank] for k, v in mb.items()}
+        for group in engine.optimizer.param_groups:
+            group["lr"] = p.lr * min(1.0, (step + 1) / max(1, p.warmup_steps))
+        out = engine.train_step([mb])
+        if not math.isfinite(float(out["loss"])):
+            raise RuntimeError(f"pretrain: loss is {float(out['loss'])} at step {step}")
+        losses.append(float(out["loss"]))
+        step += 1
+        ema.update(step)
+        if step % p.eval_every == 0:
+            checkpoint(step)
+    if step % p.eval_every:
+        checkpoint(step)
+    return history[-1] if history else {}
+
+
+def _dp() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

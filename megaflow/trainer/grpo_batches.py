@@ -1,0 +1,148 @@
+"""FlowGRPO training data: (sample, step) items -> optimizer steps -> this rank's microbatches.
+
+An item is one denoising step ``t`` of one kept sample ``i``. ``plan_updates`` is flow_grpo's inner
+loop (``scripts/train_sd3.py``): for each of ``num_inner_epochs`` epochs the kept samples are permuted
+(``torch.randperm(num_kept, generator=g)``), split into ``num_minibatches`` minibatches of near-equal
+size (``torch.tensor_split``; flow_grpo needs equal sizes and pads with zero-advantage samples, here
+every item simply has weight 1/N of its own step), and the trained steps are visited in a per-epoch
+order (``torch.randperm(num_steps, generator=g)``, drawn right after the sample permutation), so a
+minibatch's items are timestep-major like flow_grpo's ``for j in timesteps: batch of samples``. Each
+minibatch is ONE optimizer step, so from the second step on the PPO ratio compares the updated policy
+with the sampling policy (the clip acts on a stale policy). ``g = torch.Generator().manual_seed(seed)``.
+With one epoch and one minibatch nothing is drawn: items are sample-major ``(i, t)`` in sample order
+(the order inside one optimizer step changes only rounding).
+
+``microbatches_for`` turns one optimizer step's items into THIS data-parallel rank's microbatches:
+rank r takes items r, r + dp, ... and pads with copies of item 0 marked ``real=False`` so every rank
+runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.grpo).
+
+Classifier-free guidance (trajectories with ``do_cfg``): the microbatch carries both branches in one
+batch of 2B, ``[unconditional; conditional]`` (flow_grpo's order): ``latents`` and ``sigma`` repeated,
+``encoder_hidden_states`` / ``pooled_projections`` = negative then positive conditioning, plus
+``guidance_scale [B]``; ``guided_velocity`` combines the DiT output as the engine does,
+v = v_u + g·(v_c − v_u) (sglang ``CFGPolicy.combine``). The per-item GRPO keys stay ``[B]``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megaflow.flow.step import sigma_max_of
+from megaflow.rollout.types import Trajectory
+
+Item = tuple[int, int]
+_DIT_KEYS = ("encoder_hidden_states", "pooled_projections")
+
+
+def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs: int = 1,
+                 num_minibatches: int = 1, seed: int = 0) -> list[list[Item]]:
+    """The items of every optimizer step, in order (see the module doc); empty minibatches are dropped."""
+    if num_inner_epochs < 1 or num_minibatches < 1:
+        raise ValueError(f"num_inner_epochs={num_inner_epochs!r} and num_minibatches={num_minibatches!r} must be >= 1")
+    kept, steps = list(kept), list(steps)
+    if not kept or not steps:
+        return []
+    if num_inner_epochs == 1 and num_minibatches == 1:
+        return [[(i, t) for i in kept for t in steps]]
+    g = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(num_inner_epochs):
+        perm = torch.randperm(len(kept), generator=g).tolist()
+        order = [steps[j] for j in torch.randperm(len(steps), generator=g).tolist()]
+        for chunk in torch.tensor_split(torch.tensor(perm), num_minibatches):
+            samples = [kept[j] for j in chunk.tolist()]
+            if samples:
+                plan.append([(i, t) for t in order for i in samples])
+    return plan
+
+
+def _dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
+    """This DP rank's items (strided), padded to a whole number of equal-count microbatches."""
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = -(-len(items) // dp)
+    per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
+    mine = items[rank::dp]
+    real = [True] * len(mine) + [False] * (per_rank - len(mine))
+    return mine + [items[0]] * (per_rank - len(mine)), real
+
+
+def _conditioning(tr: Sequence[Trajectory], cfg: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for key in _DIT_KEYS:
+        pos = torch.stack([x.conditioning[key] for x in tr])
+        if cfg:
+            missing = [f"{x.request_id}/{x.index}" for x in tr if f"negative_{key}" not in x.conditioning]
+            if missing:
+                raise ValueError(f"trajectory {missing[0]} has do_cfg=True but no 'negative_{key}' in its "
+                                 "conditioning: the trainer needs the unconditional branch to recompute CFG")
+            neg = torch.stack([x.conditioning[f"negative_{key}"] for x in tr])
+            if neg.shape != pos.shape:
+                raise ValueError(f"negative_{key} shape {tuple(neg.shape[1:])} != {key} shape "
+                                 f"{tuple(pos.shape[1:])}: both CFG branches must run as one batch")
+            pos = torch.cat([neg, pos])
+        out[key] = pos
+    return out
+
+
+def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
+                real: Sequence[bool], device: torch.device,
+                old_log_probs: dict[Item, torch.Tensor] | None = None) -> dict:
+    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for CFG."""
+    tr = [trajs[i] for i, _ in items]
+    ts = [t for _, t in items]
+    cfg = {bool(x.do_cfg) for x in tr}
+    if len(cfg) > 1:
+        raise ValueError("a microbatch mixes CFG and CFG-free trajectories; sample one batch with one setting")
+    cfg = cfg.pop()
+    is_real = torch.tensor(list(real), dtype=torch.bool)
+    adv = torch.stack([advantages[i] for i, _ in items]).float()
+    latents = torch.stack([x.latents[t] for x, t in zip(tr, ts)])
+    sigma = torch.stack([x.sigmas[t] for x, t in zip(tr, ts)]).float()
+    mb = {
+        "latents": torch.cat([latents, latents]) if cfg else latents,
+        "sigma": torch.cat([sigma, sigma]) if cfg else sigma,
+        **_conditioning(tr, cfg),
+        "x_next": torch.stack([x.latents[t + 1] for x, t in zip(tr, ts)]),
+        "sigma_next": torch.stack([x.sigmas[t + 1] for x, t in zip(tr, ts)]).float(),
+        "sigma_max": torch.stack([sigma_max_of(x.sigmas) for x in tr]).float(),
+        "rollout_log_prob": torch.stack([x.log_probs[t] for x, t in zip(tr, ts)]).float(),
+        "advantages": torch.where(is_real, adv, torch.zeros_like(adv)),
+        "real": is_real,
+    }
+    if cfg:
+        mb["guidance_scale"] = torch.tensor([float(x.guidance_scale) for x in tr])
+    if old_log_probs is not None:
+        mb["old_log_prob"] = torch.stack([old_log_probs[it].reshape(()) for it in items]).float()
+    return {k: v.to(device) for k, v in mb.items()}
+
+
+def microbatches_for(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
+                     micro_batch_size: int, device: torch.device,
+                     old_log_probs: dict[Item, torch.Tensor] | None = None) -> list[dict]:
+    """This DP rank's microbatches for one optimizer step over ``items`` (all ranks pass the same list)."""
+    if not items:
+        return []
+    mine, real = _dp_slice(list(items), micro_batch_size)
+    return [stack_items(trajs, advantages, mine[s:s + micro_batch_size], real[s:s + micro_batch_size], device,
+                        old_log_probs) for s in range(0, len(mine), micro_batch_size)]
+
+
+def num_samples(mb: dict) -> int:
+    """B: the samples of a microbatch (the DiT batch is 2B with CFG)."""
+    return int(mb["real"].shape[0])
+
+
+def policy_input(mb: dict) -> torch.Tensor:
+    """x_t ``[B, ...]`` of a microbatch (the first copy under CFG)."""
+    return mb["latents"][:num_samples(mb)]
+
+
+def guided_velocity(velocity: torch.Tensor, mb: dict) -> torch.Tensor:
+    """The velocity the sampler stepped with: the DiT output, or v_u + g·(v_c − v_u) under CFG."""
+    if "guidance_scale" not in mb:
+        return velocity
+    uncond, cond = velocity.chunk(2)
+    g = mb["guidance_scale"].to(velocity.dtype).view(-1, *([1] * (velocity.dim() - 1)))
+    return uncond + g * (cond - uncond)

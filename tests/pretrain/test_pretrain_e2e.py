@@ -1,0 +1,75 @@
+"""``megaflow pretrain`` end to end on tiny settings, then the saved pipeline through a real SGLang engine:
+the engine's conditioning equals ``encode_prompts`` (bit-exact), its latents are 16x16 (the VAE's spatial
+factor 2), its decoded images equal the VAE decode of its final latents (1e-5), and ``eval shapes --pipeline``
+samples and scores through it. Needs: CPU, 1 process + engine workers (~2 min)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pre")
+    sets = ["run.name='p'", f"run.output_dir='{out}'", "pretrain.text_steps=20", "pretrain.vae_steps=30",
+            "pretrain.num_images=256", "pretrain.max_steps=40", "pretrain.eval_every=20", "pretrain.eval_prompts=10",
+            "pretrain.num_layers=1", "pretrain.num_heads=2", "pretrain.head_dim=16", "pretrain.batch_size=16"]
+    cmd = [sys.executable, "-m", "megaflow.cli", "pretrain", "-c", "configs/shapes_pretrain.toml", "--json"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "p", json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_pretrain_writes_history_and_a_loadable_pipeline(pretrained):
+    run_dir, last = pretrained
+    rows = [json.loads(line) for line in (run_dir / "pretrain.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [20, 40]  # every eval_every steps (the end is one of them)
+    assert 0 < rows[-1]["loss"] < 10 and set(last["per_category"]) <= {"colors", "counting", "color_attr", "position",
+                                                                    "composite"}
+    meta = json.loads((run_dir / "pipeline" / "megaflow.json").read_text())
+    assert meta["max_sequence_length"] == 12 and meta["pretrain"]["step"] == 40
+
+
+def test_engine_conditioning_latents_and_decode_match(pretrained):
+    from diffusers import StableDiffusion3Pipeline
+
+    from megaflow.pretrain.pipeline import TEXT_LEN, encode_prompts
+    from megaflow.pretrain.vae import decode
+    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.types import RolloutRequest
+    pipe_dir = pretrained[0] / "pipeline"
+    pipe = StableDiffusion3Pipeline.from_pretrained(pipe_dir)
+    prompt = "two red circles left of a blue square"
+    embeds, pooled = encode_prompts(pipe, [prompt])
+    torch.set_num_threads(1)
+    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipe_dir)))
+    try:
+        (t,) = engine.generate([RolloutRequest(prompt=prompt, seed=3, num_steps=4, height=32, width=32,
+                                               sde_type="ode", max_sequence_length=TEXT_LEN)])
+    finally:
+        engine.shutdown()
+    assert torch.equal(t.conditioning["encoder_hidden_states"], embeds[0])
+    assert torch.equal(t.conditioning["pooled_projections"], pooled[0])
+    assert t.latents.shape == (5, 4, 16, 16)
+    torch.testing.assert_close(t.image, decode(pipe.vae, t.latents[-1:])[0], atol=1e-5, rtol=0)
+
+
+def test_eval_shapes_pipeline_cli(pretrained, tmp_path):
+    cmd = [sys.executable, "-m", "megaflow.cli", "eval", "shapes", "--pipeline", str(pretrained[0] / "pipeline"),
+           "--num", "10", "--num-seen", "4", "--steps", "4", "--out", str(tmp_path / "ev")]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["num"] == 10 and res["seen"]["num"] == 4 and len(res["ci95"]) == 2
+    assert (tmp_path / "ev" / "grid.png").is_file() and (tmp_path / "ev" / "manifest.jsonl").is_file()
