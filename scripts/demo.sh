@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The CPU demo: FlowGRPO end to end on a tiny SD3-family model built offline.
-#   SGLang diffusion engine (embedded) samples groups with per-step log-probs
-#   -> rewards -> megatron-core trainer recomputes log-probs, PPO-clip step
-#   -> weight bridge streams the new weights into the engine, verified by SHA-256.
-# Extra arguments are passed to `megaflow train` (e.g. --set train.iterations=8).
+# The CPU demo: FlowGRPO makes the shipped pretrained ShapeEval model (assets/shapeeval-sd3) better on
+# held-out compositional prompts: ShapeEval before -> FlowGRPO (SGLang rollouts, ShapeEval reward,
+# megatron-core trainer, verified weight sync) -> ShapeEval after, same prompts and seeds.
+# Writes runs/demo/summary.json. Extra arguments go to `megaflow demo` (e.g. --set train.iterations=8).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

@@ -76,3 +76,30 @@ def test_bad_inputs_raise_value_errors_naming_them(tmp_path):
 def test_ground_truth_result_is_deterministic():
     a, b = evaluate_ground_truth(14, seed=3), evaluate_ground_truth(14, seed=3)
     assert a == b and {"accuracy", "num", "per_category", "partial_mean"} <= set(a)
+
+
+def test_transparency_is_background_large_images_are_downscaled_and_manifest_stays_inside(tmp_path):
+    """A fully transparent RGBA image whose hidden RGB is a perfect render scores 0 (blank), a 2000 px
+    upscale of a render still passes (downscaled first), a manifest entry outside the folder is refused."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from megaflow.data.shape_render import render_prompts
+    from megaflow.evals.shapes import evaluate_images
+    prompt = "a red circle left of a blue square"
+    img = render_prompts([prompt], resolution=32, seed=0)[0]
+    rgba = np.concatenate([img, np.zeros((32, 32, 1), np.uint8)], axis=-1)
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "0000-a_red_circle_left_of_a_blue_square.png")
+    assert evaluate_images(tmp_path)["accuracy"] == 0.0
+    big = tmp_path / "big"
+    big.mkdir()
+    Image.fromarray(img).resize((2000, 2000), Image.NEAREST).save(big / "0000-a_red_circle_left_of_a_blue_square.png")
+    assert evaluate_images(big)["accuracy"] == 1.0
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "manifest.jsonl").write_text(json.dumps({"file": "../big/0000-a_red_circle_left_of_a_blue_square.png",
+                                                     "prompt": prompt}) + "\n")
+    with pytest.raises(ValueError, match="outside the folder"):
+        evaluate_images(evil)

@@ -73,3 +73,31 @@ def test_eval_shapes_pipeline_cli(pretrained, tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["num"] == 10 and res["seen"]["num"] == 4 and len(res["ci95"]) == 2
     assert (tmp_path / "ev" / "grid.png").is_file() and (tmp_path / "ev" / "manifest.jsonl").is_file()
+
+
+def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
+    """``megaflow demo``: before/after evaluation on the same prompts and seeds around a FlowGRPO run;
+    summary.json, grids and the reward curve are written and the last line is the before -> after line."""
+    sets = [f"model.pretrained='{pretrained[0] / 'pipeline'}'", f"run.output_dir='{tmp_path}'", "run.name='d'",
+            "train.iterations=2", "rollout.group_size=2", "rollout.prompts_per_iter=2", "rollout.num_steps=4",
+            "eval.num=5", "eval.num_seen=2", "train.micro_batch_size=4"]
+    cmd = [sys.executable, "-m", "megaflow.cli", "demo", "-c", "configs/shapes_demo.toml"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("ShapeEval (held-out, 5 prompts): ")
+    run_dir = tmp_path / "d"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("shapeeval_before", "shapeeval_after", "ci95_before", "ci95_after", "per_category_before",
+                "per_category_after", "wall_s", "peak_rss_gb", "iterations", "images_sampled"):
+        assert key in summary, key
+    assert summary["iterations"] == 2 and summary["images_sampled"] == 2 * 2 * 2 + 2 * 7
+    assert 0 < summary["peak_rss_gb"] < 12
+    for when in ("before", "after"):
+        assert (run_dir / f"eval_{when}" / "grid.png").is_file()
+    assert (run_dir / "reward_curve.png").is_file()
+    before = [json.loads(x)["prompt"] for x in (run_dir / "eval_before" / "manifest.jsonl").read_text().splitlines()]
+    after = [json.loads(x)["prompt"] for x in (run_dir / "eval_after" / "manifest.jsonl").read_text().splitlines()]
+    assert before == after
