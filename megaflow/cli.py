@@ -121,6 +121,14 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    from megaflow.bench.learn import bench_learn
+    cfg = load_config(args.config or "configs/shapes_demo.toml", args.overrides)
+    _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
+                      target_gain=args.target_gain), args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: FlowGRPO post-training of diffusion transformers (megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,7 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_br.add_argument("--steps", type=int, default=4)
     p_br.add_argument("--res", type=int, default=64)
     p_br.add_argument("--repeats", type=int, default=5)
-    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout)):
+    p_bl = bench_sub.add_parser("learn", help="P6: the demo's RL recipe through a plain diffusers + torch loop vs "
+                                "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")
+    _add_config_args(p_bl)  # default config: configs/shapes_demo.toml
+    p_bl.add_argument("--side", choices=("baseline", "megaflow", "both"), default="both")
+    p_bl.add_argument("--eval-every", type=int, default=0, help="Held-out eval every N iterations (0 = off).")
+    p_bl.add_argument("--eval-num", type=int, default=100, help="Held-out prompts of those intermediate evals.")
+    p_bl.add_argument("--target-gain", type=float, default=0.05, help="Report the RL time to this held-out gain.")
+    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bl, _cmd_bench_learn)):
         p.add_argument("--json", action="store_true", help="Print one JSON object.")
         p.add_argument("--out", default=None, help="Also write the JSON to this file.")
         p.set_defaults(handler=handler)

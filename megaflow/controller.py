@@ -120,9 +120,10 @@ def _share(obj, rank0: bool):
     return box[0]
 
 
-def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str], None] | None = None) -> dict:
+def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics. ``evaluate(rollout, when)``
-    (rank 0) runs with the engines holding the initial weights (``"before"``) and the final ones (``"after"``)."""
+    (rank 0) runs with the engines holding the initial weights (``"before"``), the weights after each
+    iteration's sync (``when`` = the iteration number) and the final ones (``"after"``)."""
     from megaflow import runtime
     from megaflow.colocate import Phases
     from megaflow.parallel import ParallelDims, init_distributed
@@ -170,6 +171,8 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str], None] | None =
             if rollout is not None and hasattr(rollout, "metrics"):
                 metrics.update(rollout.metrics())
             metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
+            if evaluate is not None and rank0 and it < cfg.train.iterations:
+                evaluate(rollout, it)
             if rank0 and it in (1, cfg.train.iterations):
                 save_image_grid(torch.stack([t.image for t in trajs]), run_dir / "samples" / f"iter{it:05d}.png",
                                 columns=cfg.rollout.group_size)

@@ -66,8 +66,10 @@ def run_demo(cfg: MegaflowConfig) -> dict:
     results: dict[str, dict] = {}
     e = cfg.eval
 
-    def evaluate(rollout, when: str) -> None:
+    def evaluate(rollout, when: str | int) -> None:
         from megaflow.evals.sample import pipeline_text_len
+        if not isinstance(when, str):  # no evaluation between iterations
+            return
         res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, seed=e.seed,
                               num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
                               max_sequence_length=cfg.rollout.max_sequence_length or

@@ -152,6 +152,8 @@ class EvalConfig:
 class PretrainConfig:
     """``megaflow pretrain``: supervised rectified flow on ground-truth ShapeEval renders of TRAIN prompts."""
 
+    init_from: str = opt("", "Continue from this ShapeEval pipeline dir (its text encoders, VAE and DiT weights; the "
+                         "text/VAE phases are skipped and the DiT size fields are taken from it); empty = from scratch.")
     resolution: int = opt(32, "Image side in pixels (latents are resolution/2 with the trained VAE).",
                           choices=(32, 64))
     num_layers: int = opt(5, "DiT (SD3 MMDiT) blocks.", ge=1)

@@ -31,6 +31,19 @@ def _log(msg: str) -> None:
         print(f"[pretrain] {msg}", flush=True)
 
 
+def load_parts(path: Path):
+    """(text components, VAE, transformer config, transformer state dict, history) of a saved pipeline."""
+    from diffusers import StableDiffusion3Pipeline
+    if not (Path(path) / "model_index.json").is_file():
+        raise ValueError(f"pretrain.init_from: {path} is not a diffusers pipeline directory")
+    pipe = StableDiffusion3Pipeline.from_pretrained(path)
+    text = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
+    tcfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    meta_path = Path(path) / "megaflow.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    return text, pipe.vae, tcfg, pipe.transformer.state_dict(), meta.get("pretrain", {})
+
+
 def build_parts(cfg: MegaflowConfig, run_dir: Path):
     """Phases 1-2 (seeded, identical on every rank): trained text encoders and VAE."""
     from megaflow.pretrain.pipeline import text_components
@@ -163,9 +176,18 @@ def run(cfg: MegaflowConfig) -> dict:
     if rank0:
         save_config(cfg, run_dir)
     t_start = time.perf_counter()
-    text, vae, stats = build_parts(cfg, run_dir)
-    tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads, head_dim=p.head_dim)
-    pipe = assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=None, seed=cfg.run.seed)
+    init_state, previous = None, {}
+    if p.init_from:
+        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from))
+        stats = {"init_from": p.init_from, "previous": previous}
+        if tcfg["sample_size"] * 2 != p.resolution:
+            raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} "
+                             f"({tcfg['sample_size'] * 2} px)")
+    else:
+        text, vae, stats = build_parts(cfg, run_dir)
+        tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
+                                  head_dim=p.head_dim)
+    pipe = assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=init_state, seed=cfg.run.seed)
     pool = build_pool(cfg, pipe, vae)
     _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
 

@@ -92,6 +92,8 @@ class SGLangEngineConfig:
     """How long the dispatcher waits for more requests to merge once one arrived."""
     return_model_outputs: bool = True
     """Return the per-step velocity (SGLang rollout debug mode)."""
+    log_level: str = "warning"
+    """SGLang's log level in the engine processes ('info' shows per-stage timings of every call)."""
     log_requests: bool = False
     """Let SGLang log each request, with per-stage timings, to its log (off: quiet)."""
     call_timeout_s: int = 600
@@ -174,7 +176,7 @@ class SGLangEngine:
                       # random offset) collide when several engines or runs start on one host at once.
                       master_port=free_port(), scheduler_port=free_port(),
                       # an idle scheduler otherwise busy-polls a core (4.4 CPU-s per 5 s idle measured)
-                      sleep_on_idle=True)
+                      sleep_on_idle=True, log_level=c.log_level)
         kwargs.update(c.server_kwargs)
         return kwargs
 

@@ -101,3 +101,25 @@ def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
     before = [json.loads(x)["prompt"] for x in (run_dir / "eval_before" / "manifest.jsonl").read_text().splitlines()]
     after = [json.loads(x)["prompt"] for x in (run_dir / "eval_after" / "manifest.jsonl").read_text().splitlines()]
     assert before == after
+
+
+def test_pretrain_continues_from_a_saved_pipeline(pretrained, tmp_path):
+    """``pretrain.init_from``: the text encoders and VAE are taken as they are, the DiT continues training."""
+    from safetensors.torch import load_file
+    src = pretrained[0] / "pipeline"
+    cmd = [sys.executable, "-m", "megaflow.cli", "pretrain", "-c", "configs/shapes_pretrain.toml"]
+    for s in [f"pretrain.init_from='{src}'", f"run.output_dir='{tmp_path}'", "run.name='c'", "pretrain.num_images=128",
+              "pretrain.max_steps=5", "pretrain.eval_every=5", "pretrain.eval_prompts=5", "pretrain.batch_size=8"]:
+        cmd += ["--set", s]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "c" / "pipeline"
+    meta = json.loads((out / "megaflow.json").read_text())
+    assert meta["pretrain"]["parts"]["init_from"] == str(src) and meta["pretrain"]["parts"]["previous"]["step"] == 40
+    for part in ("vae", "text_encoder"):
+        (a,), (b,) = sorted((src / part).glob("*.safetensors")), sorted((out / part).glob("*.safetensors"))
+        assert all(torch.equal(x, load_file(str(b))[k]) for k, x in load_file(str(a)).items()), part
+    before = load_file(str(next((src / "transformer").glob("*.safetensors"))))
+    after = load_file(str(next((out / "transformer").glob("*.safetensors"))))
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
