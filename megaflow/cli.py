@@ -210,9 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_third_party() -> None:
+    """Warnings from the stack's own internals (megatron, sglang, torch, ...) say nothing a user can act on:
+    filter them once, here, for this process and the engine workers it starts."""
+    import warnings
+    for mod in ("megatron", "sglang", "torch", "transformers", "diffusers", "apex", "transformer_engine", "triton"):
+        warnings.filterwarnings("ignore", module=mod)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _quiet_third_party()
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -212,9 +212,9 @@ def run(cfg: MegaflowConfig) -> dict:
 
     def checkpoint(step: int) -> None:
         ema.swap()
-        result = evaluate(cfg, engine, pipe, vae)
-        state = {n: t for name, tensor in engine.iter_full_params()
+        state = {n: t.clone() for name, tensor in engine.iter_full_params()  # clone: replicated tensors are views
                  for n, t in family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
+        result = evaluate(cfg, engine, pipe, vae)
         ema.swap()
         if not rank0:
             return
