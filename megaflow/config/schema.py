@@ -105,7 +105,6 @@ class AlgoConfig:
 class RewardConfig:
     weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
     kwargs: dict = opt({}, "Reward name -> constructor arguments, e.g. {color_target = {target = \"red\"}}.")
-    async_scoring: bool = opt(True, "Score in a worker pool, overlapped with sampling.")
     num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1)
 
 
@@ -121,7 +120,6 @@ class TrainConfig:
     num_minibatches: int = opt(1, "Optimizer steps per pass: kept samples are split into this many minibatches "
                                "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
                                "sampling policy, so from the second step on the clip acts on a stale policy.", ge=1)
-    save_every: int = opt(0, "Save a checkpoint every N iterations (0 = only at the end).", ge=0)
 
 
 @dataclass(kw_only=True)
