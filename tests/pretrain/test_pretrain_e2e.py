@@ -80,7 +80,8 @@ def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
     summary.json, grids and the reward curve are written and the last line is the before -> after line."""
     sets = [f"model.pretrained='{pretrained[0] / 'pipeline'}'", f"run.output_dir='{tmp_path}'", "run.name='d'",
             "train.iterations=2", "rollout.group_size=2", "rollout.prompts_per_iter=2", "rollout.num_steps=4",
-            "eval.num=5", "eval.num_seen=2", "train.micro_batch_size=4"]
+            "eval.num=5", "eval.num_seen=2", "train.micro_batch_size=4", "rollout.sde_window_size=2",
+            "rollout.sde_window_range=[0,3]"]
     cmd = [sys.executable, "-m", "megaflow.cli", "demo", "-c", "configs/shapes_demo.toml"]
     for s in sets:
         cmd += ["--set", s]
