@@ -417,13 +417,18 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 @contextlib.contextmanager
-def _without_launcher_env():
-    """Hide the launcher's distributed env vars while engine worker processes are spawned."""
+def _without_launcher_env(quiet: bool = True):
+    """Hide the launcher's distributed env vars while engine worker processes are spawned; with ``quiet``
+    the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
     saved = {k: os.environ.pop(k) for k in list(os.environ)
              if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    added = {"TQDM_DISABLE": "1"} if quiet and "TQDM_DISABLE" not in os.environ else {}
+    os.environ.update(added)
     try:
         yield
     finally:
+        for k in added:
+            os.environ.pop(k, None)
         os.environ.update(saved)
 
 
