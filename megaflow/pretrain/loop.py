@@ -124,20 +124,26 @@ class EMA:
 
 
 @torch.no_grad()
-def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor | None:
-    """Deterministic Euler (ODE) sampling with the trainer's own forward (None off the last stage)."""
+def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor:
+    """Deterministic Euler (ODE) sampling with the trainer's own forward; under pipeline parallelism the
+    last stage's velocity is broadcast to every stage, so every rank returns the same latents."""
+    from megatron.core import parallel_state as ps
+
     from megaflow.flow.schedule import sd3_sigmas
     sigmas = sd3_sigmas(num_steps, shift=shift)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    pp = ps.get_pipeline_model_parallel_world_size()
     for i in range(num_steps):
         v = engine.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
-        if v is None:
-            return None
+        if pp > 1:
+            v = v if v is not None else torch.empty_like(x)
+            src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
+            dist.broadcast(v, src=src, group=ps.get_pipeline_model_parallel_group())
         x = x + (sigmas[i + 1] - sigmas[i]) * v
     return x
 
 
-def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict | None:
+def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
     """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples."""
     from megaflow.data.shapes import parse_prompt
     from megaflow.evals.shape_checker import score_image
@@ -152,8 +158,6 @@ def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict |
     embeds, pooled = encode_prompts(pipe, prompts)
     size = p.resolution // 2
     lat = sample_latents(engine, embeds, pooled, shape=(len(prompts), 4, size, size), num_steps=p.sample_steps, seed=seed)
-    if lat is None:
-        return None
     imgs = (decode(vae, lat) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     scores = [score_image(im, parse_prompt(q)) for im, q in zip(imgs, prompts)]
     out = summarize(scores[:len(held)])

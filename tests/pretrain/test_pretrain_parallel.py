@@ -1,4 +1,5 @@
-"""``megaflow pretrain`` at TP=2 (2 gloo ranks under torchrun) trains the same DiT as TP=1: the data,
+"""``megaflow pretrain`` at TP=2 and at PP=2 (2 gloo ranks under torchrun; PP includes the evaluation
+sampler, whose velocities come from the last stage) trains the same DiT as one rank: the data,
 init and schedule are seeded, so after a few steps the saved EMA weights agree to fp32 reduction-order
 noise (atol 1e-5; the updates are ~1e-3 per entry and per step). Needs: CPU, torchrun with 2 processes (~1.5 min)."""
 import os
@@ -30,13 +31,20 @@ def _pretrain(out: Path, name: str, nproc: int, *extra: str) -> Path:
     return out / name / "pipeline" / "transformer"
 
 
-def test_pretrain_tp2_equals_tp1(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
     from safetensors.torch import load_file
-    one = load_file(str(next(_pretrain(tmp_path, "tp1", 1).glob("*.safetensors"))))
-    two = load_file(str(next(_pretrain(tmp_path, "tp2", 2, "parallel.tp=2").glob("*.safetensors"))))
+    return load_file(str(next(_pretrain(tmp_path_factory.mktemp("ref"), "one", 1).glob("*.safetensors"))))
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_pretrain_on_two_ranks_equals_one(reference, layout, tmp_path):
     from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
 
     from megaflow.pretrain.pipeline import transformer_config
+    one = reference
+    two = load_file(str(next(_pretrain(tmp_path, "two", 2, layout).glob("*.safetensors"))))
     torch.manual_seed(0)  # the init ``assemble`` draws (run.seed 0)
     init = SD3Transformer2DModel(**transformer_config(resolution=32, num_layers=2, num_heads=2, head_dim=16)).state_dict()
     moved = max(float((one[k] - init[k]).abs().max()) for k in one if k in init)
