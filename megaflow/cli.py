@@ -41,7 +41,7 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
         from megaflow.evals.sample import brief, evaluate_pipeline
-        out_dir = args.out or args.pipeline.parent / f"{args.pipeline.name}-shapeeval"
+        out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
                                          num_steps=args.steps, resolution=args.resolution, out_dir=out_dir))
         _print_json(result, True)
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_shapes.add_argument("--num-seen", type=int, default=60, help="Seen-category prompts with --pipeline.")
     p_shapes.add_argument("--steps", type=int, default=10, help="Sampling steps with --pipeline.")
     p_shapes.add_argument("--out", type=Path, default=None,
-                          help="Where --pipeline writes its images (default: <pipeline>-shapeeval beside it).")
+                          help="Where --pipeline writes its images (default: runs/<pipeline name>-shapeeval).")
     p_shapes.add_argument("--images", type=Path, default=None,
                           help="Folder of images; prompts from manifest.jsonl or file names.")
     p_shapes.add_argument("--ground-truth", action="store_true",
