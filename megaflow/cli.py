@@ -17,8 +17,9 @@ from megaflow.config import ConfigError, dump_config, load_config
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None, help="TOML run file (configs/*.toml).")
+def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--config", "-c", default=default, help="TOML run file (configs/*.toml)"
+                   + (f"; default {default}." if default else "."))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
 
@@ -123,7 +124,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
     from megaflow.bench.learn import bench_learn
-    cfg = load_config(args.config or "configs/shapes_demo.toml", args.overrides)
+    cfg = load_config(args.config, args.overrides)
     _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)
     return 0
@@ -147,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
                             "ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
-    p_demo.add_argument("--config", "-c", default="configs/shapes_demo.toml", help="TOML run file.")
-    p_demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="Override one config value (repeatable).")
+    _add_config_args(p_demo, default="configs/shapes_demo.toml")
     p_demo.set_defaults(handler=_cmd_demo)
 
     p_pre = sub.add_parser("pretrain", help="Supervised rectified-flow pretraining of the ShapeEval pipeline "
@@ -174,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_br.add_argument("--repeats", type=int, default=5)
     p_bl = bench_sub.add_parser("learn", help="P6: the demo's RL recipe through a plain diffusers + torch loop vs "
                                 "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")
-    _add_config_args(p_bl)  # default config: configs/shapes_demo.toml
+    _add_config_args(p_bl, default="configs/shapes_demo.toml")
     p_bl.add_argument("--side", choices=("baseline", "megaflow", "both"), default="both")
     p_bl.add_argument("--eval-every", type=int, default=0, help="Held-out eval every N iterations (0 = off).")
     p_bl.add_argument("--eval-num", type=int, default=100, help="Held-out prompts of those intermediate evals.")
