@@ -59,21 +59,22 @@ def reward_curve(run_dir: Path) -> tuple[Path, list[dict]]:
 def run_demo(cfg: MegaflowConfig) -> dict:
     from megaflow.controller import run
     from megaflow.evals.sample import brief, evaluate_engine
+    from megaflow.runtime import with_pipeline_defaults
 
     t0 = time.perf_counter()
     rss = PeakRSS()
+    cfg = with_pipeline_defaults(cfg, Path(cfg.model.pretrained))
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     results: dict[str, dict] = {}
     e = cfg.eval
 
     def evaluate(rollout, when: str | int) -> None:
-        from megaflow.evals.sample import pipeline_text_len
         if not isinstance(when, str):  # no evaluation between iterations
             return
         res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, seed=e.seed,
                               num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
-                              max_sequence_length=cfg.rollout.max_sequence_length or
-                              pipeline_text_len(Path(cfg.model.pretrained)), out_dir=run_dir / f"eval_{when}")
+                              max_sequence_length=cfg.rollout.max_sequence_length or None,
+                              out_dir=run_dir / f"eval_{when}")
         results[when] = res
         lo, hi = res["ci95"]
         print(f"[megaflow] ShapeEval {when}: held-out {res['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "

@@ -38,8 +38,8 @@ def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowC
     """``cfg`` with ``rollout.max_sequence_length`` = the pipeline's declared prompt length when left at 0."""
     import dataclasses
 
-    from megaflow.evals.sample import pipeline_text_len
-    declared = pipeline_text_len(pipeline_dir)
+    from megaflow.models.pipeline_meta import declared_text_len
+    declared = declared_text_len(pipeline_dir)
     if cfg.rollout.max_sequence_length or declared is None:
         return cfg
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_sequence_length=declared))

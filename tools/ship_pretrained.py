@@ -39,7 +39,8 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     shutil.copytree(args.pipeline, args.out)
-    meta = json.loads((args.out / "megaflow.json").read_text())
+    from megaflow.models.pipeline_meta import read_meta
+    meta = read_meta(args.out)
     rows = _history(meta["pretrain"])
     ev = json.loads(args.eval.read_text())
     from megaflow.plots import line_plot

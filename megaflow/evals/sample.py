@@ -93,17 +93,10 @@ def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0
     return result
 
 
-def pipeline_text_len(pipeline_dir: Path) -> int | None:
-    """The prompt length a megaflow-made pipeline declares (``megaflow.json``), else None."""
-    path = Path(pipeline_dir) / "megaflow.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("max_sequence_length")
-
-
 def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
                       resolution: int = 32, out_dir: Path | None = None) -> dict:
     """Start one SGLang engine on ``pipeline_dir`` and evaluate it (``evaluate_engine``)."""
+    from megaflow.models.pipeline_meta import declared_text_len
     from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
     pipeline_dir = Path(pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
@@ -111,7 +104,7 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
     engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), return_model_outputs=False))
     try:
         return evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
-                               resolution=resolution, max_sequence_length=pipeline_text_len(pipeline_dir),
+                               resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),
                                out_dir=out_dir)
     finally:
         engine.shutdown()

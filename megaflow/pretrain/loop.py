@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.config import MegaflowConfig, save_config
-from megaflow.data.shapes import CATEGORIES, HELD_OUT_CATEGORIES, SEEN_CATEGORIES, sample_prompts, split_prompts
+from megaflow.data.shapes import CATEGORIES, HELD_OUT_CATEGORIES, sample_prompts, split_prompts
 
 
 def _log(msg: str) -> None:
@@ -34,14 +33,14 @@ def _log(msg: str) -> None:
 def load_parts(path: Path):
     """(text components, VAE, transformer config, transformer state dict, history) of a saved pipeline."""
     from diffusers import StableDiffusion3Pipeline
+
+    from megaflow.models.pipeline_meta import read_meta
     if not (Path(path) / "model_index.json").is_file():
         raise ValueError(f"pretrain.init_from: {path} is not a diffusers pipeline directory")
     pipe = StableDiffusion3Pipeline.from_pretrained(path)
     text = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
     tcfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
-    meta_path = Path(path) / "megaflow.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    return text, pipe.vae, tcfg, pipe.transformer.state_dict(), meta.get("pretrain", {})
+    return text, pipe.vae, tcfg, pipe.transformer.state_dict(), read_meta(path).get("pretrain", {})
 
 
 def build_parts(cfg: MegaflowConfig, run_dir: Path):
@@ -144,32 +143,28 @@ def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, 
 
 
 def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
-    """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples."""
-    from megaflow.data.shapes import parse_prompt
-    from megaflow.evals.shape_checker import score_image
-    from megaflow.evals.shapes import summarize
+    """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples (the prompt set and
+    scoring of ``megaflow.evals.sample``; the sampler is the trainer's own forward)."""
+    from megaflow.evals.sample import eval_prompts, score
     from megaflow.pretrain.pipeline import encode_prompts
     from megaflow.pretrain.vae import decode
 
     p = cfg.pretrain
-    held = sample_prompts("eval", p.eval_prompts, seed=seed, categories=HELD_OUT_CATEGORIES)
-    seen = sample_prompts("eval", max(2, p.eval_prompts // 5), seed=seed, categories=SEEN_CATEGORIES)
-    prompts = held + seen
-    embeds, pooled = encode_prompts(pipe, prompts)
+    held, seen = eval_prompts(p.eval_prompts, max(2, p.eval_prompts // 5), seed)
+    embeds, pooled = encode_prompts(pipe, held + seen)
     size = p.resolution // 2
-    lat = sample_latents(engine, embeds, pooled, shape=(len(prompts), 4, size, size), num_steps=p.sample_steps, seed=seed)
-    imgs = (decode(vae, lat) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    scores = [score_image(im, parse_prompt(q)) for im, q in zip(imgs, prompts)]
-    out = summarize(scores[:len(held)])
-    out["seen"] = summarize(scores[len(held):])
-    return out
+    lat = sample_latents(engine, embeds, pooled, shape=(len(held) + len(seen), 4, size, size),
+                         num_steps=p.sample_steps, seed=seed)
+    images = decode(vae, lat)
+    return {**score(images[:len(held)], held), "seen": score(images[len(held):], seen)}
 
 
 def run(cfg: MegaflowConfig) -> dict:
     from megaflow.config.to_megatron import transformer_kwargs
     from megaflow.models.registry import get_family
     from megaflow.parallel import ParallelDims, init_distributed
-    from megaflow.pretrain.pipeline import MEGAFLOW_JSON, TEXT_LEN, assemble, save_pipeline, transformer_config
+    from megaflow.models.pipeline_meta import META_FILE
+    from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline, transformer_config
     from megaflow.trainer.engine import TrainEngine, adam_config
 
     torch.set_num_threads(cfg.run.num_threads)
@@ -235,7 +230,7 @@ def run(cfg: MegaflowConfig) -> dict:
             "config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step, "history": history,
             "parts": stats}}
         save_pipeline(assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=state, seed=cfg.run.seed),
-                      run_dir / "pipeline", extra_files={MEGAFLOW_JSON: json.dumps(meta, indent=2)})
+                      run_dir / "pipeline", extra_files={META_FILE: json.dumps(meta, indent=2)})
 
     while step < p.max_steps and (time.perf_counter() - t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)

@@ -21,7 +21,6 @@ CLIP_WIDTH, T5_WIDTH = 32, 64  # SD3 pads the two concatenated CLIP widths to th
 # encoder's prompt to a request's ``max_sequence_length``; the DiT then attends over 2 * TEXT_LEN text
 # tokens instead of 77 + 256 (4x cheaper training and sampling at 64 image tokens).
 TEXT_LEN = 12
-MEGAFLOW_JSON = "megaflow.json"  # what a pipeline declares for megaflow: max_sequence_length, recipe
 
 
 def text_components(*, seed: int):

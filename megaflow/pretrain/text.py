@@ -22,7 +22,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from megaflow.data.shapes import CATEGORIES, MAX_COUNT, PALETTE, RELATIONS, SHAPES, Scene, parse_prompt
+from megaflow.data.shapes import MAX_COUNT, PALETTE, RELATIONS, SHAPES, Scene, parse_prompt
 
 COLORS = (None, *PALETTE)
 RELATION_CLASSES = ("none", "and", *RELATIONS)
@@ -132,10 +132,3 @@ def switch_off_t5(encoder) -> None:
     """Make a T5EncoderModel return zeros (final RMSNorm scale 0), as SD3 does with T5 dropped."""
     with torch.no_grad():
         encoder.encoder.final_layer_norm.weight.zero_()
-
-
-def train_prompts_all_categories(split_seed: int = 0) -> list[str]:
-    """Every TRAIN prompt of every category (the text encoders never see a held-out prompt)."""
-    from megaflow.data.shapes import split_prompts
-    split = split_prompts(seed=split_seed)
-    return [s.prompt for c in CATEGORIES for s in split.train[c]]

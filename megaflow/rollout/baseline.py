@@ -95,12 +95,12 @@ class DiffusersEngine:
         """Load the fp32 SD3 pipeline of ``pipeline_dir`` (model_index.json + components) on CPU."""
         from diffusers import StableDiffusion3Pipeline
 
-        from megaflow.evals.sample import pipeline_text_len
+        from megaflow.models.pipeline_meta import declared_text_len
 
         pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         engine = cls(pipe, config=config)
-        engine.text_len = pipeline_text_len(pipeline_dir)
+        engine.text_len = declared_text_len(pipeline_dir)
         return engine
 
     # ---------------------------------------------------------------- sampling
