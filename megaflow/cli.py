@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megaflow.config import ConfigError, dump_config, load_config
+from megaflow.interrupt import Interrupted
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -60,12 +61,15 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from megaflow.rundir import check_run_dir
+    cfg = load_config(args.config, args.overrides)
+    if os.environ.get("RANK", "0") == "0":
+        check_run_dir(cfg, resume=args.resume)
     import logging
 
     from megaflow.controller import run
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
-    metrics = run(cfg)
+    metrics = run(cfg, resume=args.resume)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -144,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     _add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
+    p_train.add_argument("--resume", action="store_true",
+                         help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
+                         "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
     p_train.set_defaults(handler=_cmd_train)
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
@@ -231,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"megaflow: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"megaflow: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("megaflow: interrupted (engines shut down, no checkpoint written)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ and takes part in the megatron step and in gathering full weights for the sync. 
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaflow import faults
+from megaflow.checkpoints import checkpoint_dir
 from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
@@ -101,15 +105,22 @@ def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: in
                               timestep_fraction=cfg.algo.timestep_fraction)
 
 
-def sync_weights(trainer, bridge) -> dict:
+def sync_weights(trainer, bridge, iteration: int = 0) -> dict:
     """Gather full weights (all trainer ranks), push them into the engines (rank 0), verify."""
     from megaflow.runtime import engine_named_params
-    stream = engine_named_params(trainer)
+    stream = _fault_midway(engine_named_params(trainer), iteration)
     if bridge is None:  # not the driver rank: take part in the gathers only
         for _ in stream:
             pass
         return {}
     return bridge.push(stream).as_metrics()
+
+
+def _fault_midway(stream, iteration: int):
+    for i, item in enumerate(stream):
+        if i == 4:
+            faults.check("sync", iteration)
+        yield item
 
 
 def _share(obj, rank0: bool):
@@ -120,72 +131,138 @@ def _share(obj, rank0: bool):
     return box[0]
 
 
-def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None) -> dict:
-    """Train for ``train.iterations``; returns the last iteration's metrics. ``evaluate(rollout, when)``
-    (rank 0) runs with the engines holding the initial weights (``"before"``), the weights after each
-    iteration's sync (``when`` = the iteration number) and the final ones (``"after"``)."""
-    from megaflow import runtime
+def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool):
+    """Rank 0 claims the run dir (lock, history checks); every rank gets the outcome or the same error."""
+    from megaflow.rundir import RunDir
+    claimed, error = None, None
+    if rank0:
+        try:
+            claimed = RunDir(cfg, resume=resume)
+        except ValueError as e:
+            error = str(e)
+    shared = _share((error, claimed.resume_iteration if claimed else 0,
+                     str(claimed.resume_from) if claimed and claimed.resume_from else None), rank0)
+    if shared[0] is not None:
+        raise ValueError(shared[0])
+    return claimed, shared[1], Path(shared[2]) if shared[2] else None
+
+
+def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None,
+        resume: bool = False) -> dict:
+    """Train for ``train.iterations``; returns the last iteration's metrics.
+
+    ``evaluate(rollout, when)`` (rank 0) runs with the engines holding the initial weights (``"before"``,
+    not when resuming), the weights after each iteration's sync (``when`` = the iteration number) and the
+    final ones (``"after"``). ``resume`` continues from the run dir's latest checkpoint (megaflow.rundir
+    says when a run dir may be used). Checkpoints every ``train.save_every`` iterations and at the end;
+    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`)."""
+    from megaflow import run_state, runtime
     from megaflow.colocate import Phases
+    from megaflow.interrupt import Interrupted, StopRequests
     from megaflow.parallel import ParallelDims, init_distributed
     from megaflow.rollout.balancer import Balancer
+    from megaflow.rundir import run_dir_of
 
     torch.set_num_threads(cfg.run.num_threads)
+    run_dir = run_dir_of(cfg)
     p = cfg.parallel
     init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed)
     rank0 = dist.get_rank() == 0
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    pipeline_dir = None
-    if rank0:
-        save_config(cfg, run_dir)
-        pipeline_dir = runtime.resolve_pipeline(cfg, run_dir)
-    pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0))
-    cfg = runtime.with_pipeline_defaults(cfg, pipeline_dir)
-    trainer, ref = runtime.build_trainer(cfg, pipeline_dir)
-    engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
-    rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
-    bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
-    scorer = runtime.build_scorer(cfg) if rank0 else None
-    prompts = runtime.prompt_stream(cfg)
-    settings = grpo_settings(cfg)
-    phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
-    metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
-    metrics: dict = {}
-    first_reward = float("nan")
+    stop = StopRequests()
+    owned, start, resume_from = _claim_run_dir(cfg, resume, rank0)
+    engines, scorer, metrics_log, done = [], None, None, False
     try:
-        metrics_log.write(0, sync_weights(trainer, bridge))  # engines now hold exactly the trainer's weights
-        if evaluate is not None and rank0:
-            evaluate(rollout, "before")
-        for it in range(1, cfg.train.iterations + 1):
+        pipeline_dir = None
+        if rank0:
+            save_config(cfg, run_dir)
+            pipeline_dir = runtime.resolve_pipeline(cfg, run_dir)
+        pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0))
+        cfg = runtime.with_pipeline_defaults(cfg, pipeline_dir)
+        dconfig = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+        trainer, ref = runtime.build_trainer(cfg, pipeline_dir)
+        history: list[dict] = []
+        consumed = 0
+        if resume_from is not None:
+            state = run_state.load(trainer, resume_from)
+            history, consumed = state["metrics"], state["prompts_consumed"]
+        engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
+        rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
+        bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
+        scorer = runtime.build_scorer(cfg) if rank0 else None
+        prompts = runtime.prompt_stream(cfg, consumed)
+        settings = grpo_settings(cfg)
+        phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
+        if rank0:
+            write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
+        metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
+        metrics: dict = history[-1] if history else {}
+        initial_sync = sync_weights(trainer, bridge)  # engines now hold exactly the trainer's weights
+        if start == 0:
+            metrics_log.write(0, initial_sync)
+            history.append({"iteration": 0, **initial_sync})
+            if evaluate is not None and rank0:
+                evaluate(rollout, "before")
+
+        def save(it: int) -> float:
+            return run_state.save(trainer, run_dir, it, family=cfg.model.family, diffusers_config=dconfig,
+                                  prompts_consumed=prompts.consumed, metrics_rows=history,
+                                  keep=cfg.train.keep_checkpoints)
+
+        for it in range(start + 1, cfg.train.iterations + 1):
             t0 = time.perf_counter()
             batch = generate_and_score(rollout, scorer, make_requests(cfg, prompts, it), cfg) if rank0 else None
+            faults.check("rollout", it)
             t_rollout = time.perf_counter() - t0
             trajs, advantages, keep, roll_metrics = _share(batch, rank0)
             with phases.training():
                 train_metrics = grpo_update(trainer, trajs, advantages, keep, train_steps(cfg, settings.transition, it),
                                             settings, ref, seed=cfg.run.seed * 1_000_003 + it * 10_007 + 2)
+            faults.check("train", it)
             t_train = time.perf_counter() - t0 - t_rollout
-            sync_metrics = sync_weights(trainer, bridge)
+            sync_metrics = sync_weights(trainer, bridge, it)
             metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
                        **phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
                        "time/iteration_s": time.perf_counter() - t0}
             if rollout is not None and hasattr(rollout, "metrics"):
                 metrics.update(rollout.metrics())
+            signum = stop.agreed()
+            last = it == cfg.train.iterations
+            history.append({"iteration": it, **metrics})
+            if last or signum or (cfg.train.save_every and it % cfg.train.save_every == 0):
+                metrics["checkpoint/write_s"] = save(it)
             metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
-            if evaluate is not None and rank0 and it < cfg.train.iterations:
+            if owned is not None:
+                owned.first_iteration_done()
+            if signum:
+                raise Interrupted(signum, it, str(checkpoint_dir(run_dir, it)))
+            if evaluate is not None and rank0 and not last:
                 evaluate(rollout, it)
             if rank0 and it in (1, cfg.train.iterations):
                 save_image_grid(torch.stack([t.image for t in trajs]), run_dir / "samples" / f"iter{it:05d}.png",
                                 columns=cfg.rollout.group_size)
-                first_reward = metrics["reward/total"] if it == 1 else first_reward
         if evaluate is not None and rank0:
             evaluate(rollout, "after")
         if rank0:
-            print(f"[megaflow] done: reward {first_reward:.4f} (iteration 1) -> {metrics['reward/total']:.4f} "
+            rewards = [r["reward/total"] for r in history if "reward/total" in r]
+            print(f"[megaflow] done: reward {rewards[0]:.4f} (iteration 1) -> {rewards[-1]:.4f} "
                   f"(iteration {cfg.train.iterations}); run dir {run_dir}", flush=True)
+        done = True
     finally:
+        stop.restore()
         for e in engines:
             e.shutdown()
         if scorer is not None:
             scorer.close()
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
+        if owned is not None:
+            owned.release(failed=not done)
     return metrics
+
+
+def write_metrics_rows(run_dir: Path, rows: list[dict]) -> None:
+    """Replace ``metrics.jsonl`` with ``rows`` atomically (a fresh run: none; a resumed one: the checkpoint's)."""
+    path = run_dir / "metrics.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows))
+    os.replace(tmp, path)

@@ -59,11 +59,12 @@ def reward_curve(run_dir: Path) -> tuple[Path, list[dict]]:
 def run_demo(cfg: MegaflowConfig) -> dict:
     from megaflow.controller import run
     from megaflow.evals.sample import brief, evaluate_engine
+    from megaflow.rundir import with_unused_name
     from megaflow.runtime import with_pipeline_defaults
 
     t0 = time.perf_counter()
     rss = PeakRSS()
-    cfg = with_pipeline_defaults(cfg, Path(cfg.model.pretrained))
+    cfg = with_unused_name(with_pipeline_defaults(cfg, Path(cfg.model.pretrained)))
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     results: dict[str, dict] = {}
     e = cfg.eval

@@ -109,8 +109,32 @@ def build_scorer(cfg: MegaflowConfig):
     return AsyncScorer(reward, num_workers=cfg.reward.num_workers)
 
 
-def prompt_stream(cfg: MegaflowConfig) -> Iterator[str]:
-    """Endless, seeded prompt stream (reshuffled each pass)."""
+class PromptStream:
+    """Endless, seeded prompt stream (reshuffled each pass) that counts what it handed out, so a resumed run
+    continues at the same prompt: ``PromptStream(pool, seed, consumed=k)`` starts where one that handed
+    out k prompts stopped."""
+
+    def __init__(self, pool: list[str], seed: int, consumed: int = 0):
+        self._pool, self._rng, self.consumed = pool, random.Random(seed), 0
+        self._order: Iterator[str] = iter(())
+        for _ in range(consumed):
+            next(self)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            prompt = next(self._order)
+        except StopIteration:
+            self._order = iter(self._rng.sample(self._pool, len(self._pool)))
+            prompt = next(self._order)
+        self.consumed += 1
+        return prompt
+
+
+def prompt_stream(cfg: MegaflowConfig, consumed: int = 0) -> PromptStream:
+    """The run's prompt stream (``data.prompts``), advanced past ``consumed`` prompts."""
     d = cfg.data
     if d.prompts == "shapes":
         from megaflow.data.shapes import CATEGORIES, sample_prompts
@@ -123,7 +147,4 @@ def prompt_stream(cfg: MegaflowConfig) -> Iterator[str]:
         pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
         if not pool:
             raise ValueError(f"data.prompts: {path} has no prompts")
-    rng = random.Random(cfg.run.seed)
-    while True:
-        order = rng.sample(pool, len(pool))
-        yield from order
+    return PromptStream(pool, cfg.run.seed, consumed)

@@ -236,9 +236,11 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
 def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 100, target_gain: float = 0.05) -> dict:
     """``controller.run`` with evaluation hooks (intermediate evals run before the next iteration's rollouts)."""
     from megaflow import controller, runtime
+    from megaflow.rundir import with_unused_name
 
     t0 = time.perf_counter()
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=f"{cfg.run.name}-learn-megaflow"))
+    cfg = with_unused_name(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run,
+                                                                            name=f"{cfg.run.name}-learn-megaflow")))
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     tracker = _Tracker(runtime.with_pipeline_defaults(cfg, runtime.resolve_pipeline(cfg, run_dir)), run_dir,
                        eval_every=eval_every, eval_num=eval_num)

@@ -120,6 +120,9 @@ class TrainConfig:
     num_minibatches: int = opt(1, "Optimizer steps per pass: kept samples are split into this many minibatches "
                                "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
                                "sampling policy, so from the second step on the clip acts on a stale policy.", ge=1)
+    save_every: int = opt(0, "Checkpoint (model, optimizer, RNGs, prompt position, metrics) every N iterations, "
+                          "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.", ge=0)
+    keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.", ge=1)
 
 
 @dataclass(kw_only=True)

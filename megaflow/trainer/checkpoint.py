@@ -85,9 +85,27 @@ def publish(tmp: Path, dst: Path) -> None:
         os.rename(tmp, dst)
 
 
+def _results_queue_dies_with_us() -> None:
+    """megatron's async file writer collects write results through one multiprocessing Manager per process,
+    started on the first save and kept: started by megatron it outlives a SIGKILLed trainer (an orphan
+    server process). Start it here instead, once, as a process the kernel kills with its parent."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megaflow._env import die_with_parent
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: str, diffusers_config: dict,
                     optimizer=None) -> Path:
     """Collective: save this rank's model chunks (unwrapped) and optionally the optimizer state."""
+    _results_queue_dies_with_us()
     dst = Path(path).absolute()
     tmp = _agree_on_tmp_dir(dst)
     state = _model_sharded_state_dict(chunks)
