@@ -39,6 +39,12 @@ print(hashlib.sha256(blob.encode()).hexdigest()[:16])
 PYEOF
 )"
 VENV="$CACHE/venv-$KEY"
+if [ ! -f "$VENV/.complete" ] && command -v flock >/dev/null 2>&1; then
+  # One builder per venv: a checkout set up concurrently waits here, then finds the build complete.
+  mkdir -p "$CACHE"
+  exec 9>"$VENV.lock"
+  flock 9
+fi
 if [ ! -f "$VENV/.complete" ]; then
   echo "setup_env: building $VENV (first time: ~5 min, ~11 GB)" >&2
   mkdir -p "$CACHE"
