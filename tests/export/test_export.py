@@ -6,7 +6,8 @@ weights were moved by 2 Adam steps. Checks: diffusers' StableDiffusion3Pipeline 
 its transformer equals the trainer's weights bit for bit, every other file is byte-identical; an
 SGLang engine on the ORIGINAL pipeline with those weights pushed through the colocated bridge and an
 engine on the EXPORTED pipeline give identical samples (same requests and seeds; tolerance 0, bit
-for bit). The bad-input cases exit 2 with one line, before any checkpoint is read, and write nothing.
+for bit). A FLUX run (weights moved by seeded noise, model-only checkpoint) loads in FluxPipeline the
+same way. The bad-input cases exit 2 with one line, before any checkpoint is read, and write nothing.
 """
 from __future__ import annotations
 
@@ -82,6 +83,30 @@ def test_export_loads_in_diffusers_with_the_trained_weights(run, exported):
     assert "model_index.json" in others and "transformer/config.json" in others
     _, mismatch, errors = filecmp.cmpfiles(original, exported, others, shallow=False)
     assert (mismatch, errors) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_flux_export_loads_in_diffusers_with_the_run_weights(tmp_path, capsys):
+    from diffusers import FluxPipeline
+
+    from megaflow.models.tiny_pipeline import make_tiny_pipeline
+    from megaflow.testing.dist import run_multiprocess
+
+    import export_workers
+
+    run_dir, out = tmp_path / "flux-run", tmp_path / "flux-export"
+    pipeline = make_tiny_pipeline("flux", run_dir / "tiny-pipeline", seed=0)
+    save_config(load_config(None, ['model.family="flux"']), run_dir)
+    [weights] = run_multiprocess(export_workers.perturb_and_checkpoint, 1, str(run_dir), str(pipeline), 5, 0.01,
+                                 timeout_s=600)
+    rc, err, printed = _export(capsys, "--run", run_dir, "--out", out, "--json")
+    assert (rc, err) == (0, []) and json.loads(printed)["family"] == "flux"
+    got = FluxPipeline.from_pretrained(out).transformer.state_dict()
+    assert sorted(got) == sorted(weights)
+    assert [k for k in weights if not torch.equal(got[k], weights[k])] == []
+    before = FluxPipeline.from_pretrained(pipeline).transformer.state_dict()
+    assert all(not torch.equal(before[k], weights[k]) for k in weights)
 
 
 @pytest.mark.slow
