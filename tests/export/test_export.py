@@ -98,6 +98,7 @@ def test_flux_export_loads_in_diffusers_with_the_run_weights(tmp_path, capsys):
     run_dir, out = tmp_path / "flux-run", tmp_path / "flux-export"
     pipeline = make_tiny_pipeline("flux", run_dir / "tiny-pipeline", seed=0)
     save_config(load_config(None, ['model.family="flux"']), run_dir)
+    out.mkdir()  # an empty --out is taken
     [weights] = run_multiprocess(export_workers.perturb_and_checkpoint, 1, str(run_dir), str(pipeline), 5, 0.01,
                                  timeout_s=600)
     rc, err, printed = _export(capsys, "--run", run_dir, "--out", out, "--json")
