@@ -97,6 +97,13 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from megaflow.export import export_run
+    result = export_run(args.run, args.out, iteration=args.iteration)
+    _print_json(result, args.json)
+    return 0
+
+
 def _emit(result: dict, args: argparse.Namespace) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p_pre)
     p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
     p_pre.set_defaults(handler=_cmd_pretrain)
+
+    p_exp = sub.add_parser("export", help="Write a run's checkpoint as a diffusers pipeline: the run's pipeline "
+                           "with the transformer weights replaced by the checkpoint's, every other component copied.")
+    p_exp.add_argument("--run", type=Path, required=True, help="Run dir (<run.output_dir>/<run.name>).")
+    p_exp.add_argument("--iteration", type=int, default=None, help="Checkpoint iteration (default: the latest).")
+    p_exp.add_argument("--out", type=Path, required=True, help="New pipeline dir (must not exist or be empty).")
+    p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
+    p_exp.set_defaults(handler=_cmd_export)
 
     p_bench = sub.add_parser("bench", help="Benchmarks (print / write one JSON object).")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)

@@ -7,7 +7,5 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 VENV="$(bash scripts/setup_env.sh | tail -n 1)"
-# This checkout first on the path, even if the shared venv's editable install points at another clone.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 exec "$VENV/bin/megaflow" demo -c configs/shapes_demo.toml "$@"

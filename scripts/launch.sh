@@ -15,8 +15,6 @@ cd "$REPO"
 
 # --- environment -------------------------------------------------------------------------
 VENV="${VENV:-$(bash scripts/setup_env.sh | tail -n 1)}"
-# This checkout first on the path, even if the shared venv's editable install points at another clone.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 

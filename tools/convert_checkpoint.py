@@ -38,26 +38,13 @@ def _family_for(diffusers_config: dict):
     raise ConvertError(f"unsupported architecture {cls!r} (known: {[get_family(n).diffusers_class for n in family_names()]})")
 
 
-def _expected_shapes(fam, diffusers_config: dict) -> dict[str, tuple]:
-    """Tensor shapes of the diffusers class for this config (built on the meta device)."""
-    import diffusers
-    import torch
+def _check_shapes(state: dict, fam, diffusers_config: dict) -> None:
+    from megaflow.export import check_diffusers_state, diffusers_shapes
 
-    cls = getattr(diffusers, fam.diffusers_class)
-    with torch.device("meta"):
-        model = cls.from_config(diffusers_config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _check_shapes(state: dict, expected: dict[str, tuple]) -> None:
-    for name, shape in expected.items():
-        if name not in state:
-            raise ConvertError(f"tensor {name!r} is missing")
-        if tuple(state[name].shape) != shape:
-            raise ConvertError(f"shape mismatch for {name!r}: {tuple(state[name].shape)}, expected {shape}")
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise ConvertError(f"unexpected tensor {extra[0]!r} (wrong architecture?)")
+    try:
+        check_diffusers_state(state, diffusers_shapes(fam, diffusers_config))
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
 
 
 def _read_config(directory: Path) -> dict:
@@ -89,7 +76,7 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
         state = checkpoint.read_diffusers_weights(src)
     except ValueError as e:
         raise ConvertError(str(e)) from None
-    _check_shapes(state, _expected_shapes(fam, dconfig))
+    _check_shapes(state, fam, dconfig)
     if config.num_attention_heads % tp or config.num_layers % pp:
         raise ConvertError(f"tp={tp} must divide {config.num_attention_heads} heads and pp={pp} {config.num_layers} layers")
     del state
@@ -108,23 +95,16 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
 
 
 def to_diffusers(src: Path, dst: Path) -> None:
-    from safetensors.torch import save_file
-
-    from megaflow.models.registry import get_family
-    from megaflow.trainer import checkpoint
+    from megaflow.export import checkpoint_transformer, save_transformer_weights
 
     try:
-        meta, full = checkpoint.load_full_state_dict(src)
-        fam = get_family(meta["family"])
-        config = fam.config_from_diffusers(meta["diffusers_config"])
-        state = fam.weight_map.to_diffusers(full, config)
+        _, dconfig, state = checkpoint_transformer(src)
     except ValueError as e:
         raise ConvertError(str(e)) from None
-    _check_shapes(state, _expected_shapes(fam, meta["diffusers_config"]))
     tmp = _new_tmp(dst)
     try:
-        (tmp / "config.json").write_text(json.dumps(fam.config_to_diffusers(config), indent=2))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "diffusion_pytorch_model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(dconfig, indent=2))
+        save_transformer_weights(tmp, state)
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -190,7 +190,8 @@ def load_full_state_dict(path: str | Path) -> tuple[dict, dict[str, torch.Tensor
     meta = read_meta(path)
     with _process_group_for_reading():
         tensors = dist_checkpointing.load_plain_tensors(str(path))
-    return meta, {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    # The optimizer's entries: its tensors ("optimizer.<...>") and its common state ("optimizer").
+    return meta, {k: v for k, v in tensors.items() if k.split(".", 1)[0] != "optimizer"}
 
 
 def save_from_diffusers(diffusers_dir: str, tmp_dir: str, dims_kwargs: dict, family: str) -> bool:
