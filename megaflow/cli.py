@@ -12,7 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megaflow.config import ConfigError, dump_config, load_config
+from megaflow.config import ConfigError, MegaflowConfig, dump_config, load_config
+from megaflow.config.preflight import preflight
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -24,8 +25,14 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> 
                    help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
 
 
+def _load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
+    """The validated config of ``-c`` / ``--set``, preflight-checked for ``command`` (files it names,
+    the machine, cross-field rules) before anything heavy is imported."""
+    return preflight(load_config(args.config, args.overrides), command)
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_checked(args, "show")
     print(dump_config(cfg), end="")
     return 0
 
@@ -61,10 +68,9 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
-
+    cfg = _load_checked(args, "train")
     from megaflow.controller import run
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
     metrics = run(cfg)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
@@ -73,11 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
-    cfg = load_config(args.config, args.overrides)
-    if not cfg.model.pretrained:
-        raise ValueError("the demo needs model.pretrained (the shipped ShapeEval pipeline)")
-    if not (Path(cfg.model.pretrained) / "model_index.json").is_file():
-        raise ValueError(f"model.pretrained: {cfg.model.pretrained} is not a diffusers pipeline directory")
+    cfg = _load_checked(args, "demo")
     from megaflow.demo import run_demo
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_demo(cfg)
@@ -85,7 +87,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_checked(args, "pretrain")
     from megaflow.pretrain.loop import run
     result = run(cfg)
     if args.json:
@@ -123,8 +125,8 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    cfg = _load_checked(args, "train")
     from megaflow.bench.learn import bench_learn
-    cfg = load_config(args.config, args.overrides)
     _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)
     return 0
