@@ -122,7 +122,8 @@ def check_weights_dir(directory: Path, key: str, *, required: bool = True) -> li
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files and required:
-        raise ConfigError(f"{key}: no safetensors weights in {directory}")
+        raise ConfigError(f"{key}: no safetensors weights in {directory} (expected diffusion_pytorch_model"
+                          ".safetensors or a *.safetensors.index.json with its shards)")
     for f in files:
         check_safetensors(f, key)
     return files
@@ -160,6 +161,8 @@ def check_megatron_checkpoint(path: str | Path, key: str) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{key}: {path} is not a directory")
+    if not (path / CKPT_META).is_file():
+        raise ConfigError(f"{key}: {path} is not a megaflow checkpoint ({CKPT_META} not found)")
     if not (path / ".metadata").is_file():
         raise ConfigError(f"{key}: {path} is not a megatron dist checkpoint (.metadata not found)")
     meta = read_json(path / CKPT_META, key)

@@ -20,7 +20,8 @@ from megaflow.config.schema import MegaflowConfig
 
 
 class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message is one line naming the key."""
+    """A user mistake in a config file, an override or an input file they name; the message is one line
+    naming the key or the file."""
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
@@ -113,7 +114,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a UTF-8 text file (TOML run files are UTF-8)") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for section, values in data.items():

@@ -191,8 +191,8 @@ def _check_rollout(cfg: MegaflowConfig) -> None:
     if r.sde_type == "ode":
         raise ConfigError("rollout.sde_type = 'ode' samples no log-probs: nothing to train (use 'sde' or 'cps')")
     if r.noise_level == 0 and not r.log_prob_no_const:
-        raise ConfigError(f"rollout.noise_level = 0 has std 0: a log-prob with constants needs noise_level > 0 "
-                          f"(or rollout.log_prob_no_const = true) with sde_type = {r.sde_type!r}")
+        raise ConfigError(f"rollout.noise_level: noise_level=0 has std 0: a log-prob with constants needs "
+                          f"noise_level > 0 (or rollout.log_prob_no_const = true) with sde_type = {r.sde_type!r}")
     window = _sde_steps(cfg)
     if r.sde_window_size == 0:
         steps = sorted(set(window)) if window is not None else list(range(int(n * cfg.algo.timestep_fraction)))
