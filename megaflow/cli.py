@@ -48,6 +48,8 @@ def _print_json(result: dict, as_json: bool) -> None:
 def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
+        from megaflow.config.files import check_pipeline
+        check_pipeline(args.pipeline, "--pipeline")
         from megaflow.evals.sample import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,

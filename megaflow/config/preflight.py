@@ -45,14 +45,14 @@ _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def cuda_available() -> bool:
     """Whether torch would see a GPU here, told without importing torch: a GPU device node or driver entry
-    exists (NVIDIA ``/dev/nvidia0``... or ``/proc/driver/nvidia/gpus/*``; ROCm ``/dev/kfd``) and
-    ``CUDA_VISIBLE_DEVICES`` does not hide every device (empty, or starting with ``-1``)."""
+    exists (NVIDIA ``/dev/nvidia0``... or ``/proc/driver/nvidia/gpus/*``; WSL2 ``/dev/dxg``; ROCm
+    ``/dev/kfd``) and ``CUDA_VISIBLE_DEVICES`` does not hide every device (empty, or starting with ``-``)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
         return False
     gpus = Path("/proc/driver/nvidia/gpus")
     return (any(Path("/dev").glob("nvidia[0-9]*")) or (gpus.is_dir() and any(gpus.iterdir()))
-            or Path("/dev/kfd").exists())
+            or Path("/dev/dxg").exists() or Path("/dev/kfd").exists())
 
 
 def is_dotted_path(text: str) -> bool:
@@ -109,10 +109,15 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
                           f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
 
 
-def _check_layout(cfg: MegaflowConfig, heads: int, layers: int | None, where: str) -> None:
+def _positive_int(conf: dict, key: str) -> int | None:
+    value = conf.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _check_layout(cfg: MegaflowConfig, heads: int | None, layers: int | None, where: str) -> None:
     """Megatron splits attention heads over TP ranks and blocks evenly over PP (x VPP) stages."""
     p = cfg.parallel
-    if heads % p.tp:
+    if heads is not None and heads % p.tp:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide the {heads} attention heads of {where}")
     stages = p.pp * (p.vpp or 1)
     if layers is not None and layers % stages:
@@ -124,7 +129,7 @@ def _check_pretrain(cfg: MegaflowConfig) -> None:
     p = cfg.pretrain
     if p.init_from:
         tconf = check_pipeline(p.init_from, "pretrain.init_from")["transformer"]
-        _check_layout(cfg, int(tconf.get("num_attention_heads", 1)), tconf.get("num_layers"), p.init_from)
+        _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), _positive_int(tconf, "num_layers"), p.init_from)
     else:
         _check_layout(cfg, p.num_heads, p.num_layers, "the pretrained DiT (pretrain.num_heads / num_layers)")
 
@@ -223,9 +228,9 @@ def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int,
     vae, tconf = configs.get("vae", {}), configs["transformer"]
     blocks = vae.get("block_out_channels")
     factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
-    patch = 2 if cfg.model.family == "flux" else int(tconf.get("patch_size", 2))
-    max_patches = tconf.get("pos_embed_max_size") if cfg.model.family == "sd3" else None
-    return factor * patch, (max_patches * factor * patch if isinstance(max_patches, int) else None)
+    patch = 2 if cfg.model.family == "flux" else (_positive_int(tconf, "patch_size") or 2)
+    max_patches = _positive_int(tconf, "pos_embed_max_size") if cfg.model.family == "sd3" else None
+    return factor * patch, (max_patches * factor * patch if max_patches else None)
 
 
 def _check_model(cfg: MegaflowConfig) -> None:
@@ -238,9 +243,8 @@ def _check_model(cfg: MegaflowConfig) -> None:
         if tconf.get("_class_name") != want:
             raise ConfigError(f"model.family = {cfg.model.family!r} expects a {want} but {where}/transformer is "
                               f"{tconf.get('_class_name')!r}")
-        heads = tconf.get("num_attention_heads")
-        if isinstance(heads, int) and heads > 0:
-            _check_layout(cfg, heads, tconf.get("num_layers") if cfg.model.family == "sd3" else None, where)
+        layers = _positive_int(tconf, "num_layers") if cfg.model.family == "sd3" else None
+        _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), layers, where)
         multiple, largest = _pixel_multiple(cfg, configs)
     for side in ("height", "width"):
         value = getattr(r, side)

@@ -104,11 +104,15 @@ def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False) -> list[str
     return ["--set", f'data.prompts="{path}"']
 
 
-def _pipe(tmp: Path, damage=None, *, shards: int = 0) -> list[str]:
+def _pipe_dir(tmp: Path, damage=None, *, shards: int = 0) -> Path:
     root = fake_pipeline(tmp / "pipe", shards=shards)
     if damage:
         damage(root)
-    return ["--set", f'model.pretrained="{root}"']
+    return root
+
+
+def _pipe(tmp: Path, damage=None, *, shards: int = 0) -> list[str]:
+    return ["--set", f'model.pretrained="{_pipe_dir(tmp, damage, shards=shards)}"']
 
 
 def _truncate(path: Path, keep: int | None = None, cut: int = 0) -> None:
@@ -197,6 +201,8 @@ CASES = {
     "tool: truncated shard": (lambda t: _tool(t, "to-megatron", _transformer(t, lambda d: _truncate(d / "diffusion_pytorch_model-00002-of-00003.safetensors", cut=100), shards=3)), "00002-of-00003.safetensors is truncated"),
     "tool: checkpoint without .metadata": (lambda t: _tool(t, "to-diffusers", (lambda c: (c / ".metadata").unlink() or c)(fake_megatron_checkpoint(t / "ckpt"))), ".metadata not found"),
     "tool: not a megaflow checkpoint": (lambda t: _tool(t, "to-diffusers", _transformer(t)), "megaflow_model.json not found"),
+    "eval --pipeline truncated": (lambda t: ["eval", "shapes", "--pipeline", str(_pipe_dir(t, lambda p: _truncate(
+        p / T, cut=4)))], "--pipeline: "),
     # image folders (megaflow eval shapes --images)
     "images: missing dir": (lambda t: ["eval", "shapes", "--images", str(t / "nope")], "images dir does not exist"),
     "images: empty dir": (lambda t: _images(t, {}), "no images"),
