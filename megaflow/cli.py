@@ -12,7 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megaflow.config import ConfigError, dump_config, load_config
+from megaflow.config import ConfigError, MegaflowConfig, dump_config, load_config
+from megaflow.config.preflight import preflight
 from megaflow.interrupt import Interrupted
 
 Handler = Callable[[argparse.Namespace], int]
@@ -25,8 +26,14 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> 
                    help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
 
 
+def _load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
+    """The validated config of ``-c`` / ``--set``, preflight-checked for ``command`` (files it names,
+    the machine, cross-field rules) before anything heavy is imported."""
+    return preflight(load_config(args.config, args.overrides), command)
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_checked(args, "show")
     print(dump_config(cfg), end="")
     return 0
 
@@ -42,6 +49,8 @@ def _print_json(result: dict, as_json: bool) -> None:
 def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
+        from megaflow.config.files import check_pipeline
+        check_pipeline(args.pipeline, "--pipeline")
         from megaflow.evals.sample import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
@@ -62,7 +71,7 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.rundir import check_run_dir
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_checked(args, "train")
     if os.environ.get("RANK", "0") == "0":
         check_run_dir(cfg, resume=args.resume)
     import logging
@@ -77,11 +86,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
-    cfg = load_config(args.config, args.overrides)
-    if not cfg.model.pretrained:
-        raise ValueError("the demo needs model.pretrained (the shipped ShapeEval pipeline)")
-    if not (Path(cfg.model.pretrained) / "model_index.json").is_file():
-        raise ValueError(f"model.pretrained: {cfg.model.pretrained} is not a diffusers pipeline directory")
+    cfg = _load_checked(args, "demo")
     from megaflow.demo import run_demo
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_demo(cfg)
@@ -89,7 +94,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_checked(args, "pretrain")
     from megaflow.pretrain.loop import run
     result = run(cfg)
     if args.json:
@@ -134,8 +139,8 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    cfg = _load_checked(args, "train")
     from megaflow.bench.learn import bench_learn
-    cfg = load_config(args.config, args.overrides)
     _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)
     return 0

@@ -30,8 +30,9 @@ _RESUMABLE_SECTIONS = {"logging"}
 def run_dir_of(cfg: MegaflowConfig) -> Path:
     """``<run.output_dir>/<run.name>``; ValueError when the name is not a single path component."""
     name = cfg.run.name
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
-        raise ValueError(f"run.name = {name!r}: must be a plain name (no '/', not '.' or '..', not hidden)")
+    if not name or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+        raise ValueError(f"run.name = {name!r}: must be one path component (no '/', not empty, not starting "
+                         "with '.'); the run directory is <run.output_dir>/<run.name>")
     return Path(cfg.run.output_dir) / name
 
 

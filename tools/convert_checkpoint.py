@@ -8,9 +8,12 @@ checkpoint that loads at ANY TP/PP layout (tensors are stored by global name + s
 to-diffusers reads the checkpoint in one process and writes config.json +
 diffusion_pytorch_model.safetensors.
 
-Both directions validate before writing anything (missing files, unknown architecture, missing /
-unexpected / mis-shaped tensors -> one line on stderr naming the problem, exit code 1), write into
-a temp dir next to ``--dst`` and rename it into place. An existing ``--dst`` is never overwritten.
+Both directions validate before writing anything and exit with code 2 and one line on stderr naming
+the problem: first with the standard library only, before torch or megatron is imported (missing
+``--src``, an existing ``--dst``, a missing or truncated safetensors file or shard, a checkpoint
+without ``.metadata`` or ``megaflow_model.json``: ``megaflow.config.files``), then after loading
+(unknown architecture, missing / unexpected / mis-shaped tensors). The result is written into a temp
+dir next to ``--dst`` and renamed into place. An existing ``--dst`` is never overwritten.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import sys
 import uuid
 import warnings
 from pathlib import Path
+
+from megaflow.config.files import check_megatron_checkpoint, check_weights_dir, read_json
+from megaflow.config.load import ConfigError
 
 
 class ConvertError(Exception):
@@ -47,13 +53,6 @@ def _check_shapes(state: dict, fam, diffusers_config: dict) -> None:
         raise ConvertError(str(e)) from None
 
 
-def _read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ConvertError(f"{path} not found")
-    return json.loads(path.read_text())
-
-
 def _new_tmp(dst: Path) -> Path:
     if dst.exists():
         raise ConvertError(f"{dst} already exists; refusing to overwrite")
@@ -68,7 +67,7 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
     from megaflow.testing.dist import RankError, run_multiprocess
     from megaflow.trainer import checkpoint
 
-    dconfig = _read_config(src)
+    dconfig = read_json(src / "config.json", "--src")
     fam = _family_for(dconfig)
     try:
         config = fam.config_from_diffusers(dconfig)
@@ -110,6 +109,21 @@ def to_diffusers(src: Path, dst: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int) -> None:
+    """What can be checked with the standard library, before torch / megatron are imported."""
+    if not src.is_dir():
+        raise ConvertError(f"--src {src} is not a directory")
+    if dst.exists():
+        raise ConvertError(f"{dst} already exists; refusing to overwrite")
+    if tp < 1 or pp < 1:
+        raise ConvertError(f"--tp {tp} / --pp {pp}: both must be >= 1")
+    if command == "to-megatron":
+        read_json(src / "config.json", "--src")
+        check_weights_dir(src, "--src")
+    else:
+        check_megatron_checkpoint(src, "--src")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,19 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
-    import megaflow  # noqa: F401  (import guards before megatron)
-
     try:
-        if not args.src.is_dir():
-            raise ConvertError(f"{args.src} is not a directory")
+        _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))
+        warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
+        import megaflow  # noqa: F401  (import guards before megatron)
         if args.command == "to-megatron":
             to_megatron(args.src, args.dst, args.tp, args.pp)
         else:
             to_diffusers(args.src, args.dst)
-    except ConvertError as e:
+    except (ConvertError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"wrote {args.dst}")
     return 0
 

@@ -9,6 +9,7 @@ resolved config (TOML) into the run directory atomically.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import tomllib
@@ -19,7 +20,8 @@ from megaflow.config.schema import MegaflowConfig
 
 
 class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message is one line naming the key."""
+    """A user mistake in a config file, an override or an input file they name; the message is one line
+    naming the key or the file."""
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
@@ -38,7 +40,15 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         value = float(value)
     if want is int and isinstance(value, bool) or not isinstance(value, want):
         raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+    if want is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: value {value!r} is not a finite number")
     meta = f.metadata
+    if "items" in meta:
+        item = meta["items"]
+        bad = [v for v in value if not isinstance(v, item) or (item is int and isinstance(v, bool))]
+        if bad:
+            raise ConfigError(f"{key}: expected a list of {item.__name__}, got {type(bad[0]).__name__} "
+                              f"{bad[0]!r} in {value!r}")
     checks = (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
               ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<"))
     for name, ok, sym in checks:
@@ -91,8 +101,8 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
     if r.sde_type == "cps" and not r.log_prob_no_const:
         raise ConfigError("rollout.sde_type = 'cps' requires rollout.log_prob_no_const = true (log-prob is -inf at the last step otherwise)")
     for name, w in cfg.reward.weights.items():
-        if not isinstance(w, (int, float)) or isinstance(w, bool):
-            raise ConfigError(f"reward.weights.{name}: weight must be a number, got {w!r}")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
+            raise ConfigError(f"reward.weights.{name}: weight must be a finite number, got {w!r}")
     return cfg
 
 
@@ -104,7 +114,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a UTF-8 text file (TOML run files are UTF-8)") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for section, values in data.items():

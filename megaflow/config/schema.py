@@ -12,7 +12,8 @@ from typing import Any
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
-    """A dataclass field with a help string and optional checks (ge, gt, le, lt, choices)."""
+    """A dataclass field with a help string and optional checks (ge, gt, le, lt, choices; ``items``: the
+    type every element of a list must have)."""
     meta = {"help": help, **checks}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -41,7 +42,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts) or a text file, one prompt a line.")
-    shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).")
+    shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).", items=str)
 
 
 @dataclass(kw_only=True)
@@ -64,13 +65,13 @@ class RolloutConfig:
     guidance_scale: float = opt(1.0, "Classifier-free guidance scale (1.0 = CFG off).", ge=1.0)
     sde_type: str = opt("sde", "Rollout transition: sde, cps or ode.", choices=("sde", "cps", "ode"))
     noise_level: float = opt(0.7, "SDE/CPS noise level a (0.7 SDE, 0.8 CPS in flow_grpo).", ge=0.0, le=1.0)
-    sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.")
+    sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.", items=int)
     sde_window_size: int = opt(0, "FlowGRPO-Fast: > 0 draws a fresh window of this many consecutive SDE steps every "
                                "iteration (seeded by run.seed and the iteration; start uniform in sde_window_range); "
                                "the engine samples SDE only there, ODE elsewhere, and only window steps are trained. "
                                "0 = off. Excludes sde_window.", ge=0)
     sde_window_range: list = opt([], "FlowGRPO-Fast: [lo, hi], the window lies inside steps lo .. hi-1 "
-                                 "(0 <= lo < hi <= num_steps); empty = [0, num_steps].")
+                                 "(0 <= lo < hi <= num_steps); empty = [0, num_steps].", items=int)
     log_prob_no_const: bool = opt(False, "Use -mean((x'-mu)^2) log-probs (required with CPS).")
     max_sequence_length: int = opt(0, "Prompt length in tokens for every text encoder (SGLang pads each to it); "
                                    "0 = what the pipeline declares in its megaflow.json, else the engine default.", ge=0)

@@ -39,7 +39,10 @@ def prompt_from_filename(path: Path) -> str:
 
 def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
     items = []
-    lines = (images_dir / MANIFEST).read_text().splitlines()
+    try:
+        lines = (images_dir / MANIFEST).read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{images_dir / MANIFEST} is not UTF-8 text (want one JSON object a line)") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

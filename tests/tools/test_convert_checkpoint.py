@@ -2,7 +2,7 @@
 
 Needs: CPU; the round trip launches 2 gloo processes (to-megatron at TP=2) and then 2 more
 (loading that checkpoint at TP1xPP2), so it is marked slow/dist. The error cases run in-process
-without any launch: each must exit 1 with ONE stderr line naming the problem and write nothing.
+without any launch: each must exit 2 with ONE stderr line naming the problem and write nothing.
 """
 from __future__ import annotations
 
@@ -74,35 +74,35 @@ def test_roundtrip_bit_exact_and_reshard(src_dir, tmp_path, capsys):
 def test_errors_one_line_nothing_written(src_dir, tmp_path, capsys):
     dst = tmp_path / "out"
     rc, err = _run(["to-megatron", "--src", tmp_path / "nope", "--dst", dst], capsys)
-    assert rc == 1 and "nope" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "nope" in err and len(err.splitlines()) == 1
 
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text((src_dir / "config.json").read_text())
     rc, err = _run(["to-megatron", "--src", bad, "--dst", dst], capsys)  # weights file missing
-    assert rc == 1 and "diffusion_pytorch_model.safetensors" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "diffusion_pytorch_model.safetensors" in err and len(err.splitlines()) == 1
 
     state = load_file(src_dir / "diffusion_pytorch_model.safetensors")
     state["transformer_blocks.1.attn.to_k.weight"] = state["transformer_blocks.1.attn.to_k.weight"][:, :-1].contiguous()
     save_file(state, bad / "diffusion_pytorch_model.safetensors")
     rc, err = _run(["to-megatron", "--src", bad, "--dst", dst], capsys)
-    assert rc == 1 and "transformer_blocks.1.attn.to_k.weight" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "transformer_blocks.1.attn.to_k.weight" in err and len(err.splitlines()) == 1
 
     cfg = json.loads((src_dir / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "_class_name": "FluxTransformer2DModel"}))
     rc, err = _run(["to-megatron", "--src", bad, "--dst", dst], capsys)
-    assert rc == 1 and "FluxTransformer2DModel" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "FluxTransformer2DModel" in err and len(err.splitlines()) == 1
 
     (bad / "config.json").write_text(json.dumps({**cfg, "num_layers": 3}))  # weights have 4 blocks
     save_file(load_file(src_dir / "diffusion_pytorch_model.safetensors"), bad / "diffusion_pytorch_model.safetensors")
     rc, err = _run(["to-megatron", "--src", bad, "--dst", dst], capsys)
-    assert rc == 1 and "transformer_blocks.2.norm1_context" in err and len(err.splitlines()) == 1  # now the last block
+    assert rc == 2 and "transformer_blocks.2.norm1_context" in err and len(err.splitlines()) == 1  # now the last block
 
     rc, err = _run(["to-diffusers", "--src", src_dir, "--dst", dst], capsys)  # not a megatron ckpt
-    assert rc == 1 and "megaflow_model.json" in err and len(err.splitlines()) == 1
+    assert rc == 2 and "megaflow_model.json" in err and len(err.splitlines()) == 1
 
     dst.mkdir()
     rc, err = _run(["to-megatron", "--src", src_dir, "--dst", dst], capsys)
-    assert rc == 1 and "already exists" in err
+    assert rc == 2 and "already exists" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "nope", "out"] or sorted(
         p.name for p in tmp_path.iterdir()) == ["bad", "out"]

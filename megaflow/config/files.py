@@ -1,0 +1,172 @@
+"""Cheap checks of the files a run or a tool reads, with the standard library only (no torch).
+
+Each check raises :class:`~megaflow.config.load.ConfigError` with ONE line naming the file and what is
+wrong, so a broken input stops a command before any heavy import or any engine starts:
+
+* ``check_text_file``: a prompt file that is missing, not a file, empty, binary (NUL bytes) or not UTF-8;
+* ``check_safetensors``: the 8-byte header length, the JSON header, every tensor's byte range against its
+  dtype and shape, and the data offsets against the file size (a truncated or padded file);
+* ``check_weights_dir``: a diffusers model folder's safetensors (a single file, or the shards an
+  ``*.safetensors.index.json`` names: a deleted shard is named);
+* ``check_pipeline``: a diffusers pipeline directory (``model_index.json``, every component folder it
+  lists, ``transformer/config.json`` and weights, every component's safetensors);
+* ``check_megatron_checkpoint``: a megaflow dist checkpoint (``.metadata`` and ``megaflow_model.json``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from megaflow.config.load import ConfigError
+
+# Bytes per element of the safetensors dtypes (sub-byte and future dtypes are not size-checked).
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit
+CKPT_META = "megaflow_model.json"  # megaflow.trainer.checkpoint.META_FILE (a test keeps them equal)
+
+
+def check_text_file(path: str | Path, key: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file; ConfigError (``key: path: why``) when it has none."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{key}: no such file {path}")
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} is not a file")
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ConfigError(f"{key}: {path} is a binary file (NUL bytes), expected text, one prompt a line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ConfigError(f"{key}: {path} is empty (no non-blank line)")
+    return lines
+
+
+def read_json(path: Path, key: str) -> dict:
+    """A JSON object file; ConfigError naming the file when missing, unreadable or not an object."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} not found")
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{key}: {path} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{key}: {path} is not a JSON object")
+    return obj
+
+
+def _tensor_range(path: Path, key: str, name: str, info: object) -> tuple[int, int]:
+    bad = f"{key}: {path}: corrupt safetensors header entry {name!r}"
+    if not isinstance(info, dict):
+        raise ConfigError(bad)
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    ints = (lambda xs, n=None: isinstance(xs, list) and (n is None or len(xs) == n)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs))
+    if not isinstance(dtype, str) or not ints(shape) or not ints(offsets, 2) or offsets[0] > offsets[1]:
+        raise ConfigError(bad)
+    if dtype in _DTYPE_BYTES and offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise ConfigError(f"{bad}: {offsets[1] - offsets[0]} bytes for {dtype} {shape}")
+    return offsets[0], offsets[1]
+
+
+def check_safetensors(path: str | Path, key: str) -> None:
+    """Parse a safetensors file's header and check that the tensors exactly cover the data that follows."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{key}: {path} is truncated ({size} bytes, not even the 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n == 0 or n > min(size - 8, _MAX_HEADER):
+            raise ConfigError(f"{key}: {path}: corrupt or truncated safetensors file "
+                              f"(header length {n}, file size {size} bytes)")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{key}: {path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{key}: {path}: corrupt safetensors header (not a JSON object)")
+    ranges = sorted(_tensor_range(path, key, name, info) for name, info in header.items() if name != "__metadata__")
+    end = 0
+    for start, stop in ranges:
+        if start != end:
+            raise ConfigError(f"{key}: {path}: corrupt safetensors header (tensor data not contiguous at byte {end})")
+        end = stop
+    data = size - 8 - n
+    if end > data:
+        raise ConfigError(f"{key}: {path} is truncated (tensor data ends at byte {8 + n + end}, the file has {size})")
+    if end < data:
+        raise ConfigError(f"{key}: {path}: {data - end} unexpected bytes after the last tensor (corrupt file)")
+
+
+def check_weights_dir(directory: Path, key: str, *, required: bool = True) -> list[Path]:
+    """The safetensors files of a diffusers model folder, each header-checked; a sharded model's index
+    must name only shards that exist. ConfigError when the folder has no safetensors weights and
+    ``required``."""
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = read_json(indexes[0], key).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{key}: {indexes[0]} has no weight_map")
+        files = [directory / name for name in sorted(set(map(str, weight_map.values())))]
+        for f in files:
+            if not f.is_file():
+                raise ConfigError(f"{key}: shard {f} listed in {indexes[0].name} not found")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files and required:
+        raise ConfigError(f"{key}: no safetensors weights in {directory} (expected diffusion_pytorch_model"
+                          ".safetensors or a *.safetensors.index.json with its shards)")
+    for f in files:
+        check_safetensors(f, key)
+    return files
+
+
+def check_pipeline(path: str | Path, key: str) -> dict[str, dict]:
+    """Check a diffusers pipeline directory; returns the JSON configs of its ``transformer`` and (when it
+    has one) its ``vae`` as ``{"transformer": ..., "vae": ...}``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory")
+    if not (path / "model_index.json").is_file():
+        raise ConfigError(f"{key}: {path} has no model_index.json (not a diffusers pipeline directory)")
+    index = read_json(path / "model_index.json", key)
+    components = [name for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
+                  and len(spec) == 2 and None not in spec]
+    if "transformer" not in components:
+        raise ConfigError(f"{key}: {path / 'model_index.json'} lists no transformer")
+    for name in components:
+        if not (path / name).is_dir():
+            raise ConfigError(f"{key}: component folder {path / name} (listed in model_index.json) not found")
+    configs = {"transformer": read_json(path / "transformer" / "config.json", key)}
+    if (path / "vae" / "config.json").is_file():
+        configs["vae"] = read_json(path / "vae" / "config.json", key)
+    check_weights_dir(path / "transformer", key)
+    for name in components:
+        if name != "transformer":
+            check_weights_dir(path / name, key, required=False)
+    return configs
+
+
+def check_megatron_checkpoint(path: str | Path, key: str) -> dict:
+    """A megaflow dist checkpoint directory (torch DCP ``.metadata`` + ``megaflow_model.json``); returns the
+    latter (``family``, ``diffusers_config``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory")
+    if not (path / CKPT_META).is_file():
+        raise ConfigError(f"{key}: {path} is not a megaflow checkpoint ({CKPT_META} not found)")
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"{key}: {path} is not a megatron dist checkpoint (.metadata not found)")
+    meta = read_json(path / CKPT_META, key)
+    for field, kind in (("family", str), ("diffusers_config", dict)):
+        if not isinstance(meta.get(field), kind):
+            raise ConfigError(f"{key}: {path / CKPT_META} has no {field!r}")
+    return meta

@@ -1,0 +1,257 @@
+"""Everything about a run that can be checked before the work starts, with the standard library only.
+
+``load_config`` checks each field alone (type, range, choices) and a few cross-field rules. ``preflight``
+adds what needs the files a config names, the machine, or several fields at once -- the mistakes that
+otherwise surface only after torch, megatron and the SGLang engines have started (~20 s in, behind a page
+of warnings). It raises :class:`ConfigError` with one line naming the key and, where there is one, the
+file. No torch import: ``megaflow config show`` / ``train`` / ``demo`` stop a bad config in well under a
+second (``tests/config/test_malformed_inputs.py``).
+
+``command`` says what the config is for:
+
+* ``"train"``: the FlowGRPO loop (``megaflow train``, ``bench learn``), including the launch (WORLD_SIZE);
+* ``"demo"``: the same, and ``model.pretrained`` is required;
+* ``"show"``: ``megaflow config show``: everything ``train`` checks except the launch (a config is
+  often shown on a login node for a torchrun job);
+* ``"pretrain"``: ``megaflow pretrain`` (run, parallel and model.spec checks, ``pretrain.init_from``).
+
+Some checks repeat ones the loop makes later (``controller.sde_window`` / ``grpo_settings``; kept there
+as they are, with the same messages; a test holds both to the same verdicts).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from megaflow.config.files import check_pipeline, check_text_file
+from megaflow.config.load import ConfigError
+from megaflow.config.schema import MegaflowConfig
+from megaflow.data.shapes import CATEGORIES
+
+# Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
+# diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
+# tests/config/test_preflight.py checks that they are equal.
+REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
+                "shapeeval_partial", "cifar10")
+BUILTIN_SPECS = ("auto", "local", "te")
+FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+COMMANDS = ("train", "demo", "show", "pretrain")
+DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def cuda_available() -> bool:
+    """Whether torch would see a GPU here, told without importing torch: a GPU device node or driver entry
+    exists (NVIDIA ``/dev/nvidia0``... or ``/proc/driver/nvidia/gpus/*``; WSL2 ``/dev/dxg``; ROCm
+    ``/dev/kfd``) and ``CUDA_VISIBLE_DEVICES`` does not hide every device (empty, or starting with ``-``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (any(Path("/dev").glob("nvidia[0-9]*")) or (gpus.is_dir() and any(gpus.iterdir()))
+            or Path("/dev/dxg").exists() or Path("/dev/kfd").exists())
+
+
+def is_dotted_path(text: str) -> bool:
+    """``'pkg.mod:fn'`` (attribute may be dotted): the syntax only, nothing is imported."""
+    return bool(_DOTTED.match(text))
+
+
+def preflight(cfg: MegaflowConfig, command: str = "train") -> MegaflowConfig:
+    """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError."""
+    if command not in COMMANDS:
+        raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
+    _check_run(cfg)
+    _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
+    if command == "pretrain":
+        _check_pretrain(cfg)
+        return cfg
+    if command == "demo" and not cfg.model.pretrained:
+        raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
+    _check_data(cfg)
+    _check_rewards(cfg)
+    _check_rollout(cfg)
+    _check_bridge(cfg)
+    _check_model(cfg)
+    return cfg
+
+
+def _check_run(cfg: MegaflowConfig) -> None:
+    from megaflow.rundir import run_dir_of
+    try:
+        run_dir_of(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.run.device == "cuda" and not cuda_available():
+        raise ConfigError("run.device = 'cuda' but this machine has no visible CUDA device (use 'auto' or 'cpu')")
+    spec = cfg.model.spec
+    if spec not in BUILTIN_SPECS and not is_dotted_path(spec):
+        raise ConfigError(f"model.spec = {spec!r}: expected one of {', '.join(BUILTIN_SPECS)} or 'pkg.mod:fn'")
+    if spec == "te":
+        if not cuda_available():
+            raise ConfigError("model.spec = 'te': Transformer Engine layers need a CUDA device; this machine has "
+                              "none (use 'auto' or 'local')")
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError("model.spec = 'te': transformer_engine is not installed (pip install -e .[gpu])")
+
+
+def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
+    p = cfg.parallel
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp = {p.cp}: the DiT models have no context parallelism yet "
+                          "(megaflow.models.common.model); use parallel.cp = 1")
+    world = os.environ.get("WORLD_SIZE", "1")
+    size = p.tp * p.pp * p.cp
+    if launch and world.isdigit() and int(world) % size:
+        raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide the {world} launched process(es) "
+                          f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
+
+
+def _positive_int(conf: dict, key: str) -> int | None:
+    value = conf.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _check_layout(cfg: MegaflowConfig, heads: int | None, layers: int | None, where: str) -> None:
+    """Megatron splits attention heads over TP ranks and blocks evenly over PP (x VPP) stages."""
+    p = cfg.parallel
+    if heads is not None and heads % p.tp:
+        raise ConfigError(f"parallel.tp = {p.tp} does not divide the {heads} attention heads of {where}")
+    stages = p.pp * (p.vpp or 1)
+    if layers is not None and layers % stages:
+        raise ConfigError(f"parallel.pp = {p.pp}{f' x vpp = {p.vpp}' if p.vpp else ''} does not divide the "
+                          f"{layers} blocks of {where}")
+
+
+def _check_pretrain(cfg: MegaflowConfig) -> None:
+    p = cfg.pretrain
+    if p.init_from:
+        tconf = check_pipeline(p.init_from, "pretrain.init_from")["transformer"]
+        _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), _positive_int(tconf, "num_layers"), p.init_from)
+    else:
+        _check_layout(cfg, p.num_heads, p.num_layers, "the pretrained DiT (pretrain.num_heads / num_layers)")
+
+
+def _check_data(cfg: MegaflowConfig) -> None:
+    d = cfg.data
+    unknown = [c for c in d.shapes_categories if c not in CATEGORIES]
+    if unknown:
+        raise ConfigError(f"data.shapes_categories: unknown categor{'y' if len(unknown) == 1 else 'ies'} "
+                          f"{', '.join(map(repr, unknown))} (known: {', '.join(CATEGORIES)})")
+    if d.prompts != "shapes":
+        if d.shapes_categories:
+            raise ConfigError(f"data.shapes_categories = {d.shapes_categories} is only read with "
+                              f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
+        check_text_file(d.prompts, "data.prompts")
+
+
+def _check_rewards(cfg: MegaflowConfig) -> None:
+    r = cfg.reward
+    if not r.weights:
+        raise ConfigError("reward.weights is empty: name at least one reward")
+    for name in r.weights:
+        if ":" in name:
+            if not is_dotted_path(name):
+                raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
+        elif name not in REWARD_NAMES:
+            raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
+                              "or 'pkg.module:callable')")
+    for name, kwargs in r.kwargs.items():
+        if name not in r.weights:
+            raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "
+                              f"({', '.join(r.weights)})")
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
+
+
+def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
+    """The fixed SDE window (None = all steps, or a window drawn each iteration); the window checks of
+    ``controller.sde_window`` / ``grpo_settings`` with their messages."""
+    r, n = cfg.rollout, cfg.rollout.num_steps
+    if r.sde_window_size == 0:
+        if r.sde_window_range:
+            raise ConfigError(f"rollout.sde_window_range = {r.sde_window_range} needs rollout.sde_window_size > 0")
+        return list(r.sde_window) or None
+    if r.sde_window:
+        raise ConfigError(f"rollout.sde_window = {r.sde_window} and rollout.sde_window_size = {r.sde_window_size}: "
+                          "set one of them (a fixed window or one drawn every iteration)")
+    if r.sde_window_range and len(r.sde_window_range) != 2:
+        raise ConfigError(f"rollout.sde_window_range = {r.sde_window_range}: expected [lo, hi]")
+    lo, hi = r.sde_window_range or (0, n)
+    where = f"rollout.sde_window_size = {r.sde_window_size} / sde_window_range = {[lo, hi]}"
+    if not 0 <= lo < hi <= n:
+        raise ConfigError(f"{where}: the range must satisfy 0 <= lo < hi <= num_steps={n}")
+    if not 1 <= r.sde_window_size <= hi - lo:
+        raise ConfigError(f"{where}: window_size must be in [1, {hi - lo}]")
+    if r.sde_type == "cps" and r.sde_window_size == 1 and hi == n:
+        raise ConfigError("rollout.sde_window_size = 1 with cps can draw the last step alone (deterministic, "
+                          "nothing to train): use a size >= 2 or sde_window_range ending before num_steps")
+    return None
+
+
+def _check_rollout(cfg: MegaflowConfig) -> None:
+    r, n = cfg.rollout, cfg.rollout.num_steps
+    if r.sde_type == "ode":
+        raise ConfigError("rollout.sde_type = 'ode' samples no log-probs: nothing to train (use 'sde' or 'cps')")
+    if r.noise_level == 0 and not r.log_prob_no_const:
+        raise ConfigError(f"rollout.noise_level: noise_level=0 has std 0: a log-prob with constants needs "
+                          f"noise_level > 0 (or rollout.log_prob_no_const = true) with sde_type = {r.sde_type!r}")
+    window = _sde_steps(cfg)
+    if r.sde_window_size == 0:
+        steps = sorted(set(window)) if window is not None else list(range(int(n * cfg.algo.timestep_fraction)))
+        if r.sde_type == "cps":
+            steps = [t for t in steps if t != n - 1]
+        if not steps:
+            raise ConfigError(f"no trainable step among sde_step_indices={window!r} for {r.sde_type} (num_steps={n}, "
+                              f"timestep_fraction={cfg.algo.timestep_fraction}): check rollout.sde_window, "
+                              "rollout.num_steps and algo.timestep_fraction")
+
+
+def _check_bridge(cfg: MegaflowConfig) -> None:
+    b, r = cfg.bridge, cfg.rollout
+    if b.mode == "distributed":
+        raise ConfigError("bridge.mode = 'distributed' is not wired into the training loop yet "
+                          "(megaflow.runtime.build_bridge); use 'colocated' or 'disk'")
+    engine_dtype = _ENGINE_DTYPE[r.precision]
+    if b.verify and engine_dtype != cfg.model.dtype:
+        raise ConfigError(f"rollout.precision = {r.precision!r} with model.dtype = {cfg.model.dtype!r} and "
+                          f"bridge.verify = true: the engine re-hashes its {engine_dtype} copy, which never matches "
+                          f"the trainer's {cfg.model.dtype} digests; use matching dtypes or bridge.verify = false")
+
+
+def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int, int | None]:
+    """(the multiple image sides must have, the largest side or None) for the pipeline: the VAE downsamples
+    by 2^(len(block_out_channels)-1) (diffusers' vae_scale_factor), then the DiT patches latents by
+    patch_size (FLUX packs 2x2); SD3's position table covers pos_embed_max_size patches per side."""
+    vae, tconf = configs.get("vae", {}), configs["transformer"]
+    blocks = vae.get("block_out_channels")
+    factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
+    patch = 2 if cfg.model.family == "flux" else (_positive_int(tconf, "patch_size") or 2)
+    max_patches = _positive_int(tconf, "pos_embed_max_size") if cfg.model.family == "sd3" else None
+    return factor * patch, (max_patches * factor * patch if max_patches else None)
+
+
+def _check_model(cfg: MegaflowConfig) -> None:
+    r, key = cfg.rollout, "model.pretrained"
+    multiple, largest, where = DEFAULT_PIXEL_MULTIPLE, None, "the tiny pipeline built for the run"
+    if cfg.model.pretrained:
+        configs = check_pipeline(cfg.model.pretrained, key)
+        tconf, where = configs["transformer"], cfg.model.pretrained
+        want = FAMILY_CLASSES[cfg.model.family]
+        if tconf.get("_class_name") != want:
+            raise ConfigError(f"model.family = {cfg.model.family!r} expects a {want} but {where}/transformer is "
+                              f"{tconf.get('_class_name')!r}")
+        layers = _positive_int(tconf, "num_layers") if cfg.model.family == "sd3" else None
+        _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), layers, where)
+        multiple, largest = _pixel_multiple(cfg, configs)
+    for side in ("height", "width"):
+        value = getattr(r, side)
+        if value % multiple:
+            raise ConfigError(f"rollout.{side} = {value}: must be a multiple of {multiple} for {where} "
+                              "(VAE downsampling x DiT patch size)")
+        if largest is not None and value > largest:
+            raise ConfigError(f"rollout.{side} = {value}: larger than {largest}, the most the position table of "
+                              f"{where} covers (pos_embed_max_size)")

@@ -1,0 +1,247 @@
+"""Malformed inputs stop every command at once with ONE line: the real CLI (and tools/convert_checkpoint.py)
+run as a subprocess in a temp dir for each row of a table of broken config files, ``--set`` values, prompt
+files, pipelines, checkpoints and image folders. Each must exit with code 2, print exactly one non-empty
+stderr line holding the expected text (naming the key or file), no traceback, nothing on stdout, write
+nothing (the temp dir is unchanged; ``run.output_dir`` is never created), and never import torch,
+megatron, sglang, diffusers or transformers. Needs: CPU, 1 process at a time, no torch (~10 s)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaflow.config.preflight import cuda_available
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "assets" / "shapeeval-sd3"
+HEAVY = ("torch", "megatron", "sglang", "diffusers", "transformers")
+# Runs the entry point exactly as its __main__ does, then reports which heavy packages got imported.
+WRAPPER = """
+import importlib.util, sys
+target, argv = sys.argv[1], sys.argv[2:]
+if target == "cli":
+    from megaflow.cli import main
+else:
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = module.main
+try:
+    rc = main(argv)
+finally:
+    print("HEAVY=" + ",".join(m for m in %r if m in sys.modules))
+sys.exit(rc)
+""" % (HEAVY,)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], *, cut: int = 0) -> None:
+    """A safetensors file written with the standard library (zero-filled data); ``cut`` drops trailing bytes."""
+    size = {"F32": 4, "F16": 2}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = size[dtype]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    blob = len(raw).to_bytes(8, "little") + raw + bytes(offset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(blob[:len(blob) - cut])
+
+
+def fake_pipeline(root: Path, *, shards: int = 0) -> Path:
+    """A diffusers SD3 pipeline layout with the shipped model's configs and small, well-formed weights."""
+    root.mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"], "text_encoder_3": [None, None]}))
+    for comp in ("transformer", "vae"):
+        (root / comp).mkdir()
+        (root / comp / "config.json").write_text((SHIPPED / comp / "config.json").read_text())
+    write_safetensors(root / "vae" / "diffusion_pytorch_model.safetensors", {"w": ("F32", [4, 4])})
+    t = root / "transformer"
+    if not shards:
+        write_safetensors(t / "diffusion_pytorch_model.safetensors", {"a": ("F32", [8, 8]), "b": ("F16", [3])})
+        return root
+    weight_map = {}
+    for i in range(1, shards + 1):
+        name = f"diffusion_pytorch_model-{i:05d}-of-{shards:05d}.safetensors"
+        write_safetensors(t / name, {f"w{i}": ("F32", [16, 16])})
+        weight_map[f"w{i}"] = name
+    (t / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
+def fake_megatron_checkpoint(root: Path) -> Path:
+    """The files of a megaflow dist checkpoint that are checked before torch loads it."""
+    root.mkdir(parents=True)
+    (root / "megaflow_model.json").write_text(json.dumps({"format": 1, "family": "sd3", "diffusers_config": {}}))
+    (root / ".metadata").write_bytes(b"\x80\x04")
+    (root / "__0_0.distcp").write_bytes(bytes(64))
+    return root
+
+
+# --- the inputs: each builds its files in tmp and returns the command line (after `python -m megaflow.cli`,
+# or "tool" + tools/convert_checkpoint.py arguments).
+
+def _cfg(tmp: Path, text: str) -> Path:
+    (tmp / "run.toml").write_bytes(text.encode("latin-1") if "\xe9" in text else text.encode())
+    return tmp / "run.toml"
+
+
+def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False) -> list[str]:
+    path = tmp / "prompts.txt"
+    if as_dir:
+        path.mkdir()
+    elif data is not None:
+        path.write_bytes(data)
+    return ["--set", f'data.prompts="{path}"']
+
+
+def _pipe_dir(tmp: Path, damage=None, *, shards: int = 0) -> Path:
+    root = fake_pipeline(tmp / "pipe", shards=shards)
+    if damage:
+        damage(root)
+    return root
+
+
+def _pipe(tmp: Path, damage=None, *, shards: int = 0) -> list[str]:
+    return ["--set", f'model.pretrained="{_pipe_dir(tmp, damage, shards=shards)}"']
+
+
+def _truncate(path: Path, keep: int | None = None, cut: int = 0) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep is not None else data[:len(data) - cut])
+
+
+def _tool(tmp: Path, command: str, src: Path) -> list[str]:
+    return ["tool", command, "--src", str(src), "--dst", str(tmp / "converted")]
+
+
+def _transformer(tmp: Path, damage=None, *, shards: int = 0) -> Path:
+    t = fake_pipeline(tmp / "pipe", shards=shards) / "transformer"
+    if damage:
+        damage(t)
+    return t
+
+
+def _images(tmp: Path, files: dict[str, bytes]) -> list[str]:
+    d = tmp / "images"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    return ["eval", "shapes", "--images", str(d)]
+
+
+TRAIN = ["train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
+SHOW = ["config", "show", "-c", str(REPO / "configs" / "cpu_demo.toml")]
+DEMO = ["demo", "-c", str(REPO / "configs" / "shapes_demo.toml"), "--set", f'model.pretrained="{SHIPPED}"']
+T = "transformer/diffusion_pytorch_model.safetensors"
+
+CASES = {
+    # config files and --set values
+    "config file missing": (lambda t: ["config", "show", "-c", str(t / "missing.toml")], "missing.toml"),
+    "config not TOML": (lambda t: ["train", "-c", str(_cfg(t, "[run\nname = 1"))], "invalid TOML"),
+    "config not UTF-8": (lambda t: ["config", "show", "-c", str(_cfg(t, '[run]\nname = "caf\xe9"\n'))], "not a UTF-8"),
+    "config unknown section": (lambda t: ["train", "-c", str(_cfg(t, "[runn]\nname = 'x'\n"))], "unknown section 'runn'"),
+    "lr = inf": (lambda t: [*TRAIN, "--set", "train.lr=inf"], "train.lr: value inf is not a finite number"),
+    "lr = nan in file": (lambda t: ["config", "show", "-c", str(_cfg(t, "[train]\nlr = nan\n"))], "train.lr: value nan"),
+    "nan reward weight": (lambda t: [*SHOW, "--set", "reward.weights={color_target = nan}"], "reward.weights.color_target"),
+    "sde_window of bools": (lambda t: [*TRAIN, "--set", "rollout.sde_window=[true]"], "rollout.sde_window: expected a list of int"),
+    "sde_window_range floats": (lambda t: [*SHOW, "--set", "rollout.sde_window_range=[0.5, 3]"], "rollout.sde_window_range: expected a list of int"),
+    "sde_window_range one value": (lambda t: [*TRAIN, "--set", "rollout.sde_window_size=2", "--set", "rollout.sde_window_range=[3]"], "expected [lo, hi]"),
+    "window and window_size": (lambda t: [*TRAIN, "--set", "rollout.sde_window=[1]", "--set", "rollout.sde_window_size=2"], "set one of them"),
+    "window larger than range": (lambda t: [*SHOW, "--set", "rollout.sde_window_size=3", "--set", "rollout.sde_window_range=[0, 2]"], "rollout.sde_window_size = 3"),
+    "no trainable step": (lambda t: [*TRAIN, "--set", "rollout.num_steps=1"], "no trainable step"),
+    "run.name with ..": (lambda t: [*TRAIN, "--set", 'run.name="../escape"'], "run.name = '../escape'"),
+    "run.name empty": (lambda t: [*TRAIN, "--set", 'run.name=""'], "run.name = ''"),
+    "run.name hidden": (lambda t: [*TRAIN, "--set", 'run.name=".hidden"'], "run.name = '.hidden'"),
+    "context parallel": (lambda t: [*TRAIN, "--set", "parallel.cp=2"], "parallel.cp = 2"),
+    "tp without torchrun": (lambda t: [*TRAIN, "--set", "parallel.tp=2"], "WORLD_SIZE"),
+    "distributed bridge": (lambda t: [*TRAIN, "--set", "bridge.mode=distributed"], "bridge.mode = 'distributed'"),
+    "bf16 engine, fp32 trainer, verify": (lambda t: [*TRAIN, "--set", "rollout.precision=bf16"], "rollout.precision = 'bf16'"),
+    "ode rollouts in train": (lambda t: [*TRAIN, "--set", "rollout.sde_type=ode"], "rollout.sde_type = 'ode'"),
+    "height not a multiple": (lambda t: [*TRAIN, "--set", "rollout.height=72"], "rollout.height = 72: must be a multiple of 16"),
+    "spec malformed": (lambda t: [*SHOW, "--set", 'model.spec="my module:fn"'], "model.spec = 'my module:fn'"),
+    "unknown reward": (lambda t: [*TRAIN, "--set", "reward.weights={colour = 1.0}"], "unknown reward 'colour'"),
+    "malformed reward path": (lambda t: [*TRAIN, "--set", 'reward.weights={"mymod:" = 1.0}'], "'mymod:'"),
+    "reward kwargs without weight": (lambda t: [*TRAIN, "--set", "reward.weights={jpeg_compressibility = 1.0}"], "reward.kwargs.color_target"),
+    "unknown shapes category": (lambda t: [*TRAIN, "--set", 'data.shapes_categories=["squares"]'], "unknown category 'squares'"),
+    # prompt files
+    "prompts missing": (lambda t: [*TRAIN, *_prompts(t, None)], "data.prompts: no such file"),
+    "prompts a directory": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True)], "prompts.txt is not a file"),
+    "prompts blank": (lambda t: [*TRAIN, *_prompts(t, b"\n  \n\t\n")], "prompts.txt is empty"),
+    "prompts binary": (lambda t: [*SHOW, *_prompts(t, b"a red circle\n\x00\x01\x02")], "prompts.txt is a binary file"),
+    "prompts latin-1": (lambda t: [*TRAIN, *_prompts(t, "a caf\xe9 circle\n".encode("latin-1"))], "prompts.txt is not UTF-8"),
+    # pipelines (model.pretrained)
+    "pretrained missing": (lambda t: [*TRAIN, "--set", f'model.pretrained="{t / "nope"}"'], "nope is not a directory"),
+    "no model_index.json": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / "model_index.json").unlink())], "has no model_index.json"),
+    "component folder gone": (lambda t: [*TRAIN, *_pipe(t, lambda p: shutil.rmtree(p / "vae"))], "pipe/vae"),
+    "no transformer config": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / "transformer/config.json").unlink())], "transformer/config.json not found"),
+    "transformer config bad JSON": (lambda t: [*SHOW, *_pipe(t, lambda p: (p / "transformer/config.json").write_text("{"))], "config.json is not valid JSON"),
+    "no transformer weights": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / T).unlink())], "no safetensors weights"),
+    "truncated weights": (lambda t: [*TRAIN, *_pipe(t, lambda p: _truncate(p / T, cut=10))], "diffusion_pytorch_model.safetensors is truncated"),
+    "garbage weights": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / T).write_bytes(b"<html>not found</html>"))], "diffusion_pytorch_model.safetensors: corrupt"),
+    "truncated VAE weights": (lambda t: [*DEMO, *_pipe(t, lambda p: _truncate(p / "vae/diffusion_pytorch_model.safetensors", keep=5))], "vae/diffusion_pytorch_model.safetensors is truncated"),
+    "deleted shard": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / "transformer/diffusion_pytorch_model-00002-of-00002.safetensors").unlink(), shards=2)], "00002-of-00002.safetensors listed in"),
+    "family mismatch": (lambda t: [*TRAIN, *_pipe(t), "--set", "model.family=flux"], "expects a FluxTransformer2DModel"),
+    "side beyond position table": (lambda t: [*SHOW, *_pipe(t), "--set", "rollout.height=128"], "rollout.height = 128: larger than 64"),
+    "tp does not divide heads": (lambda t: [*SHOW, *_pipe(t), "--set", "parallel.tp=3"], "parallel.tp = 3 does not divide the 4 attention heads"),
+    "demo without a pipeline": (lambda t: [*DEMO, "--set", 'model.pretrained=""'], "model.pretrained: the demo needs"),
+    # tools/convert_checkpoint.py
+    "tool: missing input dir": (lambda t: _tool(t, "to-megatron", t / "nope"), "nope is not a directory"),
+    "tool: truncated safetensors": (lambda t: _tool(t, "to-megatron", _transformer(t, lambda d: _truncate(d / "diffusion_pytorch_model.safetensors", cut=1))), "is truncated"),
+    "tool: deleted shard": (lambda t: _tool(t, "to-megatron", _transformer(t, lambda d: (d / "diffusion_pytorch_model-00001-of-00003.safetensors").unlink(), shards=3)), "00001-of-00003.safetensors listed in"),
+    "tool: truncated shard": (lambda t: _tool(t, "to-megatron", _transformer(t, lambda d: _truncate(d / "diffusion_pytorch_model-00002-of-00003.safetensors", cut=100), shards=3)), "00002-of-00003.safetensors is truncated"),
+    "tool: checkpoint without .metadata": (lambda t: _tool(t, "to-diffusers", (lambda c: (c / ".metadata").unlink() or c)(fake_megatron_checkpoint(t / "ckpt"))), ".metadata not found"),
+    "tool: not a megaflow checkpoint": (lambda t: _tool(t, "to-diffusers", _transformer(t)), "megaflow_model.json not found"),
+    "eval --pipeline truncated": (lambda t: ["eval", "shapes", "--pipeline", str(_pipe_dir(t, lambda p: _truncate(
+        p / T, cut=4)))], "--pipeline: "),
+    # image folders (megaflow eval shapes --images)
+    "images: missing dir": (lambda t: ["eval", "shapes", "--images", str(t / "nope")], "images dir does not exist"),
+    "images: empty dir": (lambda t: _images(t, {}), "no images"),
+    "images: not an image": (lambda t: _images(t, {"a_red_circle.png": b"this is text"}), "cannot read image"),
+    "images: manifest not UTF-8": (lambda t: _images(t, {"manifest.jsonl": b"\xff\xfe{}"}), "manifest.jsonl is not UTF-8"),
+}
+if not cuda_available():  # valid settings on a GPU machine
+    CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
+    CASES["spec te without a GPU"] = (lambda t: [*TRAIN, "--set", "model.spec=te"], "model.spec = 'te'")
+
+
+def _snapshot(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_malformed_input_one_line_exit_2(name, tmp_path):
+    build, needle = CASES[name]
+    argv = build(tmp_path)
+    target = str(REPO / "tools" / "convert_checkpoint.py") if argv[0] == "tool" else "cli"
+    argv = argv[1:] if argv[0] == "tool" else argv
+    if argv[0] in ("train", "demo", "config"):
+        argv += ["--set", f'run.output_dir="{tmp_path / "runs"}"']
+    before = _snapshot(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-c", WRAPPER, target, *argv], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].strip(), r.stderr[-2000:]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+    assert r.stdout.splitlines() == ["HEAVY="], f"heavy imports or output: {r.stdout[-500:]}"
+    assert not (tmp_path / "runs").exists()
+    assert _snapshot(tmp_path) == before, "the command wrote files"
+
+
+def test_table_covers_every_kind_of_input():
+    assert len(CASES) >= 25
+    assert sum(k.startswith("tool:") for k in CASES) >= 4 and sum(k.startswith("images:") for k in CASES) >= 3
+    assert sum(k.startswith("prompts") for k in CASES) >= 4

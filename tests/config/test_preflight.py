@@ -1,0 +1,170 @@
+"""megaflow.config.preflight and megaflow.config.files against the code they stand in for: the name tables
+equal the (torch-importing) registries, the safetensors header check agrees with the safetensors library
+on damaged files, the window checks agree with the controller's, the shipped configs and model pass.
+Needs: CPU, 1 process; imports torch and megatron (~10 s)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megaflow.config import ConfigError, load_config
+from megaflow.config import files, preflight as pf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_name_tables_equal_the_registries():
+    from megaflow.data.shapes import CATEGORIES
+    from megaflow.models.provider import BUILTIN_SPECS
+    from megaflow.models.registry import family_names, get_family
+    from megaflow.rewards.registry import REWARDS
+    from megaflow.trainer.checkpoint import META_FILE
+
+    assert pf.REWARD_NAMES == tuple(REWARDS)
+    assert pf.BUILTIN_SPECS == BUILTIN_SPECS
+    assert pf.FAMILY_CLASSES == {n: get_family(n).diffusers_class for n in family_names()}
+    assert files.CKPT_META == META_FILE
+    assert pf.CATEGORIES is CATEGORIES
+
+
+def test_cuda_detection_agrees_with_torch():
+    assert pf.cuda_available() == torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("path, command", [("cpu_demo.toml", "train"), ("shapes_demo.toml", "demo"),
+                                           ("shapes_pretrain.toml", "pretrain"), ("cpu_demo.toml", "show")])
+def test_shipped_configs_and_model_pass(path, command, monkeypatch):
+    monkeypatch.chdir(REPO)  # shapes_demo names assets/shapeeval-sd3 relative to the checkout
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(REPO / "configs" / path)
+    assert pf.preflight(cfg, command) is cfg
+
+
+def test_pixel_multiple_of_the_shipped_model_is_what_diffusers_computes():
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(REPO / "assets" / "shapeeval-sd3" / "vae")
+    tconf = json.loads((REPO / "assets" / "shapeeval-sd3" / "transformer" / "config.json").read_text())
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)  # StableDiffusion3Pipeline.vae_scale_factor
+    cfg = load_config(REPO / "configs" / "shapes_demo.toml")
+    multiple, largest = pf._pixel_multiple(cfg, files.check_pipeline(REPO / "assets" / "shapeeval-sd3", "k"))
+    assert multiple == factor * tconf["patch_size"] == 4
+    assert largest == tconf["pos_embed_max_size"] * multiple == 64
+
+
+def _library_accepts(path: Path) -> bool:
+    try:
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+        return True
+    except Exception:  # the library's own verdict, whatever it raises
+        return False
+
+
+def _damage(blob: bytes, kind: str) -> bytes:
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    if kind == "truncate_data":
+        return blob[:-3]
+    if kind == "truncate_header":
+        return blob[:8 + n // 2]
+    if kind == "short":
+        return blob[:5]
+    if kind == "append":
+        return blob + b"\0" * 4
+    if kind == "length_too_big":
+        return (len(blob)).to_bytes(8, "little") + blob[8:]
+    if kind == "garbage_header":
+        return blob[:8] + b"#" * n + blob[8 + n:]
+    if kind == "wrong_shape":
+        header["a"]["shape"] = [3, 3]
+    elif kind == "gap":
+        header["b"]["data_offsets"] = [header["b"]["data_offsets"][0] + 4, header["b"]["data_offsets"][1] + 4]
+    elif kind == "ok":
+        pass
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    if len(raw) != n:  # keep the header length: re-pad the data section instead
+        raise AssertionError("header grew")
+    return blob[:8] + raw + blob[8 + n:]
+
+
+@pytest.mark.parametrize("kind", ["ok", "truncate_data", "truncate_header", "short", "append", "length_too_big",
+                                  "garbage_header", "wrong_shape", "gap"])
+def test_safetensors_check_agrees_with_the_library(kind, tmp_path):
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.arange(16, dtype=torch.float32).reshape(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)},
+              str(good), metadata={"format": "pt"})
+    bad = tmp_path / f"{kind}.safetensors"
+    bad.write_bytes(_damage(good.read_bytes(), kind))
+    accepted = _library_accepts(bad)
+    try:
+        files.check_safetensors(bad, "key")
+        ours = True
+    except ConfigError as e:
+        ours = False
+        assert str(bad) in str(e) and "\n" not in str(e)
+    assert ours == accepted, (kind, ours, accepted)
+    assert accepted == (kind == "ok")
+
+
+def test_shipped_pipeline_passes_and_a_truncated_copy_is_named(tmp_path):
+    configs = files.check_pipeline(REPO / "assets" / "shapeeval-sd3", "model.pretrained")
+    assert configs["transformer"]["_class_name"] == "SD3Transformer2DModel" and "vae" in configs
+    copy = shutil.copytree(REPO / "assets" / "shapeeval-sd3", tmp_path / "pipe")
+    weights = copy / "text_encoder_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ConfigError, match=r"model.pretrained: .*text_encoder_2/model.safetensors is truncated"):
+        files.check_pipeline(copy, "model.pretrained")
+
+
+# The window mistakes of tests/trainer/test_grpo_plan.py plus valid settings: preflight and the controller
+# (which keeps its own checks) give the same verdict with the same words.
+WINDOWS = [
+    (["rollout.sde_window_size=2", "rollout.sde_window=[1]"], "set one of them"),
+    (["rollout.sde_window_range=[0, 2]"], "needs rollout.sde_window_size > 0"),
+    (["rollout.sde_window_size=20"], "rollout.sde_window_size = 20"),
+    (["rollout.sde_window_size=2", "rollout.sde_window_range=[3]"], "expected [lo, hi]"),
+    (["rollout.sde_window_size=2", "rollout.sde_window_range=[4, 2]"], "rollout.sde_window_size = 2"),
+    (["rollout.sde_type=\"cps\"", "rollout.log_prob_no_const=true", "rollout.sde_window_size=1"], "last step alone"),
+    (["rollout.sde_type=\"cps\"", "rollout.log_prob_no_const=true", "rollout.sde_window=[9]"], "no trainable step"),
+    (["rollout.num_steps=1"], "no trainable step"),
+    (["rollout.noise_level=0"], "noise_level=0"),
+    (["rollout.sde_window_size=3", "rollout.sde_window_range=[1, 8]"], None),
+    (["rollout.sde_type=\"cps\"", "rollout.log_prob_no_const=true", "rollout.sde_window_size=1",
+      "rollout.sde_window_range=[0, 5]"], None),
+    (["rollout.sde_window=[0, 9]"], None),
+    (["rollout.noise_level=0", "rollout.log_prob_no_const=true"], None),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", WINDOWS)
+def test_window_checks_agree_with_the_controller(overrides, needle):
+    from megaflow.controller import grpo_settings
+
+    cfg = load_config(None, overrides)
+    if needle is None:
+        pf.preflight(cfg, "show")
+        grpo_settings(cfg)
+        return
+    with pytest.raises(ValueError) as theirs:
+        grpo_settings(cfg)
+    with pytest.raises(ConfigError) as ours:
+        pf.preflight(cfg, "show")
+    assert needle in str(theirs.value) and needle in str(ours.value), (str(theirs.value), str(ours.value))
+
+
+def test_world_size_is_checked_only_for_launches(monkeypatch):
+    cfg = load_config(None, ["parallel.tp=2"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pf.preflight(cfg, "train")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    pf.preflight(cfg, "show")
+    with pytest.raises(ConfigError, match="does not divide the 3 launched"):
+        pf.preflight(cfg, "train")
