@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
+from megaflow.config.sections import from_section
 from megaflow.flow.step import TransitionConfig, sample_sde_window
 from megaflow.metrics import MetricsLog, save_image_grid
 from megaflow.rollout.types import RolloutRequest
@@ -69,9 +70,7 @@ def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
     images = torch.stack([t.image for t in trajs])
     scores = scorer.submit(images, [t.prompt for t in trajs]).result()
     group_ids = torch.tensor([i // cfg.rollout.group_size for i in range(len(trajs))])
-    a = cfg.algo
-    adv = group_advantages(scores.total, group_ids, AdvantageConfig(
-        clip=a.adv_clip, std_scope=a.std_mode, filter_zero_std=a.filter_zero_std))
+    adv = group_advantages(scores.total, group_ids, from_section(AdvantageConfig, cfg.algo))
     metrics = {**scores.summary(), **{f"adv/{k}": v for k, v in adv.stats.items()},
                "adv/dropped_ratio": adv.dropped_ratio}
     return trajs, adv.advantages, adv.keep, metrics
@@ -79,20 +78,18 @@ def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
 
 def grpo_settings(cfg: MegaflowConfig) -> GRPOSettings:
     """Trainer settings; also checks the SDE window and trained steps (ValueError before any training)."""
-    r, a, t = cfg.rollout, cfg.algo, cfg.train
+    r, a = cfg.rollout, cfg.algo
     transition = TransitionConfig(kind=r.sde_type, noise_level=r.noise_level, no_const=r.log_prob_no_const)
     window_hi = r.sde_window_range[-1] if r.sde_window_range else r.num_steps
     if r.sde_type == "cps" and r.sde_window_size == 1 and window_hi == r.num_steps:
         raise ValueError("rollout.sde_window_size = 1 with cps can draw the last step alone (deterministic, "
                          "nothing to train): use a size >= 2 or sde_window_range ending before num_steps")
     train_steps(cfg, transition, 1)
-    mismatch = None if a.mismatch == "none" else MismatchConfig(
-        mode=a.mismatch, level=a.mismatch_level, upper=a.mismatch_cap, lower=a.mismatch_floor)
-    clip = {"clip_range": a.clip_range} if a.clip_range > 0 else {}  # 0 = auto (flow_grpo's defaults)
-    loss = LossConfig.for_transition(r.sde_type, windowed=bool(r.sde_window) or r.sde_window_size > 0,
-                                     beta=a.kl_beta, **clip)
-    return GRPOSettings(transition=transition, loss=loss, mismatch=mismatch, micro_batch_size=t.micro_batch_size,
-                        num_inner_epochs=t.num_inner_epochs, num_minibatches=t.num_minibatches)
+    mismatch = None if a.mismatch == "none" else from_section(MismatchConfig, a)
+    windowed = bool(r.sde_window) or r.sde_window_size > 0
+    clip_range = a.clip_range or LossConfig.auto_clip_range(r.sde_type, windowed=windowed)  # 0 = auto
+    loss = from_section(LossConfig, a, clip_range=clip_range)
+    return from_section(GRPOSettings, cfg.train, transition=transition, loss=loss, mismatch=mismatch)
 
 
 def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: int) -> list[int]:
