@@ -127,7 +127,9 @@ class BridgeConfig:
     mode: str = opt("colocated", "Weight transfer path to the engines: colocated, distributed or disk.",
                     choices=("colocated", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
-    verify: bool = opt(True, "Verify every sync by checksum.")
+    verify: bool = opt(True, "Verify every sync: each tensor is SHA-256 hashed once while streaming and once "
+                       "by every engine afterwards; a mismatch or a missing tensor stops the run. false = no "
+                       "check and no hashing (an engine that skips an unknown name then goes unnoticed).")
 
 
 @dataclass(kw_only=True)

@@ -216,10 +216,10 @@ class Balancer:
         t0 = time.perf_counter()
         return self._merge(self._fan_out(lambda e: e.update_weights(items)), time.perf_counter() - t0)
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
         """Hand the same bridge bucket to every engine (each adapter serializes its own send)."""
         t0 = time.perf_counter()
-        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket)), time.perf_counter() - t0)
+        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket, verify=verify)), time.perf_counter() - t0)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Every engine re-hashes the named tensors; ok only if all match (message names the failures)."""

@@ -233,8 +233,9 @@ class DiffusersEngine:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
-        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update."""
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update. Loading checks every name and
+        shape and never skips one, so there is nothing to hash whatever ``verify`` says."""
         return self.update_weights(bucket.unpack())
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:

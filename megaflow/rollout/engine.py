@@ -58,8 +58,10 @@ class RolloutEngine(Protocol):
         """Load DiT tensors given by engine (diffusers state_dict) names, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
         ...
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
-        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors."""
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``verify``: an
+        engine whose loader can skip a tensor silently (SGLang skips unknown names) re-hashes what it loaded;
+        False = no check and no hashing here (the weight bridge verifies a whole sync once, or not at all)."""
         ...
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
