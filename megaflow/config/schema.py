@@ -134,7 +134,8 @@ class BridgeConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    wandb: bool = opt(False, "Log to Weights & Biases (offline mode if no network).")
+    wandb: bool = opt(False, "Log to Weights & Biases, project 'megaflow'. Mode: WANDB_MODE if set; else online "
+                      "if WANDB_API_KEY is set; else offline (files under the run dir, for 'wandb sync').")
     log_every: int = opt(1, "Print metrics every N iterations.", ge=1)
 
 
