@@ -24,6 +24,15 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> 
                    help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
 
 
+def _run_config(args: argparse.Namespace):
+    """The validated config of a command that computes, with ``run.device`` applied to this process and the
+    engine workers it starts (megaflow.parallel.dims.select_device) before anything touches CUDA."""
+    cfg = load_config(args.config, args.overrides)
+    from megaflow.parallel.dims import select_device
+    select_device(cfg.run.device)
+    return cfg
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
@@ -61,10 +70,9 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
-
+    cfg = _run_config(args)
     from megaflow.controller import run
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
     metrics = run(cfg)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
@@ -73,7 +81,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
-    cfg = load_config(args.config, args.overrides)
+    cfg = _run_config(args)
     if not cfg.model.pretrained:
         raise ValueError("the demo needs model.pretrained (the shipped ShapeEval pipeline)")
     if not (Path(cfg.model.pretrained) / "model_index.json").is_file():
@@ -85,7 +93,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _run_config(args)
     from megaflow.pretrain.loop import run
     result = run(cfg)
     if args.json:
@@ -123,8 +131,8 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    cfg = _run_config(args)
     from megaflow.bench.learn import bench_learn
-    cfg = load_config(args.config, args.overrides)
     _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)
     return 0

@@ -24,7 +24,9 @@ class RunConfig:
     name: str = opt("megaflow", "Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = opt("runs", "Parent directory for run directories (resolved config, checkpoints, metrics).")
     seed: int = opt(1234, "Global seed (model init, noise, prompt order).", ge=0)
-    device: str = opt("auto", "Compute device: auto (cuda if present, else cpu), cpu or cuda.",
+    device: str = opt("auto", "Compute device of the trainer and the engines: auto (cuda if present, else cpu), cpu "
+                      "(CUDA hidden from the run, even on a GPU machine) or cuda (error without a device). Applied "
+                      "by the megaflow commands (train, demo, pretrain, bench learn).",
                       choices=("auto", "cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads per process (1 is fastest on small shared CPUs).", ge=1)
 

@@ -46,6 +46,7 @@ from megatron.core import parallel_state as ps
 
 from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
 from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
+from megaflow.parallel.dims import current_device
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo_batches import (
     guided_velocity,
@@ -216,7 +217,7 @@ def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     num_updates; ``logp_abs_diff_rollout`` comes from the first step only (the weights that sampled);
     ``clip_frac_stale`` is the clip fraction of the later steps (stale policy). {"skipped": 1.0} when
     nothing is kept."""
-    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = device or current_device()
     plan = plan_updates(_kept(keep), steps, num_inner_epochs=settings.num_inner_epochs,
                         num_minibatches=settings.num_minibatches, seed=seed)
     if not plan:
