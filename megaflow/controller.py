@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import as_completed
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from megaflow.config import MegaflowConfig, save_config
 from megaflow.config.sections import from_section
 from megaflow.flow.step import TransitionConfig, sample_sde_window
 from megaflow.metrics import MetricsLog, save_image_grid
+from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.types import RolloutRequest
 from megaflow.trainer.grpo import GRPOSettings, grpo_update
 
@@ -65,14 +67,30 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
 
 
 def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
-    """Sample every group, score the images, turn rewards into group-normalised advantages."""
-    trajs = rollout.generate(requests)
-    images = torch.stack([t.image for t in trajs])
-    scores = scorer.submit(images, [t.prompt for t in trajs]).result()
+    """Sample every group, score the images, turn rewards into group-normalised advantages.
+
+    Scoring overlaps sampling: ``rollout.submit`` gives one future per group and each group goes to the
+    scorer as soon as it is back, while the other groups still sample; the scores are put back in request
+    order. Rewards scored image by image (ShapeEval, JPEG, colour) give exactly the result of scoring all
+    images as one batch; a batched network (the CIFAR classifier) may differ in the last bits with the batch
+    size. The gain is real only when groups come back at different times (several engine calls: more
+    samples than ``rollout.max_batch_outputs``, or several engines)."""
+    t0 = time.perf_counter()
+    pending = {future: g for g, future in enumerate(rollout.submit(requests))}
+    groups: list = [None] * len(requests)
+    scored: list = [None] * len(requests)
+    for future in as_completed(pending):
+        g = pending[future]
+        groups[g] = future.result()
+        scored[g] = scorer.submit(torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]])
+    t_sampled = time.perf_counter()
+    trajs = [t for group in groups for t in group]
+    scores = RewardScores.concat([f.result() for f in scored])
     group_ids = torch.tensor([i // cfg.rollout.group_size for i in range(len(trajs))])
     adv = group_advantages(scores.total, group_ids, from_section(AdvantageConfig, cfg.algo))
     metrics = {**scores.summary(), **{f"adv/{k}": v for k, v in adv.stats.items()},
-               "adv/dropped_ratio": adv.dropped_ratio}
+               "adv/dropped_ratio": adv.dropped_ratio, "time/sample_s": t_sampled - t0,
+               "time/score_after_sample_s": time.perf_counter() - t_sampled}
     return trajs, adv.advantages, adv.keep, metrics
 
 

@@ -20,6 +20,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,16 @@ class DiffusersEngine:
                 for i, trajs in zip(indices, self._sample_compatible([requests[i] for i in indices])):
                     out[i] = trajs
         return [t for trajs in out for t in trajs]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """``generate`` run to the end in the caller's thread, returned as completed futures (one per
+        request): this in-process loop samples everything before anything can be scored."""
+        trajs, futures, start = self.generate(requests), [], 0
+        for r in requests:
+            futures.append(Future())
+            futures[-1].set_result(trajs[start:start + r.num_outputs])
+            start += r.num_outputs
+        return futures
 
     def _sample_compatible(self, requests: list[RolloutRequest]) -> list[list[Trajectory]]:
         """One loop (chunked by ``max_batch_size``) over all samples of requests with the same batch key."""

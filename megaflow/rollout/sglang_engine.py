@@ -183,6 +183,11 @@ class SGLangEngine:
     # ------------------------------------------------------------------ generate
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         """Sample every request (thread-safe); trajectories in request order, then output index."""
+        return [t for future in self.submit(requests) for t in future.result()]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """Queue every request (thread-safe); one future per request, resolved when the engine call that
+        carries it returns (requests merged into one call resolve together)."""
         if self._closed:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         if self._released:
@@ -194,7 +199,7 @@ class SGLangEngine:
         items = [_Item(r, Future(), time.perf_counter()) for r in requests]
         for item in items:
             self._queue.put(item)
-        return [t for item in items for t in item.future.result()]
+        return [item.future for item in items]
 
     def _dispatch_loop(self) -> None:
         """Collect queued requests, merge compatible ones into calls, keep num_inflight_calls running."""
