@@ -32,6 +32,19 @@ def _load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
     return preflight(load_config(args.config, args.overrides), command)
 
 
+def _apply_device(cfg: MegaflowConfig) -> MegaflowConfig:
+    """Apply ``run.device`` to this process and the engine workers it starts
+    (megaflow.parallel.dims.select_device) before anything touches CUDA."""
+    from megaflow.parallel.dims import select_device
+    select_device(cfg.run.device)
+    return cfg
+
+
+def _run_config(args: argparse.Namespace, command: str) -> MegaflowConfig:
+    """The checked config of a command that computes, with ``run.device`` applied."""
+    return _apply_device(_load_checked(args, command))
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _load_checked(args, "show")
     print(dump_config(cfg), end="")
@@ -74,6 +87,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_checked(args, "train")
     if os.environ.get("RANK", "0") == "0":
         check_run_dir(cfg, resume=args.resume)
+    _apply_device(cfg)
     import logging
 
     from megaflow.controller import run
@@ -86,7 +100,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
-    cfg = _load_checked(args, "demo")
+    cfg = _run_config(args, "demo")
     from megaflow.demo import run_demo
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_demo(cfg)
@@ -94,7 +108,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = _load_checked(args, "pretrain")
+    cfg = _run_config(args, "pretrain")
     from megaflow.pretrain.loop import run
     result = run(cfg)
     if args.json:
@@ -139,7 +153,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
-    cfg = _load_checked(args, "train")
+    cfg = _run_config(args, "train")
     from megaflow.bench.learn import bench_learn
     _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)

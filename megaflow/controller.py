@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import as_completed
 from pathlib import Path
 
 import torch
@@ -23,8 +24,10 @@ from megaflow.checkpoints import checkpoint_dir
 from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
+from megaflow.config.sections import from_section
 from megaflow.flow.step import TransitionConfig, sample_sde_window
 from megaflow.metrics import MetricsLog, save_image_grid
+from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.types import RolloutRequest
 from megaflow.trainer.grpo import GRPOSettings, grpo_update
 
@@ -68,35 +71,47 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
 
 
 def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
-    """Sample every group, score the images, turn rewards into group-normalised advantages."""
-    trajs = rollout.generate(requests)
-    images = torch.stack([t.image for t in trajs])
-    scores = scorer.submit(images, [t.prompt for t in trajs]).result()
+    """Sample every group, score the images, turn rewards into group-normalised advantages.
+
+    Scoring overlaps sampling: ``rollout.submit`` gives one future per group and each group goes to the
+    scorer as soon as it is back, while the other groups still sample; the scores are put back in request
+    order. Rewards scored image by image (ShapeEval, JPEG, colour) give exactly the result of scoring all
+    images as one batch; a batched network (the CIFAR classifier) may differ in the last bits with the batch
+    size. The gain is real only when groups come back at different times (several engine calls: more
+    samples than ``rollout.max_batch_outputs``, or several engines)."""
+    t0 = time.perf_counter()
+    pending = {future: g for g, future in enumerate(rollout.submit(requests))}
+    groups: list = [None] * len(requests)
+    scored: list = [None] * len(requests)
+    for future in as_completed(pending):
+        g = pending[future]
+        groups[g] = future.result()
+        scored[g] = scorer.submit(torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]])
+    t_sampled = time.perf_counter()
+    trajs = [t for group in groups for t in group]
+    scores = RewardScores.concat([f.result() for f in scored])
     group_ids = torch.tensor([i // cfg.rollout.group_size for i in range(len(trajs))])
-    a = cfg.algo
-    adv = group_advantages(scores.total, group_ids, AdvantageConfig(
-        clip=a.adv_clip, std_scope=a.std_mode, filter_zero_std=a.filter_zero_std))
+    adv = group_advantages(scores.total, group_ids, from_section(AdvantageConfig, cfg.algo))
     metrics = {**scores.summary(), **{f"adv/{k}": v for k, v in adv.stats.items()},
-               "adv/dropped_ratio": adv.dropped_ratio}
+               "adv/dropped_ratio": adv.dropped_ratio, "time/sample_s": t_sampled - t0,
+               "time/score_after_sample_s": time.perf_counter() - t_sampled}
     return trajs, adv.advantages, adv.keep, metrics
 
 
 def grpo_settings(cfg: MegaflowConfig) -> GRPOSettings:
     """Trainer settings; also checks the SDE window and trained steps (ValueError before any training)."""
-    r, a, t = cfg.rollout, cfg.algo, cfg.train
+    r, a = cfg.rollout, cfg.algo
     transition = TransitionConfig(kind=r.sde_type, noise_level=r.noise_level, no_const=r.log_prob_no_const)
     window_hi = r.sde_window_range[-1] if r.sde_window_range else r.num_steps
     if r.sde_type == "cps" and r.sde_window_size == 1 and window_hi == r.num_steps:
         raise ValueError("rollout.sde_window_size = 1 with cps can draw the last step alone (deterministic, "
                          "nothing to train): use a size >= 2 or sde_window_range ending before num_steps")
     train_steps(cfg, transition, 1)
-    mismatch = None if a.mismatch == "none" else MismatchConfig(
-        mode=a.mismatch, level=a.mismatch_level, upper=a.mismatch_cap, lower=a.mismatch_floor)
-    clip = {"clip_range": a.clip_range} if a.clip_range > 0 else {}  # 0 = auto (flow_grpo's defaults)
-    loss = LossConfig.for_transition(r.sde_type, windowed=bool(r.sde_window) or r.sde_window_size > 0,
-                                     beta=a.kl_beta, **clip)
-    return GRPOSettings(transition=transition, loss=loss, mismatch=mismatch, micro_batch_size=t.micro_batch_size,
-                        num_inner_epochs=t.num_inner_epochs, num_minibatches=t.num_minibatches)
+    mismatch = None if a.mismatch == "none" else from_section(MismatchConfig, a)
+    windowed = bool(r.sde_window) or r.sde_window_size > 0
+    clip_range = a.clip_range or LossConfig.auto_clip_range(r.sde_type, windowed=windowed)  # 0 = auto
+    loss = from_section(LossConfig, a, clip_range=clip_range)
+    return from_section(GRPOSettings, cfg.train, transition=transition, loss=loss, mismatch=mismatch)
 
 
 def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: int) -> list[int]:

@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 _ECHO = ("reward/total", "adv/dropped_ratio", "train/policy_loss", "train/grad_norm", "sync/seconds",
          "time/rollout_s", "time/train_s")
+
+
+def wandb_mode(env: Mapping[str, str] = os.environ) -> str:
+    """The wandb mode from the environment: ``WANDB_MODE`` when set, else "online" when ``WANDB_API_KEY``
+    is set, else "offline" (runs are written under the run dir for a later ``wandb sync``)."""
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    return "online" if env.get("WANDB_API_KEY") else "offline"
 
 
 class MetricsLog:
@@ -23,7 +33,7 @@ class MetricsLog:
             import dataclasses
 
             import wandb as wb
-            self._wandb = wb.init(project="megaflow", name=Path(run_dir).name, mode="offline",
+            self._wandb = wb.init(project="megaflow", name=Path(run_dir).name, mode=wandb_mode(),
                                   dir=str(run_dir), config=dataclasses.asdict(config) if config else None)
 
     def write(self, step: int, metrics: dict, *, echo: bool = True) -> None:

@@ -48,7 +48,8 @@ def test_train_loop_colocated(tmp_path):
 @pytest.mark.engine
 def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
     m = _train(tmp_path, "disk", "--set", "train.iterations=1", "--set", 'bridge.mode="disk"',
-               "--set", "algo.kl_beta=0.04", "--set", 'algo.mismatch="tis"')
+               "--set", "algo.kl_beta=0.04", "--set", 'algo.mismatch="tis"',
+               "--set", 'algo.mismatch_level="trajectory"')  # weights over each sample's trained steps
     assert m["sync/verified"] == 1.0
     assert m["train/kl"] == pytest.approx(0.0, abs=1e-10)  # one step from the reference: identical policies
     assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)

@@ -7,7 +7,7 @@ Source formula (FlowGRPO, flow_grpo ``flow_grpo/stat_tracking.py`` ``PerPromptSt
 
 where g(i) is the sample's group (its prompt), ``mean`` is the group mean and ``std`` is the POPULATION
 std (numpy ``np.std``, ddof 0) of either the whole batch (flow_grpo's ``global_std=True``, our default
-``std_scope="batch"``) or of the sample's group (``std_scope="group"``). c = 5 by default.
+``std_mode="batch"``) or of the sample's group (``std_mode="group"``). c = 5 by default.
 
 Masked samples carry a NaN (or ±inf) reward: they get advantage 0, ``valid = False`` and are left out of
 every statistic (group means, group and batch std, the filter). Groups whose valid rewards are all equal
@@ -24,16 +24,16 @@ import torch
 
 __all__ = ["AdvantageConfig", "Advantages", "contiguous_group_ids", "group_advantages"]
 
-_STD_SCOPES = ("batch", "group")
+_STD_MODES = ("batch", "group")
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
-    """How rewards become advantages."""
+    """How rewards become advantages; field names are the ``[algo]`` config keys (built by name from it)."""
 
-    clip: float = 5.0
+    adv_clip: float = 5.0
     """c: advantages are clipped to [−c, c] (flow_grpo ``adv_clip_max``)."""
-    std_scope: str = "batch"
+    std_mode: str = "batch"
     """"batch": divide by the std of all valid rewards (flow_grpo default); "group": by the group's std."""
     eps: float = 1e-4
     """Added to the std before dividing (flow_grpo: 1e-4)."""
@@ -41,10 +41,10 @@ class AdvantageConfig:
     """Drop (keep=False) samples of groups whose valid rewards are all equal."""
 
     def __post_init__(self) -> None:
-        if self.std_scope not in _STD_SCOPES:
-            raise ValueError(f"std_scope must be one of {_STD_SCOPES}, got {self.std_scope!r}")
-        if not (self.clip > 0 and math.isfinite(self.clip)):
-            raise ValueError(f"clip must be a positive finite number, got {self.clip!r}")
+        if self.std_mode not in _STD_MODES:
+            raise ValueError(f"std_mode must be one of {_STD_MODES}, got {self.std_mode!r}")
+        if not (self.adv_clip > 0 and math.isfinite(self.adv_clip)):
+            raise ValueError(f"adv_clip must be a positive finite number, got {self.adv_clip!r}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
 
@@ -109,14 +109,14 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
     gmin = inf.scatter_reduce(0, index, torch.where(valid, r0, math.inf), "amin")
     zero_std = (gmax <= gmin) & (count > 0)
 
-    if config.std_scope == "batch":
+    if config.std_mode == "batch":
         num_valid = w.sum()
         batch_mean = r0.sum() / num_valid.clamp(min=1)
         batch_var = (torch.where(valid, r0 - batch_mean, torch.zeros_like(r0)) ** 2).sum() / num_valid.clamp(min=1)
         std = batch_var.sqrt().expand(n)
     else:
         std = group_var.sqrt()[index]
-    adv = (dev / (std + config.eps)).clamp(-config.clip, config.clip)
+    adv = (dev / (std + config.eps)).clamp(-config.adv_clip, config.adv_clip)
 
     keep = valid & ~zero_std[index] if config.filter_zero_std else valid
     adv = torch.where(keep, adv, torch.zeros_like(adv)).to(torch.float32)
@@ -131,7 +131,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
         "zero_std_groups": float(zero_std.sum()),
         "zero_std_dropped_ratio": dropped_ratio,
         "adv_abs_mean": float(adv[keep].abs().mean()) if bool(keep.any()) else 0.0,
-        "adv_clip_frac": float((dev.abs() / (std + config.eps) > config.clip)[keep].float().mean())
+        "adv_clip_frac": float((dev.abs() / (std + config.eps) > config.adv_clip)[keep].float().mean())
         if bool(keep.any()) else 0.0,
     }
     return Advantages(advantages=adv, keep=keep, valid=valid, zero_std_group=zero_std[index],

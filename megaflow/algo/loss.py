@@ -13,13 +13,14 @@ Sources
   ``std_dev_t``, which for the SDE is s = a·sqrt(σ/(1−σ)) WITHOUT the sqrt(−dt) factor (so its KL is the
   true KL times (−dt)); for CPS ``std_dev_t`` is the transition std. ``LossConfig.kl_std`` picks:
   "flow_grpo" (default: the published β = 0.04 was tuned with it) or "transition" (the true KL).
-- Total: L = L_pg + β·KL (β = ``LossConfig.beta``; 0 skips the reference).
+- Total: L = L_pg + β·KL (β = ``LossConfig.kl_beta``; 0 skips the reference).
 - Train/rollout mismatch (slime ``examples/train_infer_mismatch_helper/mis.py``, verl rollout IS):
-  log r = logp_old_train − logp_rollout aggregated per "step", per "trajectory" (sum over the trained
-  steps) or "geometric" (mean over them); w = exp(log r). TIS: w ← clamp(w, lower, upper); MIS
-  (rejection): w ← 0 and the step dropped from the mean where w ∉ [lower, upper] (with a ``normalizer``
-  a rejected step adds 0 and still counts in N). The weights multiply the per-step policy loss (they
-  carry no gradient); the KL term is not reweighted.
+  log r_t = logp_old_train,t − logp_rollout,t; the weight of a sample's step t is w_t = exp(log r_t)
+  ("step"), w = exp(Σ_t log r_t) = Π_t r_t over the sample's trained steps ("trajectory") or
+  w = exp(mean_t log r_t), their geometric mean ("geometric"). TIS: w ← clamp(w, floor, cap); MIS
+  (rejection): w ← 0 and the step dropped from the mean where w ∉ [floor, cap] (at the trajectory and
+  geometric levels the whole sample; with a ``normalizer`` a rejected step adds 0 and still counts in N).
+  The weights multiply the per-step policy loss (they carry no gradient); the KL term is not reweighted.
 
 Shapes: per-step tensors are ``[B]`` (one step at a time) or ``[B, T]`` (steps stacked); advantages are
 ``[B]`` (broadcast over steps) or the log-prob shape; ``mask`` (bool, the log-prob shape) selects what
@@ -60,11 +61,11 @@ _MISMATCH_LEVELS = ("step", "trajectory", "geometric")
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """FlowGRPO loss knobs (defaults: flow_grpo SD3 recipe)."""
+    """FlowGRPO loss knobs (defaults: flow_grpo SD3 recipe); field names are the ``[algo]`` config keys."""
 
     clip_range: float = 1e-4
-    """ε of the PPO ratio clip (flow_grpo 1e-4; 1e-5 with CPS or an SDE window, see ``for_transition``)."""
-    beta: float = 0.04
+    """ε of the PPO ratio clip (flow_grpo 1e-4; 1e-5 with CPS or an SDE window, see ``auto_clip_range``)."""
+    kl_beta: float = 0.04
     """β of the KL to the reference policy; 0 disables it (CFG-free fast recipes)."""
     kl_std: str = "flow_grpo"
     """Std in the KL denominator: "flow_grpo" (std_dev_t = s, no sqrt(−dt)) or "transition" (true KL)."""
@@ -72,38 +73,40 @@ class LossConfig:
     def __post_init__(self) -> None:
         if not (0 < self.clip_range < 1):
             raise ValueError(f"clip_range must be in (0, 1), got {self.clip_range!r}")
-        if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
+        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
+            raise ValueError(f"kl_beta must be a finite number >= 0, got {self.kl_beta!r}")
         if self.kl_std not in _KL_STDS:
             raise ValueError(f"kl_std must be one of {_KL_STDS}, got {self.kl_std!r}")
 
-    @classmethod
-    def for_transition(cls, kind: str, *, windowed: bool, **overrides) -> "LossConfig":
-        """Defaults for a rollout kind: ε = 1e-5 for CPS or a FlowGRPO-Fast window, else 1e-4."""
-        overrides.setdefault("clip_range", 1e-5 if kind == "cps" or windowed else 1e-4)
-        return cls(**overrides)
+    @staticmethod
+    def auto_clip_range(kind: str, *, windowed: bool) -> float:
+        """flow_grpo's ε for a rollout kind: 1e-5 for CPS or a FlowGRPO-Fast window, else 1e-4."""
+        return 1e-5 if kind == "cps" or windowed else 1e-4
 
 
 @dataclass(frozen=True, kw_only=True)
 class MismatchConfig:
-    """Importance correction between the trainer's and the engine's log-probs of the same samples."""
+    """Importance correction between the trainer's and the engine's log-probs of the same samples; field
+    names are the ``[algo]`` config keys (``algo.mismatch = "none"`` builds no MismatchConfig)."""
 
-    mode: str = "tis"
-    """"tis": truncate w to [lower, upper]; "mis": reject (w = 0, excluded) outside [lower, upper]."""
-    level: str = "step"
-    """"step": per-step ratio; "trajectory": product over trained steps; "geometric": their mean in log."""
-    upper: float = 2.0
+    mismatch: str = "tis"
+    """"tis": truncate w to [floor, cap]; "mis": reject (w = 0, excluded) outside [floor, cap]."""
+    mismatch_level: str = "step"
+    """"step": per-step ratio; "trajectory": product over a sample's trained steps; "geometric": their
+    geometric mean (exp of the mean log-ratio)."""
+    mismatch_cap: float = 2.0
     """C, the upper bound."""
-    lower: float = 0.0
+    mismatch_floor: float = 0.0
     """Lower bound (0 = none)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _MISMATCH_MODES:
-            raise ValueError(f"mode must be one of {_MISMATCH_MODES}, got {self.mode!r}")
-        if self.level not in _MISMATCH_LEVELS:
-            raise ValueError(f"level must be one of {_MISMATCH_LEVELS}, got {self.level!r}")
-        if not (0 <= self.lower < self.upper):
-            raise ValueError(f"need 0 <= lower < upper, got lower={self.lower!r} upper={self.upper!r}")
+        if self.mismatch not in _MISMATCH_MODES:
+            raise ValueError(f"mismatch must be one of {_MISMATCH_MODES}, got {self.mismatch!r}")
+        if self.mismatch_level not in _MISMATCH_LEVELS:
+            raise ValueError(f"mismatch_level must be one of {_MISMATCH_LEVELS}, got {self.mismatch_level!r}")
+        if not (0 <= self.mismatch_floor < self.mismatch_cap):
+            raise ValueError(f"need 0 <= mismatch_floor < mismatch_cap, got {self.mismatch_floor!r} and "
+                             f"{self.mismatch_cap!r}")
 
 
 @dataclass(frozen=True)
@@ -207,9 +210,9 @@ def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages
     """
     loss, stats = ppo_clip_loss(policy.log_prob, old_log_prob, advantages, clip_range=config.clip_range,
                                 mask=mask, weights=is_weights, normalizer=normalizer)
-    if config.beta > 0:
+    if config.kl_beta > 0:
         if ref_mean is None:
-            raise ValueError(f"beta={config.beta} > 0 needs ref_mean (the reference policy's step mean)")
+            raise ValueError(f"kl_beta={config.kl_beta} > 0 needs ref_mean (the reference policy's step mean)")
         keep = _mask_like(mask, policy.log_prob)
         std = policy.std_dev_t if config.kl_std == "flow_grpo" else policy.std
         if bool(((std == 0) & keep).any()):
@@ -218,14 +221,16 @@ def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages
         ref = torch.where(lead, ref_mean.detach().to(policy.mean.device), policy.mean.detach())
         per_step = gaussian_kl(policy.mean, ref, torch.where(keep, std, torch.ones_like(std)))
         kl_term = _reduce(per_step, keep, normalizer)
-        loss = loss + config.beta * kl_term
+        loss = loss + config.kl_beta * kl_term
         stats["kl"] = _masked_mean(per_step.detach(), keep)
-    stats["loss"] = stats["policy_loss"] + config.beta * stats["kl"] if config.beta > 0 else stats["policy_loss"]
+    stats["loss"] = stats["policy_loss"] + config.kl_beta * stats["kl"] if config.kl_beta > 0 else stats["policy_loss"]
     return loss, stats
 
 
 def _aggregate_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    if level == "step" or log_ratio.dim() == 1:
+    """Per-entry log-ratio (step), or each sample's sum (trajectory) / mean (geometric) over its masked-in
+    steps, broadcast back over the steps."""
+    if level == "step":
         return log_ratio
     m = mask.to(log_ratio.dtype)
     total = (log_ratio * m).sum(dim=tuple(range(1, log_ratio.dim())), keepdim=True)
@@ -236,23 +241,28 @@ def _aggregate_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str
 
 def mismatch_weights(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: MismatchConfig,
                      mask: torch.Tensor | None = None) -> MismatchWeights:
-    """TIS/MIS weights from the trainer's old log-probs and the engine's log-probs (``[B]`` or ``[B, T]``).
+    """TIS/MIS weights from the trainer's old log-probs and the engine's log-probs.
 
-    ``mask`` marks the trained steps (e.g. the SDE window); masked-out steps get weight 0, keep False and
-    do not enter the trajectory/geometric aggregate. A ``[B]`` input is one step: all levels coincide.
+    Shapes: ``[B]`` (one step per entry; step level only) or ``[B, T]`` (all trained steps of each sample:
+    trajectory and geometric levels aggregate over dim 1, so they refuse a ``[B]`` input rather than act
+    per step). ``mask`` marks the trained steps (e.g. the SDE window); masked-out steps get weight 0, keep
+    False and do not enter the trajectory/geometric aggregate.
     """
     if train_log_prob.shape != rollout_log_prob.shape:
         raise ValueError(f"train {tuple(train_log_prob.shape)} and rollout {tuple(rollout_log_prob.shape)} "
                          "log-prob shapes differ")
+    if config.mismatch_level != "step" and train_log_prob.dim() < 2:
+        raise ValueError(f"mismatch_level={config.mismatch_level!r} needs [B, T] log-probs (every trained step of "
+                         f"each sample), got shape {tuple(train_log_prob.shape)}")
     mask = _mask_like(mask, train_log_prob)
     log_ratio = (train_log_prob.detach().float() - rollout_log_prob.detach().float().to(train_log_prob.device))
     log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
-    raw = torch.exp(_aggregate_log_ratio(log_ratio, mask, config.level))
-    high = mask & (raw > config.upper)
-    low = mask & (raw < config.lower)
-    if config.mode == "tis":
+    raw = torch.exp(_aggregate_log_ratio(log_ratio, mask, config.mismatch_level))
+    high = mask & (raw > config.mismatch_cap)
+    low = mask & (raw < config.mismatch_floor)
+    if config.mismatch == "tis":
         keep = mask
-        weights = raw.clamp(min=config.lower, max=config.upper)
+        weights = raw.clamp(min=config.mismatch_floor, max=config.mismatch_cap)
     else:
         keep = mask & ~high & ~low
         weights = raw

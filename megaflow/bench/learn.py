@@ -79,7 +79,7 @@ def plain_backward(dit, trajs, advantages, items, settings, *, ref=None, micro_b
         policy = transition_log_prob(b["x"], v, b["x_next"], b["sigma"], b["sigma_next"], sigma_max=b["sigma_max"],
                                      config=settings.transition)
         ref_mean = None
-        if settings.loss.beta > 0:
+        if settings.loss.kl_beta > 0:
             with torch.no_grad():
                 v_ref = _velocity(ref, b["x"], b["sigma"], b["cond"], b["guidance"], num_train_timesteps)
                 ref_mean = transition_mean_std(b["x"], v_ref, b["sigma"], b["sigma_next"], sigma_max=b["sigma_max"],
@@ -207,7 +207,7 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     settings = grpo_settings(cfg)
     engine = DiffusersEngine.from_pretrained(str(pipeline_dir), config=DiffusersEngineConfig(engine_id="baseline"))
     dit = engine.transformer.requires_grad_(True)
-    ref = copy.deepcopy(dit).requires_grad_(False) if settings.loss.beta > 0 else None
+    ref = copy.deepcopy(dit).requires_grad_(False) if settings.loss.kl_beta > 0 else None
     opt = plain_optimizer(dit, cfg.train)
     initial = {k: v.detach().clone() for k, v in dit.named_parameters()}
     scorer, prompts = runtime.build_scorer(cfg), runtime.prompt_stream(cfg)

@@ -4,9 +4,10 @@ The trainer streams ``(engine_name, full_tensor)`` pairs (already gathered over 
 the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_params`). A bridge
 moves them into the rollout engine(s) by one transfer path -- colocated (same host: shared memory /
 CUDA IPC), distributed (a process-group broadcast to the rank that hosts the engine) or disk
-(safetensors + reload) -- and verifies the result: the engine re-hashes every tensor it now holds
-and compares it with the digests computed here while streaming. The three paths are three
-implementations of this one interface, chosen by ``bridge.mode``.
+(safetensors + reload) -- and, with ``verify``, checks the result once per sync: every tensor is
+hashed once here while streaming and once by each engine at the end (engines load buckets with
+``verify=False``, no per-bucket hashing). Without ``verify`` nothing is hashed at all. The three paths
+are three implementations of this one interface, chosen by ``bridge.mode``.
 """
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ class ModuleTarget:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return WeightUpdateResult(ok=True, num_tensors=len(named), num_bytes=nbytes)
 
-    def load_bucket(self, bucket: Bucket) -> WeightUpdateResult:
+    def load_bucket(self, bucket: Bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """All-or-nothing by name and shape; never skips a tensor, so nothing to hash whatever ``verify`` says."""
         return self._load(bucket.unpack())
 
     def update_weights(self, named_tensors) -> WeightUpdateResult:

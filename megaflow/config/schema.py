@@ -25,7 +25,9 @@ class RunConfig:
     name: str = opt("megaflow", "Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = opt("runs", "Parent directory for run directories (resolved config, checkpoints, metrics).")
     seed: int = opt(1234, "Global seed (model init, noise, prompt order).", ge=0)
-    device: str = opt("auto", "Compute device: auto (cuda if present, else cpu), cpu or cuda.",
+    device: str = opt("auto", "Compute device of the trainer and the engines: auto (cuda if present, else cpu), cpu "
+                      "(CUDA hidden from the run, even on a GPU machine) or cuda (error without a device). Applied "
+                      "by the megaflow commands (train, demo, pretrain, bench learn).",
                       choices=("auto", "cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads per process (1 is fastest on small shared CPUs).", ge=1)
 
@@ -131,12 +133,15 @@ class BridgeConfig:
     mode: str = opt("colocated", "Weight transfer path to the engines: colocated, distributed or disk.",
                     choices=("colocated", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
-    verify: bool = opt(True, "Verify every sync by checksum.")
+    verify: bool = opt(True, "Verify every sync: each tensor is SHA-256 hashed once while streaming and once "
+                       "by every engine afterwards; a mismatch or a missing tensor stops the run. false = no "
+                       "check and no hashing (an engine that skips an unknown name then goes unnoticed).")
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    wandb: bool = opt(False, "Log to Weights & Biases (offline mode if no network).")
+    wandb: bool = opt(False, "Log to Weights & Biases, project 'megaflow'. Mode: WANDB_MODE if set; else online "
+                      "if WANDB_API_KEY is set; else offline (files under the run dir, for 'wandb sync').")
     log_every: int = opt(1, "Print metrics every N iterations.", ge=1)
 
 

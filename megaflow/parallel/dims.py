@@ -64,8 +64,30 @@ class ParallelDims:
         return world_size // self.model_parallel_size
 
 
+def select_device(choice: str) -> torch.device:
+    """Apply ``run.device`` to this process and every process it starts (trainer ranks' megatron, SGLang
+    engine workers); returns ``current_device()``. Call it before anything queries CUDA.
+
+    - "auto": CUDA when torch sees a device, else CPU (nothing to change);
+    - "cpu": hide every CUDA device (``CUDA_VISIBLE_DEVICES=""``, inherited by engine workers), so the
+      whole stack takes its CPU path (gloo, CPU shims, CPU engines) even on a GPU machine;
+    - "cuda": ValueError unless torch sees a CUDA device.
+    Everything else asks ``torch.cuda.is_available()`` / ``current_device()``, so this is the one switch.
+    """
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device = {choice!r}: expected auto, cpu or cuda")
+    if choice == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():  # torch counted the devices before the variable was set
+            raise RuntimeError("run.device = cpu: CUDA was initialised in this process before the device was "
+                               "selected; select it first (or launch with CUDA_VISIBLE_DEVICES=)")
+    elif choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device = cuda, but torch sees no CUDA device (use auto or cpu)")
+    return current_device()
+
+
 def current_device() -> torch.device:
-    """The device this rank computes on: ``cuda:<LOCAL_RANK>`` when CUDA exists, else CPU."""
+    """The device this rank computes on: ``cuda:<LOCAL_RANK>`` when CUDA is visible, else CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")

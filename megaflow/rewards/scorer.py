@@ -32,6 +32,16 @@ class RewardScores:
     weights: dict[str, float]
     seconds: dict[str, float]  # label -> wall time of that component on this batch
 
+    @classmethod
+    def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
+        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed."""
+        if not parts:
+            raise ValueError("concat needs at least one RewardScores")
+        labels = list(parts[0].components)
+        return cls(total=torch.cat([p.total for p in parts]),
+                   components={k: torch.cat([p.components[k] for p in parts]) for k in labels},
+                   weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels})
+
     @property
     def valid(self) -> torch.Tensor:
         """Bool [B]: samples every component scored."""

@@ -141,13 +141,23 @@ class Balancer:
         pending.clear()
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
-        """Dispatch every request (group-atomic) and return all trajectories in request order.
+        """Dispatch every request (``submit``) and return all trajectories in request order. If any request
+        fails, the first error is raised after every dispatched request has finished."""
+        futures = self.submit(requests)
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return [t for f in futures for t in f.result()]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """Dispatch every request (group-atomic); one future per request, resolved when its engine call returns.
 
         Each request is assigned on its own (least in-flight at that moment); the requests of this call
         that land on the same engine go to it in ONE ``engine.generate`` call, so the engine sees them
         together and can batch them. When a cap leaves no free slot, what was assigned so far is started
-        and dispatch waits for a slot. Thread-safe: concurrent callers share engines and in-flight counts.
-        If any request fails, the first error is raised after every dispatched request has finished.
+        and dispatch waits for a slot (so this returns once every request is dispatched). Thread-safe:
+        concurrent callers share engines and in-flight counts.
         """
         futures: list[Future] = []
         pending: dict[int, list[tuple[RolloutRequest, Future]]] = {}
@@ -160,11 +170,7 @@ class Balancer:
             pending.setdefault(idx, []).append((request, fut))
             futures.append(fut)
         self._launch(pending)
-        errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        return [t for f in futures for t in f.result()]
+        return futures
 
     # ---------------------------------------------------------------- metrics
     def metrics(self) -> dict:
@@ -216,10 +222,10 @@ class Balancer:
         t0 = time.perf_counter()
         return self._merge(self._fan_out(lambda e: e.update_weights(items)), time.perf_counter() - t0)
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
         """Hand the same bridge bucket to every engine (each adapter serializes its own send)."""
         t0 = time.perf_counter()
-        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket)), time.perf_counter() - t0)
+        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket, verify=verify)), time.perf_counter() - t0)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Every engine re-hashes the named tensors; ok only if all match (message names the failures)."""

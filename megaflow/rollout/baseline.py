@@ -20,6 +20,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,16 @@ class DiffusersEngine:
                 for i, trajs in zip(indices, self._sample_compatible([requests[i] for i in indices])):
                     out[i] = trajs
         return [t for trajs in out for t in trajs]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """``generate`` run to the end in the caller's thread, returned as completed futures (one per
+        request): this in-process loop samples everything before anything can be scored."""
+        trajs, futures, start = self.generate(requests), [], 0
+        for r in requests:
+            futures.append(Future())
+            futures[-1].set_result(trajs[start:start + r.num_outputs])
+            start += r.num_outputs
+        return futures
 
     def _sample_compatible(self, requests: list[RolloutRequest]) -> list[list[Trajectory]]:
         """One loop (chunked by ``max_batch_size``) over all samples of requests with the same batch key."""
@@ -233,8 +244,9 @@ class DiffusersEngine:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
-        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update."""
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update. Loading checks every name and
+        shape and never skips one, so there is nothing to hash whatever ``verify`` says."""
         return self.update_weights(bucket.unpack())
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:

@@ -5,12 +5,13 @@ tensors, ``update_weights_from_disk`` with a diffusers-format directory), report
 checksum to verify an update, frees/retakes accelerator memory around training (``release`` /
 ``resume``), answers ``health`` and stops the processes it started (``shutdown``). The SGLang
 implementation is ``megaflow.rollout.sglang_engine.SGLangEngine``; the balancer wraps N engines behind
-the same protocol. All methods are blocking; ``generate`` is thread-safe (concurrent callers are
-allowed, an engine may batch them).
+the same protocol. All methods but ``submit`` are blocking; ``generate`` and ``submit`` are thread-safe
+(concurrent callers are allowed, an engine may batch them).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -54,12 +55,20 @@ class RolloutEngine(Protocol):
         """Sample every request; returns the trajectories of all requests, request order then output index."""
         ...
 
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """Start sampling every request (as one ``generate`` call would, same batching); one future per
+        request, resolving to its trajectories as soon as they are back (e.g. to score a group while the
+        others still sample). ``generate`` = wait for all of them."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
         """Load DiT tensors given by engine (diffusers state_dict) names, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
         ...
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
-        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors."""
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``verify``: an
+        engine whose loader can skip a tensor silently (SGLang skips unknown names) re-hashes what it loaded;
+        False = no check and no hashing here (the weight bridge verifies a whole sync once, or not at all)."""
         ...
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:

@@ -183,6 +183,11 @@ class SGLangEngine:
     # ------------------------------------------------------------------ generate
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
         """Sample every request (thread-safe); trajectories in request order, then output index."""
+        return [t for future in self.submit(requests) for t in future.result()]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """Queue every request (thread-safe); one future per request, resolved when the engine call that
+        carries it returns (requests merged into one call resolve together)."""
         if self._closed:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         if self._released:
@@ -194,7 +199,7 @@ class SGLangEngine:
         items = [_Item(r, Future(), time.perf_counter()) for r in requests]
         for item in items:
             self._queue.put(item)
-        return [t for item in items for t in item.future.result()]
+        return [item.future for item in items]
 
     def _dispatch_loop(self) -> None:
         """Collect queued requests, merge compatible ones into calls, keep num_inflight_calls running."""
@@ -323,22 +328,24 @@ class SGLangEngine:
                         time.perf_counter() - t0, self._num_restarts, self._server.pids)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
-        """Push DiT tensors (diffusers names) as one flattened bucket, then verify each by SHA-256."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       verify: bool = True) -> WeightUpdateResult:
+        """Push DiT tensors (diffusers names) as one flattened bucket; ``verify``: then check each by SHA-256
+        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed)."""
         dtype = _DTYPES[self.config.precision]
         named = [(n, t.detach().to("cpu", dtype).contiguous()) for n, t in named_tensors]
         t0 = time.perf_counter()
         with self._lock:
-            ok, message = self._server.update_from_tensors(named)
+            ok, message = self._server.update_from_tensors(named, verify=verify)
             if ok and self.config.replay_weights_on_restart:
                 self._replay.update({n: t.clone() for n, t in named})
         return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
                                   num_bytes=sum(t.numel() * t.element_size() for _, t in named),
                                   seconds=time.perf_counter() - t0)
 
-    def load_bucket(self, bucket) -> WeightUpdateResult:
-        """One bridge bucket (megaflow.bridge.buckets.Bucket) as one verified tensor update."""
-        return self.update_weights(bucket.unpack())
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """One bridge bucket (megaflow.bridge.buckets.Bucket) as one tensor update (verified if ``verify``)."""
+        return self.update_weights(bucket.unpack(), verify=verify)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""
@@ -534,9 +541,10 @@ class _EngineServer:
         return req
 
     # weights
-    def update_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
+    def update_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> tuple[bool, str]:
         """One flattened bucket for the 'transformer' module; the payload is serialized per send
-        (a CPU payload lives in shared memory that the worker can open only once)."""
+        (a CPU payload lives in shared memory that the worker can open only once). ``verify``: SHA-256
+        of every tensor here and in the engine afterwards."""
         bucket = FlattenedTensorBucket(named_tensors=named)
         payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
                                    "metadata": bucket.get_metadata()}}
@@ -546,6 +554,8 @@ class _EngineServer:
             target_modules=["transformer"]))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
+        if not verify:
+            return True, f"updated {len(named)} tensors (not verified)"
         # SGLang skips unknown names and still reports success: verify every tensor by SHA-256.
         ok, message = self.verify({n: compute_tensor_sha256(t) for n, t in named})
         if not ok:

@@ -20,8 +20,17 @@ the factors cancel to Σ_items / N on every layout. Padding items (``real=False`
 Old policy: ``old_log_prob`` is the engine's rollout (sampling-time) log-prob, as in flow_grpo, in
 every optimizer step, so from the second step on the ratio and the clip see a stale policy. With
 mismatch correction on, the old policy is the TRAINER's log-prob under the weights before the first
-update (one extra forward pass over all items when there are several optimizer steps) and
-w = f(exp(logp_old_train − logp_rollout)) reweights the loss (TIS / MIS, megaflow.algo.loss).
+update and w = f(exp(logp_old_train − logp_rollout)) reweights the loss (TIS / MIS, megaflow.algo.loss).
+
+Mismatch weights and microbatches: a sample's trained steps are spread over microbatches (and
+optimizer steps, and DP ranks), but the "trajectory" and "geometric" levels need all of them at once.
+So ``grpo_update`` computes every item's old log-prob in one no-grad forward pass over ALL items before
+the first update (``_pre_update_log_probs``), stacks them per kept sample into ``[K, T]``, computes the
+weights there once (``_item_mismatch_weights``) and hands every microbatch its items' weight and keep
+flag; the loss only applies them, so the result does not depend on the microbatch split. The
+``is_*`` stats then describe the whole batch. The pass is skipped only for the "step" level with a
+single optimizer step, where the loss's own forward already is the pre-update policy and a per-item
+weight needs nothing else (``grpo_train_step`` on hand-built microbatches also takes that path).
 
 CFG: with ``do_cfg`` trajectories the DiT runs both branches and the loss uses the guided velocity
 (grpo_batches.guided_velocity), as the engine sampled with it.
@@ -37,6 +46,7 @@ from megatron.core import parallel_state as ps
 
 from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
 from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
+from megaflow.parallel.dims import current_device
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo_batches import (
     guided_velocity,
@@ -105,8 +115,13 @@ def grpo_loss(velocity: torch.Tensor, mb: dict, *, settings: GRPOSettings, norma
     policy = _policy(velocity, mb, settings.transition)
     mask = mb["real"]
     old, weights, stats_extra = mb["rollout_log_prob"], None, {}
-    if settings.mismatch is not None:
-        old = mb["old_log_prob"] if "old_log_prob" in mb else policy.log_prob.detach()
+    if settings.mismatch is not None and "is_weight" in mb:  # precomputed over whole samples (grpo_update)
+        old, weights, mask = mb["old_log_prob"], mb["is_weight"], mask & mb["is_keep"]
+    elif settings.mismatch is not None:
+        if settings.mismatch.mismatch_level != "step":
+            raise ValueError(f"mismatch_level={settings.mismatch.mismatch_level!r} needs the weights of every "
+                             "trained step of a sample: build the microbatches with grpo_update")
+        old = policy.log_prob.detach()
         mw = mismatch_weights(old, mb["rollout_log_prob"], settings.mismatch, mask=mask)
         weights, mask = mw.weights, mw.keep
         stats_extra = {k: v.detach() for k, v in mw.stats.items()}
@@ -138,9 +153,9 @@ def grpo_train_step(engine, microbatches: list[dict], settings: GRPOSettings, re
     if getattr(engine.config, "calculate_per_token_loss", False):
         raise ValueError("the GRPO step normalises by the global item count itself and needs megatron's "
                          "calculate_per_token_loss=False")
-    if settings.loss.beta > 0:
+    if settings.loss.kl_beta > 0:
         if ref_engine is None:
-            raise ValueError(f"algo.kl_beta = {settings.loss.beta} > 0 needs a reference model")
+            raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
         attach_reference(ref_engine, microbatches, settings.transition)
     n = _global_real_count(microbatches) if num_items is None else int(num_items)
     if n < 1:
@@ -202,21 +217,43 @@ def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     num_updates; ``logp_abs_diff_rollout`` comes from the first step only (the weights that sampled);
     ``clip_frac_stale`` is the clip fraction of the later steps (stale policy). {"skipped": 1.0} when
     nothing is kept."""
-    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = device or current_device()
     plan = plan_updates(_kept(keep), steps, num_inner_epochs=settings.num_inner_epochs,
                         num_minibatches=settings.num_minibatches, seed=seed)
     if not plan:
         return {"skipped": 1.0}
-    old = None
-    if settings.mismatch is not None and len(plan) > 1:
+    mismatch, is_stats = None, {}
+    if settings.mismatch is not None and (len(plan) > 1 or settings.mismatch.mismatch_level != "step"):
         every_item = sorted({it for items in plan for it in items})
         old = _pre_update_log_probs(engine, trajs, advantages, every_item, settings, device)
+        if old:  # {} off the last pipeline stage, where no loss runs
+            mismatch, is_stats = _item_mismatch_weights(old, trajs, every_item, settings.mismatch)
     per_step = []
     for items in plan:
-        mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device,
-                               old_log_probs=old or None)  # {} off the last stage
+        mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device, mismatch=mismatch)
         per_step.append(grpo_train_step(engine, mbs, settings, ref_engine, num_items=len(items)))
-    return _combine_steps(per_step)
+    return {**_combine_steps(per_step), **_share_from_last_stage(is_stats)}
+
+
+def _item_mismatch_weights(old: dict, trajs: Sequence[Trajectory], items: Sequence[tuple[int, int]],
+                           config: MismatchConfig) -> tuple[dict, dict[str, float]]:
+    """Every item's (old log-prob, weight, keep) from ``mismatch_weights`` over ``[K, T]``: the K samples
+    of ``items`` by the union of their steps, masked to the items present, so the trajectory / geometric
+    aggregate covers exactly each sample's trained steps. Returns the per-item triples and the stats."""
+    samples = sorted({i for i, _ in items})
+    steps = sorted({t for _, t in items})
+    row, col = {i: k for k, i in enumerate(samples)}, {t: k for k, t in enumerate(steps)}
+    train = torch.zeros(len(samples), len(steps))
+    rollout = torch.zeros_like(train)
+    mask = torch.zeros_like(train, dtype=torch.bool)
+    for i, t in items:
+        train[row[i], col[t]] = old[(i, t)].reshape(()).float()
+        rollout[row[i], col[t]] = trajs[i].log_probs[t].float()
+        mask[row[i], col[t]] = True
+    mw = mismatch_weights(train, rollout, config, mask=mask)
+    per_item = {(i, t): (train[row[i], col[t]], mw.weights[row[i], col[t]], mw.keep[row[i], col[t]])
+                for i, t in items}
+    return per_item, {k: float(v) for k, v in mw.stats.items()}
 
 
 def _combine_steps(per_step: list[dict]) -> dict:

@@ -88,8 +88,10 @@ def _conditioning(tr: Sequence[Trajectory], cfg: bool) -> dict[str, torch.Tensor
 
 def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                 real: Sequence[bool], device: torch.device,
-                old_log_probs: dict[Item, torch.Tensor] | None = None) -> dict:
-    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for CFG."""
+                mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> dict:
+    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for CFG.
+    ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
+    (megaflow.trainer.grpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
     tr = [trajs[i] for i, _ in items]
     ts = [t for _, t in items]
     cfg = {bool(x.do_cfg) for x in tr}
@@ -113,20 +115,23 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
     }
     if cfg:
         mb["guidance_scale"] = torch.tensor([float(x.guidance_scale) for x in tr])
-    if old_log_probs is not None:
-        mb["old_log_prob"] = torch.stack([old_log_probs[it].reshape(()) for it in items]).float()
+    if mismatch is not None:
+        old, weight, keep = zip(*(mismatch[it] for it in items))
+        mb["old_log_prob"] = torch.stack(old).float()
+        mb["is_weight"] = torch.stack(weight).float()
+        mb["is_keep"] = torch.stack(keep).bool()
     return {k: v.to(device) for k, v in mb.items()}
 
 
 def microbatches_for(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                      micro_batch_size: int, device: torch.device,
-                     old_log_probs: dict[Item, torch.Tensor] | None = None) -> list[dict]:
+                     mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> list[dict]:
     """This DP rank's microbatches for one optimizer step over ``items`` (all ranks pass the same list)."""
     if not items:
         return []
     mine, real = _dp_slice(list(items), micro_batch_size)
     return [stack_items(trajs, advantages, mine[s:s + micro_batch_size], real[s:s + micro_batch_size], device,
-                        old_log_probs) for s in range(0, len(mine), micro_batch_size)]
+                        mismatch) for s in range(0, len(mine), micro_batch_size)]
 
 
 def num_samples(mb: dict) -> int:

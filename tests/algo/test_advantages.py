@@ -24,7 +24,7 @@ def test_batch_std_hand_values():
 
 
 def test_group_std_hand_values():
-    out = group_advantages(REWARDS, GROUPS, AdvantageConfig(std_scope="group"))
+    out = group_advantages(REWARDS, GROUPS, AdvantageConfig(std_mode="group"))
     g0, g1 = math.sqrt(2 / 3), math.sqrt(8 / 3)
     expected = [-1 / (g0 + EPS), 0, 1 / (g0 + EPS), -2 / (g1 + EPS), 0, 2 / (g1 + EPS)]
     torch.testing.assert_close(out.advantages, torch.tensor(expected), atol=1e-6, rtol=0)
@@ -32,7 +32,7 @@ def test_group_std_hand_values():
 
 def test_clip():
     out = group_advantages(torch.tensor([0.0, 10.0]), torch.tensor([0, 0]),
-                           AdvantageConfig(std_scope="group", clip=0.5))
+                           AdvantageConfig(std_mode="group", adv_clip=0.5))
     torch.testing.assert_close(out.advantages, torch.tensor([-0.5, 0.5]))
     assert out.stats["adv_clip_frac"] == 1.0
 
@@ -102,8 +102,8 @@ def test_contiguous_group_ids():
     lambda: group_advantages(REWARDS, GROUPS[:4]),
     lambda: group_advantages(REWARDS, GROUPS.float()),
     lambda: group_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long)),
-    lambda: AdvantageConfig(std_scope="prompt"),
-    lambda: AdvantageConfig(clip=0.0),
+    lambda: AdvantageConfig(std_mode="prompt"),
+    lambda: AdvantageConfig(adv_clip=0.0),
 ])
 def test_bad_inputs_raise(call):
     with pytest.raises(ValueError):

@@ -117,7 +117,7 @@ def test_flow_grpo_loss_total_and_kl_conventions(kl_std):
     new = transition_log_prob(x, policy(x, sigmas[1]), old.sample, **args)
     with torch.no_grad():
         ref = transition_log_prob(x, reference(x, sigmas[1]), old.sample, **args)
-    loss_cfg = LossConfig(clip_range=1e-4, beta=0.04, kl_std=kl_std)
+    loss_cfg = LossConfig(clip_range=1e-4, kl_beta=0.04, kl_std=kl_std)
     loss, stats = flow_grpo_loss(new, old_log_prob=old.log_prob, advantages=adv, config=loss_cfg, ref_mean=ref.mean)
     # Same weights as the rollout: ratio 1 (to recomputation error), policy loss −mean(A).
     assert stats["ratio_max"].item() == pytest.approx(1.0, abs=1e-4)
@@ -145,12 +145,12 @@ def test_cps_loss_needs_terminal_step_masked():
     new = transition_log_prob(x, model(x, sigmas[3]), old.sample, sigmas[3], sigmas[4],
                               sigma_max=sigma_max_of(sigmas), config=cfg)
     assert torch.equal(new.std, torch.zeros(4))
-    loss_cfg = LossConfig.for_transition("cps", windowed=False)
+    loss_cfg = LossConfig(clip_range=LossConfig.auto_clip_range("cps", windowed=False))
     assert loss_cfg.clip_range == 1e-5
     with pytest.raises(ValueError, match="std 0"):
         flow_grpo_loss(new, old_log_prob=old.log_prob, advantages=torch.ones(4), config=loss_cfg,
                        ref_mean=new.mean.detach())
-    no_kl = LossConfig.for_transition("cps", windowed=False, beta=0.0)
+    no_kl = LossConfig(clip_range=1e-5, kl_beta=0.0)
     loss, stats = flow_grpo_loss(new, old_log_prob=old.log_prob, advantages=torch.ones(4), config=no_kl)
     assert "kl" not in stats and torch.isfinite(loss)
     with pytest.raises(ValueError, match="ref_mean"):
@@ -160,16 +160,16 @@ def test_cps_loss_needs_terminal_step_masked():
 def test_mismatch_weights_step_level():
     train = torch.tensor([[0.1, -0.2, 0.0], [1.0, 0.0, 0.0]])
     rollout = torch.zeros(2, 3)
-    tis = mismatch_weights(train, rollout, MismatchConfig(mode="tis", upper=2.0))
+    tis = mismatch_weights(train, rollout, MismatchConfig(mismatch="tis", mismatch_cap=2.0))
     expected = torch.tensor([[math.exp(0.1), math.exp(-0.2), 1.0], [2.0, 1.0, 1.0]])
     torch.testing.assert_close(tis.weights, expected)
     assert tis.keep.all()
     assert tis.stats["is_frac_high"].item() == pytest.approx(1 / 6)
     assert tis.stats["is_weight_mean"].item() == pytest.approx(expected.mean().item(), rel=1e-6)
-    lower = mismatch_weights(train, rollout, MismatchConfig(mode="tis", upper=2.0, lower=0.9))
+    lower = mismatch_weights(train, rollout, MismatchConfig(mismatch="tis", mismatch_cap=2.0, mismatch_floor=0.9))
     assert lower.weights[0, 1].item() == pytest.approx(0.9)
     assert lower.stats["is_frac_low"].item() == pytest.approx(1 / 6)
-    mis = mismatch_weights(train, rollout, MismatchConfig(mode="mis", upper=2.0, lower=0.9))
+    mis = mismatch_weights(train, rollout, MismatchConfig(mismatch="mis", mismatch_cap=2.0, mismatch_floor=0.9))
     assert mis.keep.tolist() == [[True, False, True], [False, True, True]]
     torch.testing.assert_close(mis.weights, torch.tensor([[math.exp(0.1), 0.0, 1.0], [0.0, 1.0, 1.0]]))
     assert mis.stats["is_frac_rejected"].item() == pytest.approx(2 / 6)
@@ -178,18 +178,18 @@ def test_mismatch_weights_step_level():
 def test_mismatch_weights_trajectory_and_geometric_levels():
     train = torch.tensor([[0.1, -0.2, 0.0], [1.0, 0.0, 0.0]])
     rollout = torch.zeros(2, 3)
-    traj = mismatch_weights(train, rollout, MismatchConfig(level="trajectory", upper=2.0))
+    traj = mismatch_weights(train, rollout, MismatchConfig(mismatch_level="trajectory", mismatch_cap=2.0))
     torch.testing.assert_close(traj.weights, torch.tensor([[math.exp(-0.1)] * 3, [2.0] * 3]))
-    geo = mismatch_weights(train, rollout, MismatchConfig(level="geometric", upper=2.0))
+    geo = mismatch_weights(train, rollout, MismatchConfig(mismatch_level="geometric", mismatch_cap=2.0))
     torch.testing.assert_close(geo.weights, torch.tensor([[math.exp(-0.1 / 3)] * 3, [math.exp(1 / 3)] * 3]))
     # masked steps (outside the SDE window) are out of the aggregate and weigh 0
     mask = torch.tensor([[True, True, False], [False, True, True]])
     masked = mismatch_weights(train + torch.tensor([[0.0, 0.0, 5.0], [5.0, 0.0, 0.0]]), rollout,
-                              MismatchConfig(level="geometric", upper=2.0), mask=mask)
+                              MismatchConfig(mismatch_level="geometric", mismatch_cap=2.0), mask=mask)
     e0, e1 = math.exp(-0.1 / 2), 1.0
     torch.testing.assert_close(masked.weights, torch.tensor([[e0, e0, 0.0], [0.0, e1, e1]]))
     assert masked.keep.tolist() == mask.tolist()
-    rej = mismatch_weights(train, rollout, MismatchConfig(mode="mis", level="trajectory", upper=2.0))
+    rej = mismatch_weights(train, rollout, MismatchConfig(mismatch="mis", mismatch_level="trajectory", mismatch_cap=2.0))
     assert rej.keep.tolist() == [[True] * 3, [False] * 3]
 
 
@@ -204,17 +204,17 @@ def test_train_step_indices():
         train_step_indices(4, cps, [3])
     with pytest.raises(ValueError):
         train_step_indices(4, TransitionConfig(kind="ode"))
-    assert LossConfig.for_transition("sde", windowed=True).clip_range == 1e-5
-    assert LossConfig.for_transition("sde", windowed=False).clip_range == 1e-4
+    assert LossConfig.auto_clip_range("sde", windowed=True) == 1e-5
+    assert LossConfig.auto_clip_range("sde", windowed=False) == 1e-4
 
 
 @pytest.mark.parametrize("call", [
     lambda: LossConfig(clip_range=0.0),
-    lambda: LossConfig(beta=-1.0),
+    lambda: LossConfig(kl_beta=-1.0),
     lambda: LossConfig(kl_std="s2"),
-    lambda: MismatchConfig(mode="clip"),
-    lambda: MismatchConfig(level="token"),
-    lambda: MismatchConfig(lower=2.0, upper=2.0),
+    lambda: MismatchConfig(mismatch="clip"),
+    lambda: MismatchConfig(mismatch_level="token"),
+    lambda: MismatchConfig(mismatch_floor=2.0, mismatch_cap=2.0),
     lambda: ppo_clip_loss(torch.zeros(2), torch.zeros(3), torch.zeros(2), clip_range=0.1),
     lambda: ppo_clip_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), clip_range=0.1),
     lambda: gaussian_kl(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2)),
@@ -231,6 +231,6 @@ def test_step_result_stack_over_steps():
     adv = torch.tensor([1.0, -1.0, 0.5])
     stacked = StepResult(sample=torch.zeros(3, 2, 4), mean=torch.zeros(3, 2, 4), std=torch.ones(3, 2),
                          std_dev_t=torch.ones(3, 2), log_prob=lp)
-    loss, _ = flow_grpo_loss(stacked, old_log_prob=old, advantages=adv, config=LossConfig(beta=0.0, clip_range=0.2))
+    loss, _ = flow_grpo_loss(stacked, old_log_prob=old, advantages=adv, config=LossConfig(kl_beta=0.0, clip_range=0.2))
     per_step = [ppo_clip_loss(lp[:, t], old[:, t], adv, clip_range=0.2)[0] for t in range(2)]
     assert loss.item() == pytest.approx(sum(p.item() for p in per_step) / 2, abs=1e-7)

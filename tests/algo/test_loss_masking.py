@@ -77,7 +77,7 @@ def _steps(kind="sde"):
 def test_kl_and_total_loss_ignore_nan_in_masked_entries(normalizer):
     lin, x, rolled, ref_mean, args = _steps()
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5])
-    loss_cfg = LossConfig(clip_range=1e-4, beta=0.04)
+    loss_cfg = LossConfig(clip_range=1e-4, kl_beta=0.04)
     results = []
     for poisoned in (False, True):
         lin.zero_grad()
@@ -105,7 +105,7 @@ def test_masked_deterministic_step_with_std_zero_stays_finite():
     policy = type(policy)(sample=policy.sample, mean=policy.mean, std=policy.std, std_dev_t=std0,
                           log_prob=policy.log_prob)
     loss, stats = flow_grpo_loss(policy, old_log_prob=rolled.log_prob, advantages=torch.ones(5),
-                                 config=LossConfig(clip_range=1e-5, beta=0.04), ref_mean=ref_mean, mask=MASK)
+                                 config=LossConfig(clip_range=1e-5, kl_beta=0.04), ref_mean=ref_mean, mask=MASK)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(stats["kl"]) and torch.isfinite(lin.weight.grad).all()
 
@@ -113,7 +113,7 @@ def test_masked_deterministic_step_with_std_zero_stays_finite():
 def test_mismatch_weights_ignore_nan_in_masked_entries():
     train, rollout = torch.zeros(5), torch.full((5,), 0.1)
     for level in ("step", "trajectory", "geometric"):
-        cfg = MismatchConfig(mode="mis", level=level, upper=2.0, lower=0.5)
+        cfg = MismatchConfig(mismatch="mis", mismatch_level=level, mismatch_cap=2.0, mismatch_floor=0.5)
         clean = mismatch_weights(train[None], rollout[None], cfg, mask=MASK[None])
         bad = mismatch_weights(_poison(train)[None], _poison(rollout, (math.inf, math.nan))[None], cfg,
                                mask=MASK[None])

@@ -74,8 +74,8 @@ def test_colocated_rejects_unknown_name_without_partial_write():
 class _Corrupting(ModuleTarget):
     """A target that changes one value after loading (what a lossy transfer would do)."""
 
-    def load_bucket(self, bucket):
-        r = super().load_bucket(bucket)
+    def load_bucket(self, bucket, *, verify=True):
+        r = super().load_bucket(bucket, verify=verify)
         with torch.no_grad():
             self.module.proj_out.bias.add_(1.0)
         return r
@@ -85,6 +85,49 @@ def test_verification_catches_lossy_transfer():
     src, dst = tiny_dit(0), tiny_dit(1)
     with pytest.raises(SyncError, match="proj_out.bias"):
         ColocatedBridge([_Corrupting(dst)]).push(src.state_dict().items())
+
+
+@pytest.fixture
+def hash_calls(monkeypatch):
+    """Counts SHA-256 passes: the bridge's (while streaming) and the targets' (re-hash), by tensor name."""
+    import megaflow.bridge.base as base
+    import megaflow.bridge.target as target
+    calls = {"bridge": [], "engine": []}
+
+    def counting(side, real):
+        def fn(t):
+            calls[side].append(tuple(t.shape))
+            return real(t)
+        return fn
+    monkeypatch.setattr(base, "tensor_sha256", counting("bridge", base.tensor_sha256))
+    monkeypatch.setattr(target, "tensor_sha256", counting("engine", target.tensor_sha256))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disk"])
+def test_verify_false_hashes_nothing_true_hashes_once(mode, hash_calls, tmp_path):
+    src, dst1, dst2 = tiny_dit(0), tiny_dit(1), tiny_dit(2)
+    n = len(src.state_dict())
+    targets = [ModuleTarget(dst1), ModuleTarget(dst2)]
+
+    def bridge(verify):
+        if mode == "colocated":
+            return ColocatedBridge(targets, bucket_bytes=4 << 10, verify=verify)
+        return DiskBridge(targets, tmp_path / "sync", bucket_bytes=4 << 10, verify=verify)
+    report = bridge(False).push(src.state_dict().items())
+    assert not report.verified and hash_calls == {"bridge": [], "engine": []}
+    assert all(torch.equal(v, dst1.state_dict()[k]) for k, v in src.state_dict().items())
+    report = bridge(True).push(src.state_dict().items())
+    assert report.verified
+    assert len(hash_calls["bridge"]) == n  # one pass per tensor per sync on the sending side
+    assert len(hash_calls["engine"]) == 2 * n  # and one per tensor in each of the two engines
+
+
+def test_verify_false_lets_a_lossy_transfer_through_true_catches_it(hash_calls):
+    src = tiny_dit(0)
+    ColocatedBridge([_Corrupting(tiny_dit(1))], verify=False).push(src.state_dict().items())
+    with pytest.raises(SyncError, match="proj_out.bias"):
+        ColocatedBridge([_Corrupting(tiny_dit(1))], verify=True).push(src.state_dict().items())
 
 
 def test_disk_push_atomic_and_pruned(tmp_path):

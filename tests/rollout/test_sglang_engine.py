@@ -141,6 +141,29 @@ def test_weight_update_changes_images_and_verifies(engine, reference, tiny_sd3_d
     assert torch.equal(engine.generate(req)[0].image, before[0].image)
 
 
+def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch):
+    """bridge.verify = false: no SHA-256 anywhere in the sync (an unknown name then goes unnoticed, as
+    SGLang skips it); true: each tensor hashed once on the sending side, the engine re-hashes once."""
+    import megaflow.bridge.base as base
+    from megaflow.bridge import SyncError
+    from megaflow.bridge.colocated import ColocatedBridge
+    calls = []
+    for module, name in ((base, "tensor_sha256"), (sglang_engine, "compute_tensor_sha256")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda t, real=real: calls.append(1) or real(t))
+    state = list(reference.transformer.state_dict().items())  # the weights the engine holds already
+    checksum0 = engine.checksum()
+    assert not ColocatedBridge([engine], bucket_bytes=64 << 10, verify=False).push(state).verified
+    assert calls == []
+    assert ColocatedBridge([engine], bucket_bytes=64 << 10, verify=True).push(state).verified
+    assert len(calls) == len(state)
+    unknown = [("no_such.weight", torch.zeros(2))]
+    ColocatedBridge([engine], verify=False).push(unknown)
+    with pytest.raises(SyncError, match="did not verify"):
+        ColocatedBridge([engine], verify=True).push(unknown)
+    assert engine.checksum() == checksum0
+
+
 def test_release_resume_on_cpu(engine):
     engine.release()  # CPU: documented no-op, but generate must refuse until resume
     with pytest.raises(RuntimeError, match="released"):

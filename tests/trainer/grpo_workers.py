@@ -172,9 +172,9 @@ def _settings(*, mbs, epochs=1, minibatches=1, beta=0.0, mismatch=None):
     from megaflow.trainer.grpo import GRPOSettings
 
     return GRPOSettings(transition=TransitionConfig(kind="sde", noise_level=NOISE_LEVEL),
-                        loss=LossConfig(clip_range=1e-4, beta=beta), micro_batch_size=mbs,
+                        loss=LossConfig(clip_range=1e-4, kl_beta=beta), micro_batch_size=mbs,
                         num_inner_epochs=epochs, num_minibatches=minibatches,
-                        mismatch=None if mismatch is None else MismatchConfig(mode=mismatch, upper=2.0))
+                        mismatch=None if mismatch is None else MismatchConfig(mismatch=mismatch, mismatch_cap=2.0))
 
 
 def _perturbed(state: dict, seed: int) -> dict:

@@ -66,8 +66,8 @@ def _grpo_rank(kind):
     steps = train_step_indices(4, transition)
     adv = torch.tensor([1.0, -1.0, 0.0, 0.0])
     keep = torch.tensor([True, True, True, False])
-    settings = GRPOSettings(transition=transition, loss=LossConfig(clip_range=1e-4, beta=0.0),
-                            mismatch=MismatchConfig(mode="tis", upper=2.0), micro_batch_size=3)
+    settings = GRPOSettings(transition=transition, loss=LossConfig(clip_range=1e-4, kl_beta=0.0),
+                            mismatch=MismatchConfig(mismatch="tis", mismatch_cap=2.0), micro_batch_size=3)
 
     def logp_sums():
         from megaflow.flow.step import transition_log_prob

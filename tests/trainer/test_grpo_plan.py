@@ -73,8 +73,8 @@ def _trajs(n=3, steps=4, cfg=False):
 def test_grpo_loss_padding_rows_with_nan_add_exactly_zero(mismatch):
     trajs = _trajs()
     items, real = [(0, 0), (1, 1), (2, 2), (0, 0), (0, 0)], [True, True, True, False, False]
-    settings = GRPOSettings(transition=TransitionConfig(kind="sde"), loss=LossConfig(clip_range=1e-4, beta=0.04),
-                            mismatch=None if mismatch is None else MismatchConfig(mode=mismatch))
+    settings = GRPOSettings(transition=TransitionConfig(kind="sde"), loss=LossConfig(clip_range=1e-4, kl_beta=0.04),
+                            mismatch=None if mismatch is None else MismatchConfig(mismatch=mismatch))
     g = torch.Generator().manual_seed(1)
     v0 = torch.randn(5, 4, 2, 2, generator=g)
     results = []
