@@ -198,8 +198,12 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
         history: list[dict] = []
         consumed = 0
         if resume_from is not None:
+            t_load = time.perf_counter()
             state = run_state.load(trainer, resume_from)
             history, consumed = state["metrics"], state["prompts_consumed"]
+            if rank0:
+                print(f"[megaflow] resuming after iteration {start} from {resume_from} "
+                      f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
         engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
         rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
         bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
