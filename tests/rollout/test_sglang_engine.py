@@ -23,7 +23,7 @@ from megaflow.rollout.reference import ReferenceSampler, sde_step_indices, trans
 from megaflow.rollout.types import RolloutRequest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang_engine")
+sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 STEPS = 4
 
@@ -153,7 +153,7 @@ def test_worker_killed_mid_run_is_restarted_and_retried(engine, caplog):
     requests = [RolloutRequest(prompt=f"shape {i}", num_outputs=4, seed=i, num_steps=40) for i in range(4)]
     expected = engine.generate(requests)
     old_pids = engine.health().worker_pids
-    caplog.set_level(logging.WARNING, logger="megaflow.rollout.sglang_engine")
+    caplog.set_level(logging.WARNING, logger="megaflow.rollout.sglang")
 
     killer = threading.Timer(0.3, os.kill, args=(old_pids[0], signal.SIGKILL))
     killer.start()
