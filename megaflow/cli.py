@@ -24,6 +24,13 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> 
                    help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
 
 
+def _add_verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="Show the SGLang engines' logs (per-stage timings of every call), third-party info logs "
+                   "and warnings on the terminal, with no progress bar; by default engine logs go to "
+                   "<run dir>/logs/engine<i>.log.")
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
@@ -59,13 +66,22 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_logging(megaflow_level: int, verbose: bool) -> None:
+    """megaflow's records from ``megaflow_level`` up; other libraries' from warning up, or (``verbose``)
+    everything from info up."""
+    import logging
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("megaflow").setLevel(logging.INFO if verbose else megaflow_level)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
     from megaflow.controller import run
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _setup_logging(logging.INFO, args.verbose)
     cfg = load_config(args.config, args.overrides)
-    metrics = run(cfg)
+    metrics = run(cfg, verbose=args.verbose)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -79,8 +95,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not (Path(cfg.model.pretrained) / "model_index.json").is_file():
         raise ValueError(f"model.pretrained: {cfg.model.pretrained} is not a diffusers pipeline directory")
     from megaflow.demo import run_demo
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_demo(cfg)
+    _setup_logging(logging.WARNING, args.verbose)
+    run_demo(cfg, verbose=args.verbose)
     return 0
 
 
@@ -144,11 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     _add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
+    _add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
                             "ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
     _add_config_args(p_demo, default="configs/shapes_demo.toml")
+    _add_verbose_arg(p_demo)
     p_demo.set_defaults(handler=_cmd_demo)
 
     p_pre = sub.add_parser("pretrain", help="Supervised rectified-flow pretraining of the ShapeEval pipeline "
@@ -210,18 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_third_party() -> None:
-    """Warnings from the stack's own internals (megatron, sglang, torch, ...) say nothing a user can act on:
-    filter them once, here, for this process and the engine workers it starts."""
+    """Warnings and progress bars from the stack's own internals (megatron, sglang, torch, ...) say nothing a
+    user can act on: filter them once, here, for this process and the engine workers it starts."""
+    import logging
     import warnings
     for mod in ("megatron", "sglang", "torch", "transformers", "diffusers", "apex", "transformer_engine", "triton"):
         warnings.filterwarnings("ignore", module=mod)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Writing model shards" bars
+    # megatron's DDP/optimizer setup warnings; torch's "No CUDA runtime is found" on CPU machines
+    for name in ("megatron", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet_third_party()
+    if not getattr(args, "verbose", False):
+        _quiet_third_party()
     handler: Handler = args.handler
     try:
         return handler(args)

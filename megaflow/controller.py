@@ -20,7 +20,7 @@ from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
 from megaflow.flow.step import TransitionConfig, sample_sde_window
-from megaflow.metrics import MetricsLog, save_image_grid
+from megaflow.progress import RunReporter
 from megaflow.rollout.types import RolloutRequest
 from megaflow.trainer.grpo import GRPOSettings, grpo_update
 
@@ -120,10 +120,12 @@ def _share(obj, rank0: bool):
     return box[0]
 
 
-def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None) -> dict:
+def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None,
+        verbose: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics. ``evaluate(rollout, when)``
     (rank 0) runs with the engines holding the initial weights (``"before"``), the weights after each
-    iteration's sync (``when`` = the iteration number) and the final ones (``"after"``)."""
+    iteration's sync (``when`` = the iteration number) and the final ones (``"after"``). ``verbose``: the
+    engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
     from megaflow import runtime
     from megaflow.colocate import Phases
     from megaflow.parallel import ParallelDims, init_distributed
@@ -141,18 +143,18 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
     pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0))
     cfg = runtime.with_pipeline_defaults(cfg, pipeline_dir)
     trainer, ref = runtime.build_trainer(cfg, pipeline_dir)
-    engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
+    engines = runtime.build_engines(cfg, pipeline_dir, verbose=verbose) if rank0 else []
     rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
     bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
     scorer = runtime.build_scorer(cfg) if rank0 else None
     prompts = runtime.prompt_stream(cfg)
     settings = grpo_settings(cfg)
     phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
-    metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
+    reporter = RunReporter(run_dir, cfg, enabled=rank0, verbose=verbose, total_iterations=cfg.train.iterations)
     metrics: dict = {}
     first_reward = float("nan")
     try:
-        metrics_log.write(0, sync_weights(trainer, bridge))  # engines now hold exactly the trainer's weights
+        reporter.iteration(0, sync_weights(trainer, bridge))  # engines now hold exactly the trainer's weights
         if evaluate is not None and rank0:
             evaluate(rollout, "before")
         for it in range(1, cfg.train.iterations + 1):
@@ -170,13 +172,11 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
                        "time/iteration_s": time.perf_counter() - t0}
             if rollout is not None and hasattr(rollout, "metrics"):
                 metrics.update(rollout.metrics())
-            metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
+            reporter.iteration(it, metrics, images=[t.image for t in trajs])
             if evaluate is not None and rank0 and it < cfg.train.iterations:
                 evaluate(rollout, it)
-            if rank0 and it in (1, cfg.train.iterations):
-                save_image_grid(torch.stack([t.image for t in trajs]), run_dir / "samples" / f"iter{it:05d}.png",
-                                columns=cfg.rollout.group_size)
-                first_reward = metrics["reward/total"] if it == 1 else first_reward
+            if it == 1:
+                first_reward = metrics["reward/total"]
         if evaluate is not None and rank0:
             evaluate(rollout, "after")
         if rank0:
@@ -187,5 +187,5 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             e.shutdown()
         if scorer is not None:
             scorer.close()
-        metrics_log.close()
+        reporter.close()
     return metrics

@@ -133,7 +133,10 @@ class BridgeConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     wandb: bool = opt(False, "Log to Weights & Biases (offline mode if no network).")
-    log_every: int = opt(1, "Print metrics every N iterations.", ge=1)
+    log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
+                         "(and at the last).", ge=1)
+    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "
+                            "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.", ge=0)
 
 
 @dataclass(kw_only=True)
