@@ -83,10 +83,11 @@ def _draw_panel(d: ImageDraw.ImageDraw, box: tuple[int, int, int, int], panel: P
         _, yp = px(x0, yv)
         d.line([ox + left - 4, yp, ox + left, yp], fill="black")
         d.text((ox + 4, yp - 6), f"{yv:.3g}", fill="black")
-        xv = x0 + (x1 - x0) * k / 4
+    ticks = {round(x0 + (x1 - x0) * k / 4) for k in range(5)}
+    for xv in sorted(t for t in ticks if x0 <= t <= x1):  # whole numbers inside the axis, each once
         xp, _ = px(xv, y0)
         d.line([xp, oy + h - bottom, xp, oy + h - bottom + 4], fill="black")
-        d.text((xp - 10, oy + h - bottom + 8), f"{xv:.0f}", fill="black")
+        d.text((xp - 10, oy + h - bottom + 8), f"{xv}", fill="black")
     d.text((ox + (w - left) // 2, oy + h - 18), xlabel, fill="black")
     for i, (name, pts_i) in enumerate(panel.series.items()):
         color = _COLORS[i % len(_COLORS)]

@@ -110,14 +110,15 @@ class RunReporter:
     def _advance_bar(self, it: int, row: dict) -> None:
         if not self._use_bar:
             return
+        postfix = f"reward {_fmt(row['reward/total'])}" if _finite(row.get("reward/total")) else None
         if self._bar is None:  # made at the first counted iteration: prints before it would tear the bar
             from tqdm import tqdm
             self._bar = tqdm(total=self.total, initial=it, desc="train", unit="it", file=sys.stderr,
-                             dynamic_ncols=True)
-        else:
-            self._bar.update(it - self._bar.n)
-        if _finite(row.get("reward/total")):
-            self._bar.set_postfix_str(f"reward {_fmt(row['reward/total'])}")
+                             dynamic_ncols=True, postfix=postfix)
+            return
+        if postfix:
+            self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.update(it - self._bar.n)
 
     def _close_bar(self) -> None:
         if self._bar is not None:
