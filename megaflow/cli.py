@@ -45,6 +45,13 @@ def _run_config(args: argparse.Namespace, command: str) -> MegaflowConfig:
     return _apply_device(_load_checked(args, command))
 
 
+def _add_verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="Show the SGLang engines' logs (per-stage timings of every call), third-party info logs "
+                   "and warnings on the terminal, with no progress bar; by default engine logs go to "
+                   "<run dir>/logs/engine<i>.log.")
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _load_checked(args, "show")
     print(dump_config(cfg), end="")
@@ -82,6 +89,15 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_logging(megaflow_level: int, verbose: bool) -> None:
+    """megaflow's records from ``megaflow_level`` up; other libraries' from warning up, or (``verbose``)
+    everything from info up."""
+    import logging
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("megaflow").setLevel(logging.INFO if verbose else megaflow_level)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.rundir import check_run_dir
     cfg = _load_checked(args, "train")
@@ -91,8 +107,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import logging
 
     from megaflow.controller import run
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics = run(cfg, resume=args.resume)
+    _setup_logging(logging.INFO, args.verbose)
+    metrics = run(cfg, resume=args.resume, verbose=args.verbose)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -102,8 +118,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
     cfg = _run_config(args, "demo")
     from megaflow.demo import run_demo
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_demo(cfg)
+    _setup_logging(logging.WARNING, args.verbose)
+    run_demo(cfg, verbose=args.verbose)
     return 0
 
 
@@ -177,11 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", action="store_true",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
                          "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
+    _add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
                             "ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
     _add_config_args(p_demo, default="configs/shapes_demo.toml")
+    _add_verbose_arg(p_demo)
     p_demo.set_defaults(handler=_cmd_demo)
 
     p_pre = sub.add_parser("pretrain", help="Supervised rectified-flow pretraining of the ShapeEval pipeline "
@@ -251,18 +269,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_third_party() -> None:
-    """Warnings from the stack's own internals (megatron, sglang, torch, ...) say nothing a user can act on:
-    filter them once, here, for this process and the engine workers it starts."""
+    """Warnings and progress bars from the stack's own internals (megatron, sglang, torch, ...) say nothing a
+    user can act on: filter them once, here, for this process and the engine workers it starts."""
+    import logging
     import warnings
     for mod in ("megatron", "sglang", "torch", "transformers", "diffusers", "apex", "transformer_engine", "triton"):
         warnings.filterwarnings("ignore", module=mod)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Writing model shards" bars
+    # megatron's DDP/optimizer setup warnings; torch's "No CUDA runtime is found" on CPU machines
+    for name in ("megatron", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet_third_party()
+    if not getattr(args, "verbose", False):
+        _quiet_third_party()
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -26,7 +26,7 @@ from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
 from megaflow.config.sections import from_section
 from megaflow.flow.step import TransitionConfig, sample_sde_window
-from megaflow.metrics import MetricsLog, save_image_grid
+from megaflow.progress import RunReporter
 from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.types import RolloutRequest
 from megaflow.trainer.grpo import GRPOSettings, grpo_update
@@ -163,14 +163,15 @@ def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool):
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | None = None,
-        resume: bool = False) -> dict:
+        resume: bool = False, verbose: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics.
 
     ``evaluate(rollout, when)`` (rank 0) runs with the engines holding the initial weights (``"before"``,
     not when resuming), the weights after each iteration's sync (``when`` = the iteration number) and the
     final ones (``"after"``). ``resume`` continues from the run dir's latest checkpoint (megaflow.rundir
     says when a run dir may be used). Checkpoints every ``train.save_every`` iterations and at the end;
-    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`)."""
+    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
+    the engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
     from megaflow import run_state, runtime
     from megaflow.colocate import Phases
     from megaflow.interrupt import Interrupted, StopRequests
@@ -185,7 +186,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
     rank0 = dist.get_rank() == 0
     stop = StopRequests()
     owned, start, resume_from = _claim_run_dir(cfg, resume, rank0)
-    engines, scorer, metrics_log, done = [], None, None, False
+    engines, scorer, reporter, done = [], None, None, False
     try:
         pipeline_dir = None
         if rank0:
@@ -204,7 +205,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             if rank0:
                 print(f"[megaflow] resuming after iteration {start} from {resume_from} "
                       f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
-        engines = runtime.build_engines(cfg, pipeline_dir) if rank0 else []
+        engines = runtime.build_engines(cfg, pipeline_dir, verbose=verbose) if rank0 else []
         rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
         bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
         scorer = runtime.build_scorer(cfg) if rank0 else None
@@ -213,11 +214,12 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
         phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
         if rank0:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
-        metrics_log = MetricsLog(run_dir, enabled=rank0, wandb=cfg.logging.wandb, config=cfg)
+        reporter = RunReporter(run_dir, cfg, enabled=rank0, verbose=verbose, total_iterations=cfg.train.iterations,
+                               start_iteration=start)
         metrics: dict = history[-1] if history else {}
         initial_sync = sync_weights(trainer, bridge)  # engines now hold exactly the trainer's weights
         if start == 0:
-            metrics_log.write(0, initial_sync)
+            reporter.iteration(0, initial_sync)
             history.append({"iteration": 0, **initial_sync})
             if evaluate is not None and rank0:
                 evaluate(rollout, "before")
@@ -249,16 +251,13 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             history.append({"iteration": it, **metrics})
             if last or signum or (cfg.train.save_every and it % cfg.train.save_every == 0):
                 metrics["checkpoint/write_s"] = save(it)
-            metrics_log.write(it, metrics, echo=it % cfg.logging.log_every == 0)
+            reporter.iteration(it, metrics, images=[t.image for t in trajs])
             if owned is not None:
                 owned.first_iteration_done()
             if signum:
                 raise Interrupted(signum, it, str(checkpoint_dir(run_dir, it)))
             if evaluate is not None and rank0 and not last:
                 evaluate(rollout, it)
-            if rank0 and it in (1, cfg.train.iterations):
-                save_image_grid(torch.stack([t.image for t in trajs]), run_dir / "samples" / f"iter{it:05d}.png",
-                                columns=cfg.rollout.group_size)
         if evaluate is not None and rank0:
             evaluate(rollout, "after")
         if rank0:
@@ -272,8 +271,8 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             e.shutdown()
         if scorer is not None:
             scorer.close()
-        if metrics_log is not None:
-            metrics_log.close()
+        if reporter is not None:
+            reporter.close()
         if owned is not None:
             owned.release(failed=not done)
     return metrics

@@ -3,8 +3,8 @@
 From the shipped pretrained model (``model.pretrained``), the demo evaluates the engine on a fixed set of
 held-out prompts and seeds, runs the FlowGRPO loop (controller.run) with a ShapeEval reward on TRAIN
 prompts, and evaluates the same prompts and seeds again. It writes ``<run dir>/summary.json``, the
-before/after images and grids (``eval_before/``, ``eval_after/``), ``reward_curve.png`` and ends with
-one line: ``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
+before/after images and grids (``eval_before/``, ``eval_after/``) beside the run's ``curves.png`` and ends
+with one line: ``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
 """
 from __future__ import annotations
 
@@ -43,22 +43,11 @@ class PeakRSS:
         return self.peak / 2**30
 
 
-def reward_curve(run_dir: Path) -> tuple[Path, list[dict]]:
-    """Plot reward mean +- std per iteration from metrics.jsonl into reward_curve.png."""
-    from megaflow.plots import line_plot
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("iteration", 0) > 0 and "reward/total" in r]
-    mean = [(r["iteration"], r["reward/total"]) for r in rows]
-    band = [(r["iteration"], r["reward/total"] - r.get("reward/total_std", 0.0),
-             r["reward/total"] + r.get("reward/total_std", 0.0)) for r in rows]
-    path = line_plot({"reward (mean +- std over the batch)": mean}, run_dir / "reward_curve.png",
-                     title="FlowGRPO reward on TRAIN prompts", bands={"reward (mean +- std over the batch)": band})
-    return path, rows
-
-
-def run_demo(cfg: MegaflowConfig) -> dict:
+def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
+    """The demo; ``verbose``: engine logs on the terminal (see ``controller.run``)."""
     from megaflow.controller import run
     from megaflow.evals.sample import brief, evaluate_engine
+    from megaflow.progress import previous_rows
     from megaflow.rundir import with_unused_name
     from megaflow.runtime import with_pipeline_defaults
 
@@ -81,10 +70,10 @@ def run_demo(cfg: MegaflowConfig) -> dict:
         print(f"[megaflow] ShapeEval {when}: held-out {res['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
               f"{res['num']} prompts); seen categories {res['seen'].get('accuracy', float('nan')):.3f}", flush=True)
 
-    metrics = run(cfg, evaluate=evaluate)
+    metrics = run(cfg, evaluate=evaluate, verbose=verbose)
     wall = time.perf_counter() - t0
     before, after = results["before"], results["after"]
-    _, rows = reward_curve(run_dir)
+    rows = [r for r in previous_rows(run_dir / "metrics.jsonl", cfg.train.iterations) if "reward/total" in r]
     r = cfg.rollout
     summary = {
         "shapeeval_before": before["accuracy"], "shapeeval_after": after["accuracy"],

@@ -1,14 +1,13 @@
-"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, a short stdout line, optional wandb."""
+"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, optional wandb; image grids.
+
+``megaflow.progress.RunReporter`` writes through ``MetricsLog`` and prints what a person reads.
+"""
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-
-_ECHO = ("reward/total", "adv/dropped_ratio", "train/policy_loss", "train/grad_norm", "sync/seconds",
-         "time/rollout_s", "time/train_s")
 
 
 def wandb_mode(env: Mapping[str, str] = os.environ) -> str:
@@ -20,6 +19,8 @@ def wandb_mode(env: Mapping[str, str] = os.environ) -> str:
 
 
 class MetricsLog:
+    """Appends one JSON object per ``write`` (``{"iteration": step, **metrics}``) to <run_dir>/metrics.jsonl."""
+
     def __init__(self, run_dir: Path, *, enabled: bool = True, wandb: bool = False, config=None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -36,18 +37,16 @@ class MetricsLog:
             self._wandb = wb.init(project="megaflow", name=Path(run_dir).name, mode=wandb_mode(),
                                   dir=str(run_dir), config=dataclasses.asdict(config) if config else None)
 
-    def write(self, step: int, metrics: dict, *, echo: bool = True) -> None:
-        if not self.enabled:
-            return
+    def write(self, step: int, metrics: dict) -> dict:
+        """Append one row (numbers as floats) and return it."""
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
-        self._fh.write(json.dumps({"iteration": step, **clean}, sort_keys=True, default=str) + "\n")
-        self._fh.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
-        if echo:
-            shown = " ".join(f"{k.split('/')[-1]}={clean[k]:.4g}" for k in _ECHO
-                             if isinstance(clean.get(k), float) and not math.isnan(clean[k]))
-            print(f"[megaflow] iter {step}: {shown}", flush=True)
+        row = {"iteration": step, **clean}
+        if self.enabled:
+            self._fh.write(json.dumps(row, sort_keys=True, default=str) + "\n")
+            self._fh.flush()
+            if self._wandb is not None:
+                self._wandb.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
+        return row
 
     def close(self) -> None:
         if self._fh is not None:

@@ -79,11 +79,13 @@ def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
         yield from wm.megatron_to_diffusers(name, tensor, trainer.config)
 
 
-def build_engines(cfg: MegaflowConfig, pipeline_dir: Path) -> list:
-    """``rollout.num_engines`` SGLang engines on this host (each starts its own worker processes)."""
+def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, *, verbose: bool = False) -> list:
+    """``rollout.num_engines`` SGLang engines on this host (each starts its own worker processes); their
+    logs go to <run dir>/logs/, or with ``verbose`` to the terminal."""
     from megaflow.config.to_sglang import engine_config
-    from megaflow.rollout.sglang_engine import SGLangEngine
-    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), i)) for i in range(cfg.rollout.num_engines)]
+    from megaflow.rollout.sglang import SGLangEngine
+    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), i, verbose=verbose))
+            for i in range(cfg.rollout.num_engines)]
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):

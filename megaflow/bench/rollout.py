@@ -111,7 +111,7 @@ def sglang_factory(**engine_kwargs) -> EngineFactory:
     busy-polls (measured: 4.4 CPU-seconds per 5 s idle), which would steal a core from whatever runs
     beside it (the other engine, the baseline, other users of the machine).
     """
-    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
 
     kwargs = dict(engine_kwargs)
     kwargs["server_kwargs"] = {"sleep_on_idle": True, **kwargs.get("server_kwargs", {})}

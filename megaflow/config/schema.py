@@ -142,7 +142,10 @@ class BridgeConfig:
 class LoggingConfig:
     wandb: bool = opt(False, "Log to Weights & Biases, project 'megaflow'. Mode: WANDB_MODE if set; else online "
                       "if WANDB_API_KEY is set; else offline (files under the run dir, for 'wandb sync').")
-    log_every: int = opt(1, "Print metrics every N iterations.", ge=1)
+    log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
+                         "(and at the last).", ge=1)
+    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "
+                            "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.", ge=0)
 
 
 @dataclass(kw_only=True)

@@ -97,7 +97,7 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
                       resolution: int = 32, out_dir: Path | None = None) -> dict:
     """Start one SGLang engine on ``pipeline_dir`` and evaluate it (``evaluate_engine``)."""
     from megaflow.models.pipeline_meta import declared_text_len
-    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
     pipeline_dir = Path(pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise ValueError(f"--pipeline {pipeline_dir}: not a diffusers pipeline directory (no model_index.json)")

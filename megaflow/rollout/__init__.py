@@ -1,6 +1,6 @@
 """Rollout: SGLang diffusion engines that sample trajectories, behind one protocol.
 
-Importing this package does not import sglang; only ``megaflow.rollout.sglang_engine`` does.
+Importing this package does not import sglang; only the adapter package ``megaflow.rollout.sglang`` does.
 """
 from megaflow.rollout.engine import EngineHealth, RolloutEngine, WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory

@@ -4,7 +4,7 @@ An engine samples trajectories (``generate``), takes new DiT weights (``update_w
 tensors, ``update_weights_from_disk`` with a diffusers-format directory), reports a weight
 checksum to verify an update, frees/retakes accelerator memory around training (``release`` /
 ``resume``), answers ``health`` and stops the processes it started (``shutdown``). The SGLang
-implementation is ``megaflow.rollout.sglang_engine.SGLangEngine``; the balancer wraps N engines behind
+implementation is ``megaflow.rollout.sglang.SGLangEngine``; the balancer wraps N engines behind
 the same protocol. All methods but ``submit`` are blocking; ``generate`` and ``submit`` are thread-safe
 (concurrent callers are allowed, an engine may batch them).
 """

@@ -119,7 +119,7 @@ def test_baseline_engine_conditions_and_scores_like_sglang(tiny_sd3_dir):
     to it; equal to fp32 rounding, <= 1e-5), and its DiT recomputes the engine's SDE log-probs (<= 1e-5)."""
     from megaflow.flow.step import TransitionConfig
     from megaflow.rollout.baseline import DiffusersEngine
-    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from megaflow.rollout.types import RolloutRequest
     torch.set_num_threads(1)
     reqs = [RolloutRequest(prompt=p, num_outputs=2, seed=3 + 7 * i, num_steps=3, height=32, width=32,

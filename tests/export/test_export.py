@@ -169,7 +169,7 @@ def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
     sync_weights does); engine B: the exported pipeline. Same requests and seeds -> equal samples."""
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.config.to_sglang import engine_config
-    from megaflow.rollout.sglang_engine import SGLangEngine
+    from megaflow.rollout.sglang import SGLangEngine
     from megaflow.rollout.types import RolloutRequest
 
     run_dir, weights = run

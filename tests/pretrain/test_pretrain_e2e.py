@@ -45,7 +45,7 @@ def test_engine_conditioning_latents_and_decode_match(pretrained):
 
     from megaflow.pretrain.pipeline import TEXT_LEN, encode_prompts
     from megaflow.pretrain.vae import decode
-    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from megaflow.rollout.types import RolloutRequest
     pipe_dir = pretrained[0] / "pipeline"
     pipe = StableDiffusion3Pipeline.from_pretrained(pipe_dir)

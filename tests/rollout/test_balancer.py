@@ -226,7 +226,7 @@ def test_engine_error_reaches_caller_and_counters_recover(engines):
 @pytest.mark.engine
 def test_two_sglang_engines_share_eight_groups(tmp_path):
     """2 real SGLang engines, 8 groups in one call: split 4/4 by in-flight counts, both engines busy."""
-    from megaflow.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
 
     pipeline_dir = str(_tiny_tool().make_tiny_pipeline("sd3", tmp_path / "tiny-sd3", seed=0))
     # Started in this thread: SGLang workers die with the thread that spawned them (PR_SET_PDEATHSIG).

@@ -23,7 +23,7 @@ from megaflow.rollout.reference import ReferenceSampler, sde_step_indices, trans
 from megaflow.rollout.types import RolloutRequest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang_engine")
+sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 STEPS = 4
 
@@ -147,8 +147,9 @@ def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch)
     import megaflow.bridge.base as base
     from megaflow.bridge import SyncError
     from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.rollout.sglang import server
     calls = []
-    for module, name in ((base, "tensor_sha256"), (sglang_engine, "compute_tensor_sha256")):
+    for module, name in ((base, "tensor_sha256"), (server, "compute_tensor_sha256")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda t, real=real: calls.append(1) or real(t))
     state = list(reference.transformer.state_dict().items())  # the weights the engine holds already
@@ -176,7 +177,7 @@ def test_worker_killed_mid_run_is_restarted_and_retried(engine, caplog):
     requests = [RolloutRequest(prompt=f"shape {i}", num_outputs=4, seed=i, num_steps=40) for i in range(4)]
     expected = engine.generate(requests)
     old_pids = engine.health().worker_pids
-    caplog.set_level(logging.WARNING, logger="megaflow.rollout.sglang_engine")
+    caplog.set_level(logging.WARNING, logger="megaflow.rollout.sglang")
 
     killer = threading.Timer(0.3, os.kill, args=(old_pids[0], signal.SIGKILL))
     killer.start()

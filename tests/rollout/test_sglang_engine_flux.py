@@ -14,7 +14,7 @@ from megaflow.rollout.reference import sde_step_indices, transition_config
 from megaflow.rollout.types import RolloutRequest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang_engine")
+sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 
 def test_flux_rollout_log_probs_recompute(tiny_pipeline_tool, tmp_path):

@@ -17,7 +17,7 @@ from megaflow.testing.dist import run_multiprocess
 import grpo_workers as W
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.dist]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang_engine")
+sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 
 def test_trainer_log_probs_match_engine_under_cfg(tiny_sd3_dir, tmp_path):

@@ -1,0 +1,57 @@
+"""How to start and drive one SGLang engine (``SGLangEngineConfig``); imports no sglang."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
+NUM_TEXT_ENCODERS = {"sd3": 3, "flux": 2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class SGLangEngineConfig:
+    """How to start and drive one engine."""
+
+    model_path: str
+    """Diffusers pipeline directory (model_index.json + component folders)."""
+    family: str = "sd3"
+    """Model family: 'sd3' or 'flux'; selects SGLang's native pipeline (see FAMILY_MODEL_IDS)."""
+    engine_id: str = "sglang0"
+    precision: str = "fp32"
+    """Precision of DiT, VAE and text encoders ('fp32' | 'bf16' | 'fp16'); fp32 on CPU."""
+    merge_requests: bool = True
+    """Merge queued compatible CFG-free requests into one batched engine call."""
+    max_batch_outputs: int = 16
+    """Most samples per merged call (a single request larger than this still runs whole)."""
+    num_inflight_calls: int = 2
+    """Engine calls submitted concurrently (the worker runs one; the next is queued behind it)."""
+    batch_window_ms: float = 5.0
+    """How long the dispatcher waits for more requests to merge once one arrived."""
+    return_model_outputs: bool = True
+    """Return the per-step velocity (SGLang rollout debug mode)."""
+    log_level: str = "warning"
+    """SGLang's log level in the engine processes ('info' shows per-stage timings of every call)."""
+    log_dir: str | None = None
+    """Write the worker processes' output (SGLang's logging, warnings, progress bars) to
+    ``<log_dir>/<engine_id>.log``, appended across restarts; None: they print to this process's terminal."""
+    log_requests: bool = False
+    """Let SGLang log each request, with per-stage timings, to its log (off: quiet)."""
+    call_timeout_s: int = 600
+    """A call without an answer for this long counts as an engine crash."""
+    max_restarts: int = 3
+    """Restarts after crashes before the engine gives up."""
+    replay_weights_on_restart: bool = True
+    """Keep a CPU copy of tensors pushed by update_weights and re-apply it after a restart."""
+    server_kwargs: dict = field(default_factory=dict)
+    """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
+
+    def __post_init__(self):
+        if self.family not in FAMILY_MODEL_IDS:
+            raise ValueError(f"family must be one of {sorted(FAMILY_MODEL_IDS)}, got {self.family!r}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {self.precision!r}")
+        if self.max_batch_outputs < 1 or self.num_inflight_calls < 1:
+            raise ValueError(f"max_batch_outputs and num_inflight_calls must be >= 1, got "
+                             f"{self.max_batch_outputs}, {self.num_inflight_calls}")

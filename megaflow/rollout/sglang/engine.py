@@ -1,0 +1,350 @@
+"""``SGLangEngine``: the embedded SGLang diffusion engine behind ``RolloutEngine``.
+
+``SGLangEngine`` starts SGLang's scheduler/worker processes in-process (``launch_server`` without HTTP,
+sglang 0.5.23 ``sglang.multimodal_gen``) and talks to them with its own ``SchedulerClient`` (not the
+module-global one ``DiffGenerator`` uses), so several engines can live in one process.
+
+Batching. SGLang denoises a request with ``num_outputs_per_prompt=k`` and a seed list as ONE batch of k,
+with rollout data. Its scheduler-side dynamic batching (``batching_max_size``) merges concurrent requests
+but drops ``rollout_trajectory_data`` when it splits the result, so it stays off. Instead a dispatcher
+thread merges queued compatible CFG-free requests (from one or many concurrent ``generate`` callers) into
+one engine call: a prompt list with one entry per sample and one seed per sample
+(``extra["dynamic_batch_seeds"]``, the scheduler's own merge format), up to ``max_batch_outputs``
+samples; CFG requests go one per call (SGLang's SD3 CFG path does not expand a negative prompt over a
+prompt list). ``num_inflight_calls`` calls are in flight so the worker always has the next one queued.
+Note: SGLang draws each step's noise as a full-batch-shaped tensor from each sample's generator, so the
+sample for a seed depends on the batch it ran in (identical batches reproduce exactly).
+
+Lifecycle. ``shutdown`` stops exactly the worker processes this engine started (PIDs and their children
+recorded at start). A monitor thread polls the workers; when one dies the engine restarts them, re-applies
+the current weights (replayed tensors or disk path), and every call that was in flight is retried once
+(logged). ``release``/``resume`` forward SGLang's memory release on GPU; on CPU there is no accelerator
+memory to free and SGLang's release crashes (unconditional torch.cuda.synchronize), so they are a
+documented no-op that only flips a flag (``generate`` raises while released, as on GPU).
+
+Logging. sglang's ``launch_server`` replaces the root logger's handlers; the adapter restores the host's
+handlers after every (re)start, so records emitted by other threads during a start go to sglang's
+stdout handler instead. With ``log_dir`` the workers' output goes to ``<log_dir>/<engine_id>.log``
+(see ``server``).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
+from megaflow.rollout.sglang.config import DTYPES, FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
+from megaflow.rollout.sglang.server import EngineServer, free_port
+from megaflow.rollout.sglang.wire import EngineCallFailed
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class EngineCrashed(RuntimeError):
+    """The engine's workers died (or stopped answering) and could not be restarted."""
+
+
+@dataclass
+class _Item:
+    """One queued request and the future its caller waits on."""
+
+    request: RolloutRequest
+    future: Future
+    enqueued: float
+
+
+def _sampling_signature(r: RolloutRequest) -> tuple:
+    """Requests with equal signatures can share one denoising batch."""
+    return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
+            tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
+            r.max_sequence_length)
+
+
+class SGLangEngine:
+    """One SGLang diffusion engine (its own worker processes), implementing ``RolloutEngine``."""
+
+    def __init__(self, config: SGLangEngineConfig):
+        self.config = config
+        self.engine_id = config.engine_id
+        self._lock = threading.RLock()  # guards client/processes/epoch across restarts
+        self._epoch = 0
+        self._num_restarts = 0
+        self._released = False
+        self._closed = False
+        self._replay: dict[str, torch.Tensor] = {}
+        self._disk_source: str | None = None
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._slots = threading.Semaphore(config.num_inflight_calls)
+        self._pool = ThreadPoolExecutor(config.num_inflight_calls, thread_name_prefix=f"{self.engine_id}-call")
+        t0 = time.perf_counter()
+        self._server = self._start_server()
+        self.start_seconds = time.perf_counter() - t0
+        log.info("engine %s started in %.1f s (worker pids %s)", self.engine_id, self.start_seconds,
+                 self._server.pids)
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"{self.engine_id}-dispatch",
+                                            daemon=True)
+        self._monitor = threading.Thread(target=self._monitor_loop, name=f"{self.engine_id}-monitor", daemon=True)
+        self._dispatcher.start()
+        self._monitor.start()
+
+    @property
+    def log_file(self) -> Path | None:
+        """Where the worker processes' output goes (None: this process's terminal)."""
+        return Path(self.config.log_dir) / f"{self.engine_id}.log" if self.config.log_dir else None
+
+    def _start_server(self) -> EngineServer:
+        return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file)
+
+    def _server_kwargs(self) -> dict:
+        c = self.config
+        kwargs = dict(model_path=c.model_path, model_id=FAMILY_MODEL_IDS[c.family], backend="sglang",
+                      dit_precision=c.precision, vae_precision=c.precision,
+                      text_encoder_precisions=(c.precision,) * NUM_TEXT_ENCODERS[c.family], num_gpus=1,
+                      batching_max_size=1,
+                      # OS-chosen free ports: SGLang's defaults (master 30005, scheduler 5555 + small
+                      # random offset) collide when several engines or runs start on one host at once.
+                      master_port=free_port(), scheduler_port=free_port(),
+                      # an idle scheduler otherwise busy-polls a core (4.4 CPU-s per 5 s idle measured)
+                      sleep_on_idle=True, log_level=c.log_level)
+        kwargs.update(c.server_kwargs)
+        return kwargs
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        """Sample every request (thread-safe); trajectories in request order, then output index."""
+        return [t for future in self.submit(requests) for t in future.result()]
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
+        """Queue every request (thread-safe); one future per request, resolved when the engine call that
+        carries it returns (requests merged into one call resolve together)."""
+        if self._closed:
+            raise RuntimeError(f"engine {self.engine_id} is shut down")
+        if self._released:
+            raise RuntimeError(f"engine {self.engine_id} is released: call resume() before generate()")
+        for r in requests:
+            if self.config.family == "flux" and r.do_cfg:
+                raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for FLUX; "
+                                 "guidance_scale is FLUX's embedded guidance")
+        items = [_Item(r, Future(), time.perf_counter()) for r in requests]
+        for item in items:
+            self._queue.put(item)
+        return [item.future for item in items]
+
+    def _dispatch_loop(self) -> None:
+        """Collect queued requests, merge compatible ones into calls, keep num_inflight_calls running."""
+        window = self.config.batch_window_ms / 1000
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            items, deadline = [first], time.perf_counter() + window
+            while sum(i.request.num_outputs for i in items) < self.config.max_batch_outputs:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                items.append(item)
+            for call in self._plan_calls(items):
+                self._slots.acquire()
+                self._pool.submit(self._run_call, call)
+
+    def _plan_calls(self, items: list[_Item]) -> list[list[_Item]]:
+        """Group items: compatible CFG-free requests share a call up to max_batch_outputs samples."""
+        calls: list[list[_Item]] = []
+        open_calls: dict[tuple, list[_Item]] = {}
+        for item in items:
+            r = item.request
+            if r.do_cfg or not self.config.merge_requests:
+                calls.append([item])
+                continue
+            key = _sampling_signature(r)
+            call = open_calls.get(key)
+            if call is not None and sum(i.request.num_outputs for i in call) + r.num_outputs <= \
+                    self.config.max_batch_outputs:
+                call.append(item)
+            else:
+                call = [item]
+                open_calls[key] = call
+                calls.append(call)
+        return calls
+
+    def _run_call(self, call: list[_Item]) -> None:
+        try:
+            for attempt in (0, 1):
+                epoch = self._epoch
+                try:
+                    trajectories = self._server_call(call)
+                    break
+                except EngineCallFailed as e:  # the engine answered with an error: not a crash
+                    raise RuntimeError(f"engine {self.engine_id}: {e}") from e
+                except Exception as e:  # transport failure or timeout: the workers died or hung
+                    if attempt == 1 or self._closed:
+                        raise
+                    self._recover(epoch, f"{type(e).__name__}: {e}")
+                    # logged after the restart: while sglang's launch_server runs, the root logger's
+                    # handlers are sglang's (restored by EngineServer.start), so records would go astray
+                    log.warning("engine %s: call of %d request(s) failed (%s: %s); engine restarted, "
+                                "retrying once", self.engine_id, len(call), type(e).__name__, e)
+            start = 0
+            for item in call:
+                k = item.request.num_outputs
+                item.future.set_result(trajectories[start:start + k])
+                start += k
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must wake up
+            for item in call:
+                if not item.future.done():
+                    item.future.set_exception(e)
+        finally:
+            self._slots.release()
+
+    def _server_call(self, call: list[_Item]) -> list[Trajectory]:
+        requests = [i.request for i in call]
+        queued = time.perf_counter() - min(i.enqueued for i in call)
+        with self._lock:
+            server = self._server
+        if server is None:
+            raise RuntimeError(f"engine {self.engine_id} is shut down")
+        t0 = time.perf_counter()
+        trajectories = server.generate(requests, return_model_outputs=self.config.return_model_outputs,
+                                       log_request=self.config.log_requests, timeout_s=self.config.call_timeout_s)
+        seconds = time.perf_counter() - t0
+        for t in trajectories:
+            t.engine_id = self.engine_id
+            t.timings.update(call_s=seconds, queue_s=queued, batch_size=float(len(trajectories)))
+        return trajectories
+
+    # ------------------------------------------------------------------ crash handling
+    def _monitor_loop(self) -> None:
+        while not self._closed:
+            time.sleep(0.5)
+            with self._lock:
+                server, epoch = self._server, self._epoch
+            dead = server.dead_workers() if server is not None else []
+            if dead and not self._closed:
+                try:
+                    self._recover(epoch, f"worker process(es) exited: {dead}")
+                except Exception:  # noqa: BLE001 - logged; callers see their own errors
+                    log.exception("engine %s: restart failed", self.engine_id)
+
+    def _recover(self, epoch_seen: int, reason: str) -> None:
+        """Restart the workers unless someone already did since ``epoch_seen``; re-apply weights."""
+        with self._lock:
+            if self._epoch != epoch_seen or self._closed:
+                return
+            if self._num_restarts >= self.config.max_restarts:
+                raise EngineCrashed(f"engine {self.engine_id} crashed ({reason}) after "
+                                    f"{self._num_restarts} restarts; giving up")
+            log.warning("engine %s: restarting after crash (%s)", self.engine_id, reason)
+            old, self._server = self._server, None
+            if old is not None:  # None when an earlier restart failed half-way
+                old.stop()  # kills its workers and closes the client: blocked calls fail and retry
+            t0 = time.perf_counter()
+            self._server = self._start_server()
+            replays = []
+            if self._disk_source is not None:
+                replays.append(self._server.update_from_disk(self._disk_source))
+            if self._replay:
+                replays.append(self._server.update_from_tensors(list(self._replay.items())))
+            failed = [message for ok, message in replays if not ok]
+            if failed:  # never sample with stale weights
+                raise EngineCrashed(f"engine {self.engine_id}: weights not restored after restart: {failed}")
+            self._num_restarts += 1
+            self._epoch += 1
+            log.warning("engine %s: restarted in %.1f s (restart %d, worker pids %s)", self.engine_id,
+                        time.perf_counter() - t0, self._num_restarts, self._server.pids)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       verify: bool = True) -> WeightUpdateResult:
+        """Push DiT tensors (diffusers names) as one flattened bucket; ``verify``: then check each by SHA-256
+        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed)."""
+        dtype = DTYPES[self.config.precision]
+        named = [(n, t.detach().to("cpu", dtype).contiguous()) for n, t in named_tensors]
+        t0 = time.perf_counter()
+        with self._lock:
+            ok, message = self._server.update_from_tensors(named, verify=verify)
+            if ok and self.config.replay_weights_on_restart:
+                self._replay.update({n: t.clone() for n, t in named})
+        return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
+                                  num_bytes=sum(t.numel() * t.element_size() for _, t in named),
+                                  seconds=time.perf_counter() - t0)
+
+    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+        """One bridge bucket (megaflow.bridge.buckets.Bucket) as one tensor update (verified if ``verify``)."""
+        return self.update_weights(bucket.unpack(), verify=verify)
+
+    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
+        """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""
+        with self._lock:
+            return self._server.verify(expected_sha256)
+
+    def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
+        """Reload the DiT from a pipeline directory with a ``transformer/`` folder (all-or-nothing)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            ok, message = self._server.update_from_disk(str(path))
+            if ok:
+                self._disk_source, self._replay = str(path), {}
+        return WeightUpdateResult(ok=ok, message=message, seconds=time.perf_counter() - t0)
+
+    def checksum(self) -> str:
+        with self._lock:
+            return self._server.checksum()
+
+    # ------------------------------------------------------------------ lifecycle
+    def release(self) -> None:
+        """GPU: SGLang release_memory_occupation. CPU: no-op (nothing to free); generate raises until resume."""
+        with self._lock:
+            if torch.cuda.is_available():
+                self._server.memory_occupation(release=True)
+            self._released = True
+
+    def resume(self) -> None:
+        with self._lock:
+            if torch.cuda.is_available():
+                self._server.memory_occupation(release=False)
+            self._released = False
+
+    def health(self) -> EngineHealth:
+        with self._lock:
+            server = self._server
+        if server is None:
+            return EngineHealth(alive=False, engine_id=self.engine_id, num_restarts=self._num_restarts,
+                                detail="shut down" if self._closed else "restarting")
+        dead = server.dead_workers()
+        alive = not dead and server.ping()
+        return EngineHealth(alive=alive, engine_id=self.engine_id, num_restarts=self._num_restarts,
+                            worker_pids=list(server.pids),
+                            detail="ok" if alive else f"dead workers {dead}" if dead else "no answer to ping")
+
+    def shutdown(self) -> None:
+        """Stop the dispatcher, the monitor and exactly the worker processes this engine started."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._dispatcher.join(timeout=10)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+        self._monitor.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

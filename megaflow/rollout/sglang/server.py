@@ -1,0 +1,243 @@
+"""SGLang's worker processes: start them, talk to them (generation and control requests), stop exactly them.
+
+``EngineServer.start`` runs ``launch_server`` without HTTP in this process; the workers are spawned
+processes that inherit this process's stdout/stderr file descriptors at spawn time. With a ``log_file``
+those descriptors point at the file while the workers are spawned, so everything the workers print
+(their python logging, progress bars, C++ warnings) goes there; the descriptors are restored
+afterwards. Output of this process's other threads during a start lands in the file too.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import psutil
+import torch
+from sglang.multimodal_gen.runtime.entrypoints.control_requests import ShutdownReq
+from sglang.multimodal_gen.runtime.entrypoints.post_training.io_struct import (
+    GetWeightsChecksumReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromTensorCheckerReqInput,
+    UpdateWeightFromTensorReqInput,
+)
+from sglang.multimodal_gen.runtime.launch_server import launch_server
+from sglang.multimodal_gen.runtime.loader.weight_utils import compute_weights_checksum
+from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
+from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
+from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
+from sglang.multimodal_gen.runtime.server_args import ServerArgs
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The digest ``checksum()`` reports for a DiT holding exactly these tensors (sglang's algorithm)."""
+    return compute_weights_checksum(list(named_tensors))
+
+
+# Set by torchrun / torch elastic for the TRAINER's process group. Engine workers inherit the
+# environment and would otherwise join (and wait forever for) that world instead of their own.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def _without_launcher_env(quiet: bool = True):
+    """Hide the launcher's distributed env vars while engine worker processes are spawned; with ``quiet``
+    the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ)
+             if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    added = {"TQDM_DISABLE": "1"} if quiet and "TQDM_DISABLE" not in os.environ else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+
+@contextlib.contextmanager
+def _worker_output(log_file: Path | None):
+    """Point this process's stdout/stderr descriptors at ``log_file`` (appending) while workers are spawned
+    (they inherit the descriptors); None: leave them alone."""
+    if log_file is None:
+        yield
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = (os.dup(1), os.dup(2))
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (picked by the OS)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_processes_alive(pids: Sequence[int]) -> list[int]:
+    """The PIDs among ``pids`` that are still running (not zombies): for tests and health checks."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+class EngineServer:
+    """One running set of SGLang worker processes and the client that talks to them (no threads)."""
+
+    def __init__(self, server_args, processes, client, family: str):
+        self.server_args, self.processes, self.client, self.family = server_args, processes, client, family
+        self.pids = [p.pid for p in processes]
+        # Children the workers spawned: ours too, so shutdown stops them (psutil guards PID reuse).
+        self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
+
+    @classmethod
+    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None) -> EngineServer:
+        """Start the workers (``kwargs``: sglang ServerArgs); their output goes to ``log_file`` if given, as
+        does what sglang logs in this process while they start (server args, start messages)."""
+        # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
+        # must not wipe the host's logging setup, so it is restored afterwards.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        try:
+            with _without_launcher_env(), _worker_output(log_file):
+                apply_plugin_hooks()
+                server_args = ServerArgs.from_kwargs(**kwargs)
+                processes = launch_server(server_args, launch_http_server=False)
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        client = SchedulerClient()
+        client.initialize(server_args)
+        return cls(server_args, processes, client, family)
+
+    def dead_workers(self) -> list[int]:
+        return [p.pid for p in self.processes if not p.is_alive()]
+
+    def ping(self) -> bool:
+        return self.client.context is not None and self.client.ping()
+
+    def _control(self, req, timeout_s: int = 600):
+        ob = self.client.forward(req, timeout_ms=timeout_s * 1000)
+        return ob.output, ob.error
+
+    # generation
+    def generate(self, requests: list[RolloutRequest], *, return_model_outputs: bool, log_request: bool,
+                 timeout_s: int) -> list[Trajectory]:
+        req = build_request(self.server_args, self.family, requests, return_model_outputs=return_model_outputs,
+                            log_request=log_request)
+        t0 = time.perf_counter()
+        ob = self.client.forward(req, timeout_ms=timeout_s * 1000)
+        seconds = time.perf_counter() - t0
+        if ob.error:
+            raise EngineCallFailed(ob.error)
+        trajectories = to_trajectories(requests, ob)
+        stages = {f"{k}_s": v / 1000 for k, v in (ob.metrics.stages if ob.metrics else {}).items()}
+        for t in trajectories:
+            t.timings.update(stages, forward_s=seconds)
+        return trajectories
+
+
+    # weights
+    def update_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> tuple[bool, str]:
+        """One flattened bucket for the 'transformer' module; the payload is serialized per send
+        (a CPU payload lives in shared memory that the worker can open only once). ``verify``: SHA-256
+        of every tensor here and in the engine afterwards."""
+        bucket = FlattenedTensorBucket(named_tensors=named)
+        payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
+                                   "metadata": bucket.get_metadata()}}
+        serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
+        out, error = self._control(UpdateWeightFromTensorReqInput(
+            serialized_named_tensors=[serialized], load_format="flattened_bucket",
+            target_modules=["transformer"]))
+        if error or not (out or {}).get("success"):
+            return False, f"update_weights_from_tensor failed: {error or out}"
+        if not verify:
+            return True, f"updated {len(named)} tensors (not verified)"
+        # SGLang skips unknown names and still reports success: verify every tensor by SHA-256.
+        ok, message = self.verify({n: compute_tensor_sha256(t) for n, t in named})
+        if not ok:
+            return False, f"weights not verified after update: {message}"
+        return True, f"updated and verified {len(named)} tensors"
+
+    def verify(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
+        """The engine re-hashes the named DiT tensors it holds and compares with ``expected_sha256``."""
+        out, error = self._control(UpdateWeightFromTensorCheckerReqInput(
+            target_module="transformer", expected_named_tensors_sha256=expected_sha256))
+        if error or not (out or {}).get("success"):
+            return False, str(error or (out or {}).get("message"))
+        return True, f"{len(expected_sha256)} tensors verified"
+
+    def update_from_disk(self, path: str) -> tuple[bool, str]:
+        out, error = self._control(UpdateWeightFromDiskReqInput(model_path=path, target_modules=["transformer"]))
+        ok = bool((out or {}).get("success")) and not error
+        return ok, str((out or {}).get("message") or error)
+
+    def checksum(self) -> str:
+        out, error = self._control(GetWeightsChecksumReqInput(module_names=["transformer"]))
+        if error or not out or out.get("transformer") in (None, "not_found"):
+            raise RuntimeError(f"get_weights_checksum failed: {error or out}")
+        return out["transformer"]
+
+    def memory_occupation(self, *, release: bool) -> None:
+        req = ReleaseMemoryOccupationReqInput() if release else ResumeMemoryOccupationReqInput()
+        out, error = self._control(req)
+        if error or not (out or {}).get("success"):
+            raise RuntimeError(f"{'release' if release else 'resume'}_memory_occupation failed: {error or out}")
+
+    def stop(self) -> None:
+        """Graceful shutdown if all workers live, then terminate/kill exactly our processes."""
+        if not self.dead_workers():
+            try:
+                self.client.forward(ShutdownReq(), timeout_ms=5000)
+            except Exception as e:  # noqa: BLE001 - we kill below anyway
+                log.debug("graceful shutdown request failed: %s", e)
+        for p in self.processes:
+            p.join(timeout=5)
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+        for child in self.children:
+            try:
+                if child.is_running():
+                    child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.client.close()  # wakes any thread blocked in recv (ContextTerminated) so it can retry
