@@ -38,7 +38,7 @@ def test_metrics_log_initialises_wandb_with_that_mode(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "k")
     log = MetricsLog(tmp_path / "run", wandb=True)
-    log.write(1, {"reward/total": 0.5, "note": "x"}, echo=False)
+    log.write(1, {"reward/total": 0.5, "note": "x"})
     log.close()
     assert calls[0][0] == "init" and calls[0][1]["mode"] == "online" and calls[0][1]["project"] == "megaflow"
     assert calls[1] == ("log", 1, {"reward/total": 0.5}) and calls[2] == ("finish",)
