@@ -77,7 +77,7 @@ def test_eval_shapes_pipeline_cli(pretrained, tmp_path):
 
 def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
     """``megaflow demo``: before/after evaluation on the same prompts and seeds around a FlowGRPO run;
-    summary.json, grids and the reward curve are written and the last line is the before -> after line."""
+    summary.json, grids and curves.png are written and the last line is the before -> after line."""
     sets = [f"model.pretrained='{pretrained[0] / 'pipeline'}'", f"run.output_dir='{tmp_path}'", "run.name='d'",
             "train.iterations=2", "rollout.group_size=2", "rollout.prompts_per_iter=2", "rollout.num_steps=4",
             "eval.num=5", "eval.num_seen=2", "train.micro_batch_size=4", "rollout.sde_window_size=2",
@@ -98,7 +98,7 @@ def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
     assert 0 < summary["peak_rss_gb"] < 12
     for when in ("before", "after"):
         assert (run_dir / f"eval_{when}" / "grid.png").is_file()
-    assert (run_dir / "reward_curve.png").is_file()
+    assert (run_dir / "curves.png").is_file()
     before = [json.loads(x)["prompt"] for x in (run_dir / "eval_before" / "manifest.jsonl").read_text().splitlines()]
     after = [json.loads(x)["prompt"] for x in (run_dir / "eval_after" / "manifest.jsonl").read_text().splitlines()]
     assert before == after
