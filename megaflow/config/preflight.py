@@ -66,6 +66,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train") -> MegaflowConfig:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
     _check_run(cfg)
     _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
+    _check_recompute(cfg)
     if command == "pretrain":
         _check_pretrain(cfg)
         return cfg
@@ -108,6 +109,13 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
     if launch and world.isdigit() and int(world) % size:
         raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide the {world} launched process(es) "
                           f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
+
+
+def _check_recompute(cfg: MegaflowConfig) -> None:
+    t = cfg.train
+    if t.recompute == "none" and t.recompute_num_layers:
+        raise ConfigError(f"train.recompute_num_layers = {t.recompute_num_layers} is only read with "
+                          "train.recompute = 'full' (train.recompute = 'none')")
 
 
 def _positive_int(conf: dict, key: str) -> int | None:

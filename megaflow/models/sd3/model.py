@@ -123,8 +123,8 @@ class SD3MMDiT(DiTModel):
         else:
             assert self.input_tensor is not None, "non-first pipeline stage needs set_input_tensor()"
             hidden, context, temb = self._unpack(self.input_tensor, num_image)
-        for layer in self.layers:
-            hidden, context = layer(hidden, context, temb)
+        for i, layer in enumerate(self.layers):
+            hidden, context = self._run_layer(i, layer, hidden, context, temb)
         if self.post_process:
             return self._final(hidden, temb, height, width)
         return torch.cat([hidden, context, temb[None]], dim=0)
