@@ -68,3 +68,29 @@ def saved_tensor_bytes(forward: Callable[[], Any], exclude: Iterable[torch.Tenso
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = forward()
     return result, sum(storages.values())
+
+
+def model_bytes(model: list[torch.nn.Module]) -> dict[str, int]:
+    """Bytes a rank's model chunks hold, each storage counted once: ``params``, module ``buffers``
+    (non-parameter tensors) and ``grad_buffers``: the contiguous grad (and separate param) buffers of
+    every chunk wrapped in megatron's DistributedDataParallel (0 for unwrapped chunks)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        return total
+
+    ddp = [m for m in model if isinstance(m, DistributedDataParallel)]
+    inner = [m.module if isinstance(m, DistributedDataParallel) else m for m in model]
+    grad = [t for m in ddp for buf in m.buffers + m.expert_parallel_buffers
+            for t in (buf.grad_data, buf.param_data) if t is not None]
+    return {"params": size(p for m in inner for p in m.parameters()),
+            "buffers": size(b for m in inner for b in m.buffers()),
+            "grad_buffers": size(grad)}
