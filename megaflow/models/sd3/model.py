@@ -58,6 +58,15 @@ class PatchEmbed(torch.nn.Module):
         self.register_buffer("pos_embed", grid, persistent=True)
         self.patch_size, self.max_size = p, config.pos_embed_max_size
 
+    def _apply(self, fn, recurse: bool = True):
+        """Module casts (``.bfloat16()`` by megatron's Float16Module, ``.to(device)``) move the position table
+        but keep it float32, as diffusers' PatchEmbed and the SGLang engine hold it: the sum with the
+        patches is taken in fp32 and cast to the patches' dtype, on both sides."""
+        table = self.pos_embed
+        super()._apply(fn, recurse)
+        self.pos_embed = table.to(self.pos_embed.device)
+        return self
+
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         gh, gw = latents.shape[-2] // self.patch_size, latents.shape[-1] // self.patch_size
         if gh > self.max_size or gw > self.max_size:
