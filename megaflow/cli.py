@@ -46,7 +46,7 @@ def _run_config(args: argparse.Namespace, command: str) -> MegaflowConfig:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = _load_checked(args, "show")
+    cfg = preflight(load_config(args.config, args.overrides), "show", files=not args.no_files)
     print(dump_config(cfg), end="")
     return 0
 
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = p_cfg.add_subparsers(dest="config_command", required=True)
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
     _add_config_args(p_show)
+    p_show.add_argument("--no-files", action="store_true",
+                        help="Skip the checks of files the config names (model.pretrained, a data.prompts file): "
+                        "show a config for a machine where its weights live.")
     p_show.set_defaults(handler=_cmd_config_show)
 
     p_train = sub.add_parser("train", help="FlowGRPO training: SGLang rollouts -> rewards -> megatron step -> "
