@@ -53,8 +53,17 @@ def _add_verbose_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = _load_checked(args, "show")
+    cfg = preflight(load_config(args.config, args.overrides), "show", files=not args.no_files)
     print(dump_config(cfg), end="")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megaflow.plan import format_plan, plan
+    cfg = preflight(load_config(args.config, args.overrides), "show", files=False)
+    p = cfg.parallel
+    gpus = args.gpus or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    print(format_plan(plan(cfg, gpus=gpus, gpu_mem_gib=args.gpu_mem_gb)))
     return 0
 
 
@@ -184,7 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = p_cfg.add_subparsers(dest="config_command", required=True)
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
     _add_config_args(p_show)
+    p_show.add_argument("--no-files", action="store_true",
+                        help="Skip the checks of files the config names (model.pretrained, a data.prompts file): "
+                        "show a config for a machine where its weights live.")
     p_show.set_defaults(handler=_cmd_config_show)
+
+    p_plan = sub.add_parser("plan", help="GPU memory per rank of a run (weights, grads, optimizer, activations with "
+                            "and without recompute, KL reference, engines) and whether it fits; nothing starts.")
+    _add_config_args(p_plan)
+    p_plan.add_argument("--gpus", type=int, default=0,
+                        help="GPUs of the launch (default: WORLD_SIZE if set, else parallel.tp * pp * cp).")
+    p_plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
+    p_plan.set_defaults(handler=_cmd_plan)
 
     p_train = sub.add_parser("train", help="FlowGRPO training: SGLang rollouts -> rewards -> megatron step -> "
                              "weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")

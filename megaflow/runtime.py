@@ -46,11 +46,12 @@ def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowC
 
 
 def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
-    """(TrainEngine with optimizer, reference TrainEngine or None), loaded from the pipeline's DiT."""
+    """(TrainEngine with optimizer, frozen ReferenceEngine when algo.kl_beta > 0 else None), both loaded from
+    the pipeline's DiT; the reference has the trainer's TP/PP layout but no DDP, grad buffer or optimizer."""
     from safetensors.torch import load_file
 
     from megaflow.models.registry import get_family
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.engine import ReferenceEngine, TrainEngine
 
     from megaflow.config.to_megatron import optimizer_config, transformer_kwargs
     family = get_family(cfg.model.family)
@@ -65,10 +66,8 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     trainer.load_diffusers_state_dict(state)
     ref = None
     if cfg.algo.kl_beta > 0:
-        ref = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=None)
+        ref = ReferenceEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec)
         ref.load_diffusers_state_dict(state)
-        for m in ref.model:
-            m.requires_grad_(False)
     return trainer, ref
 
 

@@ -12,7 +12,7 @@ second (``tests/config/test_malformed_inputs.py``).
 * ``"train"``: the FlowGRPO loop (``megaflow train``, ``bench learn``), including the launch (WORLD_SIZE);
 * ``"demo"``: the same, and ``model.pretrained`` is required;
 * ``"show"``: ``megaflow config show``: everything ``train`` checks except the launch (a config is
-  often shown on a login node for a torchrun job);
+  often shown on a login node for a torchrun job); with ``files=False`` also without the files it names;
 * ``"pretrain"``: ``megaflow pretrain`` (run, parallel and model.spec checks, ``pretrain.init_from``).
 
 Some checks repeat ones the loop makes later (``controller.sde_window`` / ``grpo_settings``; kept there
@@ -60,22 +60,30 @@ def is_dotted_path(text: str) -> bool:
     return bool(_DOTTED.match(text))
 
 
-def preflight(cfg: MegaflowConfig, command: str = "train") -> MegaflowConfig:
-    """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError."""
+def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
+    """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError.
+
+    ``files=False`` (``config show --no-files``, ``megaflow plan``; only with "show") skips every check of a
+    file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file):
+    a config for another machine can be shown and planned where its weights are not downloaded."""
+    if not files and command != "show":
+        raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
     _check_run(cfg)
     _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
+    _check_recompute(cfg)
     if command == "pretrain":
         _check_pretrain(cfg)
         return cfg
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
-    _check_data(cfg)
+    _check_data(cfg, files=files)
     _check_rewards(cfg)
     _check_rollout(cfg)
     _check_bridge(cfg)
-    _check_model(cfg)
+    if files or not cfg.model.pretrained:
+        _check_model(cfg)
     return cfg
 
 
@@ -110,6 +118,13 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
                           f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
 
 
+def _check_recompute(cfg: MegaflowConfig) -> None:
+    t = cfg.train
+    if t.recompute == "none" and t.recompute_num_layers:
+        raise ConfigError(f"train.recompute_num_layers = {t.recompute_num_layers} is only read with "
+                          "train.recompute = 'full' (train.recompute = 'none')")
+
+
 def _positive_int(conf: dict, key: str) -> int | None:
     value = conf.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -135,7 +150,7 @@ def _check_pretrain(cfg: MegaflowConfig) -> None:
         _check_layout(cfg, p.num_heads, p.num_layers, "the pretrained DiT (pretrain.num_heads / num_layers)")
 
 
-def _check_data(cfg: MegaflowConfig) -> None:
+def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
     d = cfg.data
     unknown = [c for c in d.shapes_categories if c not in CATEGORIES]
     if unknown:
@@ -145,7 +160,8 @@ def _check_data(cfg: MegaflowConfig) -> None:
         if d.shapes_categories:
             raise ConfigError(f"data.shapes_categories = {d.shapes_categories} is only read with "
                               f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
-        check_text_file(d.prompts, "data.prompts")
+        if files:
+            check_text_file(d.prompts, "data.prompts")
 
 
 def _check_rewards(cfg: MegaflowConfig) -> None:

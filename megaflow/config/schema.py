@@ -126,6 +126,15 @@ class TrainConfig:
     save_every: int = opt(0, "Checkpoint (model, optimizer, RNGs, prompt position, metrics) every N iterations, "
                           "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.", ge=0)
     keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.", ge=1)
+    recompute: str = opt("none", "Activation recompute of the megatron DiT blocks (train, pretrain): none (each block's internal "
+                         "activations are kept for backward) or full (a block keeps only its inputs in the forward "
+                         "and runs its forward again during backward, through megatron's tensor_parallel.checkpoint: "
+                         "one more block forward per trained microbatch, activation memory of a block down to its "
+                         "inputs). Embeddings and the final layer are never recomputed; no-grad passes (reference "
+                         "model, old log-probs) are unaffected.", choices=("none", "full"))
+    recompute_num_layers: int = opt(0, "With recompute = full: 0 = every block; N > 0 = only the first N blocks of each "
+                                    "pipeline chunk (megatron's 'block' method), the others keep their activations.",
+                                    ge=0)
 
 
 @dataclass(kw_only=True)

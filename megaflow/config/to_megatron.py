@@ -13,7 +13,20 @@ def transformer_kwargs(cfg: MegaflowConfig) -> dict:
                   sequence_parallel=p.sp, virtual_pipeline_model_parallel_size=p.vpp or None)
     if cfg.model.dtype == "bfloat16":
         kwargs.update(bf16=True, params_dtype=torch.bfloat16)
+    kwargs.update(recompute_kwargs(cfg))
     return kwargs
+
+
+def recompute_kwargs(cfg: MegaflowConfig) -> dict:
+    """``train.recompute`` / ``recompute_num_layers`` as megatron's recompute fields, which the DiT models
+    read (megaflow.models.common.model.recompute_blocks): full + 0 -> every block its own checkpoint
+    (uniform, 1 layer per unit); full + N -> the first N blocks of each chunk (block, N)."""
+    t = cfg.train
+    if t.recompute == "none":
+        return {}
+    if t.recompute_num_layers == 0:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=t.recompute_num_layers)
 
 
 def optimizer_config(cfg: MegaflowConfig):

@@ -10,7 +10,11 @@ A loss function is ``loss_fn(velocity, microbatch) -> (scalar loss, {name: detac
 it runs on the last pipeline stage, where ``velocity`` carries grads.
 
 A one-process job skips the data-parallel machinery that has nothing to do there (``FastPaths``:
-bit-identical grads and updates, each switchable).
+bit-identical grads and updates, each switchable; ``megaflow.trainer.fast_paths``).
+
+``ReferenceEngine`` is the KL reference: the same chunks, frozen, forward only, without DDP or grad
+buffers. Both share ``ModelEngine`` (weights in, megatron's schedule, full weights out, whose gather is
+``megaflow.trainer.full_weights``).
 
 Launch (each process builds its shard; ``megaflow.parallel.init_distributed`` first)::
 
@@ -19,7 +23,6 @@ Launch (each process builds its shard; ``megaflow.parallel.init_distributed`` fi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
 
@@ -33,8 +36,12 @@ from megatron.core.transformer.module import Float16Module
 
 from megaflow.models.provider import build_model_chunks
 from megaflow.models.registry import get_family
-from megaflow.parallel import current_device
 from megaflow.parallel.cpu import PERF_PATCHES, apply_perf_patches
+from megaflow.trainer.fast_paths import FastPaths, SingleRankDDP, select_fast_paths, use_foreach_torch_adam
+from megaflow.trainer.full_weights import iter_full, load_checked
+
+__all__ = ["FastPaths", "LossFn", "ModelEngine", "ReferenceEngine", "SingleRankDDP", "TrainEngine", "adam_config",
+           "iter_full", "load_checked", "rectified_flow_loss", "rectified_flow_microbatch", "unwrap"]
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -71,40 +78,16 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-class TrainEngine:
-    """This rank's model chunks (DDP-wrapped), optimizer and step functions.
+class ModelEngine:
+    """This rank's model chunks (one per virtual pipeline stage) driven through megatron's schedule:
+    full diffusers weights in, forward (and backward) over microbatches, full tensors out. The base of
+    ``TrainEngine`` (DDP + optimizer) and ``ReferenceEngine`` (frozen, forward only).
 
-    ``optimizer_config=None`` builds no optimizer (forward / grads only). ``ddp_config`` defaults to
-    fp32 grad reduction, bucketed, distributed-optimizer layout iff the optimizer is distributed.
-    ``fast_paths`` (default: all on) picks the bit-identical shortcuts below (see ``FastPaths``);
-    ``self.fast_paths_active`` names the ones in effect.
+    ``model``: the chunks as megatron's schedule takes them (possibly wrapped); ``chunks`` unwraps them.
     """
 
-    def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
-                 optimizer_config: OptimizerConfig | None = None,
-                 ddp_config: DistributedDataParallelConfig | None = None,
-                 fast_paths: FastPaths | None = None):
-        self.config, self.family = config, get_family(family)
-        fast = FastPaths() if fast_paths is None else fast_paths
-        chunks = build_model_chunks(config, family=family, spec=spec)
-        if config.bf16 or config.fp16:
-            chunks = [Float16Module(config, c) for c in chunks]
-        if ddp_config is None:
-            distributed = optimizer_config is not None and optimizer_config.use_distributed_optimizer
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
-        single = _single_process()
-        on = {"single_rank_grads": fast.single_rank_grads and single and _grads_can_bypass_buffer(config, ddp_config),
-              "single_rank_finalize": fast.single_rank_finalize and single and _finalize_is_identity(config, ddp_config),
-              "joint_adam_groups": fast.joint_adam_groups and optimizer_config is not None}
-        ddp_cls = SingleRankDDP if on["single_rank_grads"] else DistributedDataParallel
-        self.model = [ddp_cls(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-        config.finalize_model_grads_func = None if on["single_rank_finalize"] else finalize_model_grads
-        patches = apply_perf_patches(skip=set(PERF_PATCHES) - set(fast.megatron_patches))
-        self.fast_paths_active = sorted([n for n, v in on.items() if v] + [p for p in patches if p in fast.megatron_patches])
-        self.optimizer = get_megatron_optimizer(optimizer_config, self.model) if optimizer_config else None
-        if self.optimizer is not None:
-            config.grad_scale_func = self.optimizer.scale_loss
-            _use_foreach_torch_adam(self.optimizer, joint_groups=on["joint_adam_groups"])
+    def __init__(self, config, family: str, model: list[torch.nn.Module]):
+        self.config, self.family, self.model = config, get_family(family), model
 
     @property
     def chunks(self) -> list[torch.nn.Module]:
@@ -123,8 +106,6 @@ class TrainEngine:
             local = wm.select_local(full, self.config, tp_rank=tp_rank, tp_size=tp_size,
                                     pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
             load_checked(chunk, local)
-        if self.optimizer is not None:
-            self.optimizer.reload_model_params()
 
     # ---- steps --------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
@@ -139,9 +120,6 @@ class TrainEngine:
             out = model(**self.family.model_inputs(self.config, mb))
             return out, (partial(_megatron_loss, loss_fn, mb) if loss_fn is not None else None)
 
-        if not forward_only:
-            for m in self.model:
-                m.zero_grad_buffer()
         iterators = [iter(microbatches) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -149,17 +127,6 @@ class TrainEngine:
             model=self.model, num_microbatches=len(microbatches), seq_length=seq_length,
             micro_batch_size=first["latents"].shape[0], forward_only=forward_only,
         )
-
-    def train_step(self, microbatches: list[dict], loss_fn: LossFn = rectified_flow_loss) -> dict:
-        """zero grads -> forward/backward over all microbatches -> optimizer step.
-
-        Returns {"loss": mean over microbatches (on every rank), "grad_norm", "update_ok"}."""
-        assert self.optimizer is not None, "TrainEngine was built without an optimizer"
-        self.optimizer.zero_grad()
-        results = self.forward_backward(microbatches, loss_fn)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        loss = torch.stack([r["loss"] for r in results]).mean() if results else torch.zeros(())
-        return {"loss": _from_last_stage(loss.float()), "grad_norm": grad_norm, "update_ok": update_ok}
 
     @torch.no_grad()
     def velocity(self, latents, sigma, encoder_hidden_states, pooled_projections) -> torch.Tensor | None:
@@ -186,168 +153,95 @@ class TrainEngine:
         (detached), valid until the next optimizer step -- ``.clone()`` what you keep."""
         yield from iter_full(self, lambda chunk: {**dict(chunk.named_parameters()), **dict(chunk.named_buffers())})
 
+
+def _build_chunks(config, family: str, spec: str) -> list[torch.nn.Module]:
+    """This rank's chunks from the model provider, in ``Float16Module`` when the config is bf16/fp16."""
+    chunks = build_model_chunks(config, family=family, spec=spec)
+    if config.bf16 or config.fp16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    return chunks
+
+
+class TrainEngine(ModelEngine):
+    """This rank's model chunks (DDP-wrapped), optimizer and step functions.
+
+    ``optimizer_config=None`` builds no optimizer (forward / grads only). ``ddp_config`` defaults to
+    fp32 grad reduction, bucketed, distributed-optimizer layout iff the optimizer is distributed.
+    ``fast_paths`` (default: all on) picks the bit-identical shortcuts of ``megaflow.trainer.fast_paths``
+    (see ``FastPaths``); ``self.fast_paths_active`` names the ones in effect.
+    """
+
+    def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
+                 optimizer_config: OptimizerConfig | None = None,
+                 ddp_config: DistributedDataParallelConfig | None = None,
+                 fast_paths: FastPaths | None = None):
+        fast = FastPaths() if fast_paths is None else fast_paths
+        chunks = _build_chunks(config, family, spec)
+        if ddp_config is None:
+            distributed = optimizer_config is not None and optimizer_config.use_distributed_optimizer
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+        on = select_fast_paths(fast, config, ddp_config, has_optimizer=optimizer_config is not None)
+        ddp_cls = SingleRankDDP if on["single_rank_grads"] else DistributedDataParallel
+        super().__init__(config, family, [ddp_cls(config, ddp_config, c, disable_bucketing=i > 0)
+                                          for i, c in enumerate(chunks)])
+        config.finalize_model_grads_func = None if on["single_rank_finalize"] else finalize_model_grads
+        patches = apply_perf_patches(skip=set(PERF_PATCHES) - set(fast.megatron_patches))
+        self.fast_paths_active = sorted([n for n, v in on.items() if v] + [p for p in patches if p in fast.megatron_patches])
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.model) if optimizer_config else None
+        if self.optimizer is not None:
+            config.grad_scale_func = self.optimizer.scale_loss
+            use_foreach_torch_adam(self.optimizer, joint_groups=on["joint_adam_groups"])
+
+    def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
+        """``ModelEngine.load_diffusers_state_dict``, then the optimizer's main params re-read."""
+        super().load_diffusers_state_dict(diffusers_sd)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
+                         forward_only: bool = False) -> list:
+        """``ModelEngine.forward_backward``; with backward, the DDP grad buffers are zeroed first."""
+        if not forward_only:
+            for m in self.model:
+                m.zero_grad_buffer()
+        return super().forward_backward(microbatches, loss_fn, forward_only=forward_only)
+
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn = rectified_flow_loss) -> dict:
+        """zero grads -> forward/backward over all microbatches -> optimizer step.
+
+        Returns {"loss": mean over microbatches (on every rank), "grad_norm", "update_ok"}."""
+        assert self.optimizer is not None, "TrainEngine was built without an optimizer"
+        self.optimizer.zero_grad()
+        results = self.forward_backward(microbatches, loss_fn)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        loss = torch.stack([r["loss"] for r in results]).mean() if results else torch.zeros(())
+        return {"loss": _from_last_stage(loss.float()), "grad_norm": grad_norm, "update_ok": update_ok}
+
     def iter_full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Like ``iter_full_params`` for the accumulated grads (``main_grad``; non-distributed DDP)."""
         yield from iter_full(self, lambda chunk: {n: p.main_grad for n, p in chunk.named_parameters()},
                              include_buffers=False)
 
 
-# ---- fast paths ---------------------------------------------------------------------------------
-# Same work, done cheaper, with bit-identical grads and updates (tests/trainer/test_fast_paths.py).
-# The single_rank_* ones apply only when this process is the whole job (world size 1), where
-# megatron's data-parallel machinery has nothing to communicate but still runs; multi-process
-# layouts use megatron's code unchanged.
+class ReferenceEngine(ModelEngine):
+    """A frozen, forward-only copy of the policy (the KL reference): the same provider, spec and config as
+    the trainer, so each rank holds the same TP/PP shard layout, but no DDP wrapper, no grad buffer, no
+    optimizer; every parameter has ``requires_grad=False``. ``forward_backward`` runs only with
+    ``forward_only=True``."""
 
+    def __init__(self, config, *, family: str = "sd3", spec: str = "auto"):
+        chunks = _build_chunks(config, family, spec)
+        for c in chunks:
+            c.requires_grad_(False)
+        super().__init__(config, family, chunks)
 
-@dataclass(frozen=True, kw_only=True)
-class FastPaths:
-    """Which shortcuts TrainEngine takes (each individually switchable; all on by default)."""
-
-    single_rank_grads: bool = True
-    """Grads stay where autograd accumulates them (``SingleRankDDP``): no per-parameter Python hook
-    copying each fresh ``param.grad`` into DDP's contiguous buffer, which exists to be reduced."""
-    single_rank_finalize: bool = True
-    """No ``finalize_model_grads``: with one process every collective in it is over a size-1 group
-    (identity). Only where it has no other work (see ``_finalize_is_identity``)."""
-    joint_adam_groups: bool = True
-    """torch Adam(W) steps megatron's param groups with equal hyperparameters in one call
-    (``_JointGroupStep``); any layout."""
-    megatron_patches: frozenset[str] = frozenset(PERF_PATCHES)
-    """Which of ``megaflow.parallel.cpu.PERF_PATCHES`` to apply (process-wide, idempotent; leaving
-    one out does not remove it if something else applied it)."""
-
-
-def _single_process() -> bool:
-    return torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
-
-
-def _finalize_is_identity(config, ddp_config: DistributedDataParallelConfig) -> bool:
-    """Whether ``finalize_model_grads`` does nothing but size-1 collectives in a one-process job:
-    no per-token loss scaling, no MoE router updates, no async grad/param sync to wait for, no
-    separate fp32 main_grads to copy back."""
-    return (not config.calculate_per_token_loss and config.num_moe_experts is None
-            and not getattr(config, "flextron", False) and not ddp_config.overlap_grad_reduce
-            and not ddp_config.overlap_param_gather
-            and not ddp_config.param_name_patterns_for_fp32_local_accumulation)
-
-
-def _grads_can_bypass_buffer(config, ddp_config: DistributedDataParallelConfig) -> bool:
-    """Whether nothing in a one-process step reads or writes DDP's grad buffer except through
-    ``param.main_grad``: no reduction during backward, no distributed optimizer (it reads buffer
-    shards), no buffer-wide NaN check or per-token scaling, no fused or delayed wgrad writing into
-    main_grad, no CUDA-graph replay."""
-    return (_finalize_is_identity(config, ddp_config) and not ddp_config.use_distributed_optimizer
-            and not ddp_config.check_for_nan_in_grad and not ddp_config.check_for_large_grads
-            and not ddp_config.delay_wgrad_compute and not config.gradient_accumulation_fusion
-            and getattr(config, "cuda_graph_impl", "none") == "none")
-
-
-class SingleRankDDP(DistributedDataParallel):
-    """megatron's DDP for a one-process job: grads stay where autograd accumulates them.
-
-    DDP's contiguous grad buffer exists to be all-reduced / reduce-scattered. megatron fills it with
-    a Python hook per parameter, run by autograd after each grad accumulation, that adds the fresh
-    ``param.grad`` into ``param.main_grad`` (a view of the buffer) and drops it. With one process
-    there is nothing to reduce, so here those hooks are gone and, once per backward (a callback
-    queued by a hook on the model output), ``param.main_grad`` is bound to ``param.grad``, which
-    autograd keeps accumulating into over microbatches. Same numbers (megatron's 0 + g1 + g2 ...
-    vs g1 + g2 ...: adding to an exact zero is exact); no copy, no hook calls, no second grad.
-    ``zero_grad_buffer`` drops the grads and re-binds ``main_grad`` to the buffer views, which a
-    parameter that gets no grad keeps. Nothing writes those views any more, so instead of zeroing
-    the whole buffer (megatron) it zeroes only views that were still bound as ``main_grad``, i.e.
-    handed out beyond the backward window (to the optimizer, which may scale them in place).
-
-    Covers parameters whose grad buffer has their dtype (fp32 params, fp32 grads); with any other,
-    that one keeps megatron's hook and the buffer is zeroed as usual. Backward must pass through
-    this module's output (any loss of it does); as with megatron's DDP, ``main_grad`` is the grad
-    only after backward (writing into it before backward is not supported). Use only where
-    ``_grads_can_bypass_buffer`` holds (TrainEngine checks)."""
-
-    def __init__(self, config, ddp_config, module, **kwargs):
-        if ddp_config.overlap_grad_reduce or ddp_config.use_distributed_optimizer:
-            raise ValueError("SingleRankDDP needs overlap_grad_reduce=False and no distributed optimizer")
-        super().__init__(config, ddp_config, module, **kwargs)
-        self.buffer_views = {p: p.main_grad for p in self.params_with_grad if p.main_grad.dtype == p.dtype}
-        self.covers_all = len(self.buffer_views) == len(self.params_with_grad)
-        # megatron's hooks hang on the AccumulateGrad nodes it keeps alive in grad_accs; a parameter
-        # holds its node only weakly, so dropping these references drops the hooks with the nodes.
-        self.grad_accs = [acc for acc in self.grad_accs if acc.variable not in self.buffer_views]
-
-    def forward(self, *inputs, **kwargs):
-        out = super().forward(*inputs, **kwargs)
-        if torch.is_grad_enabled():
-            first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                          if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if first is not None:
-                first.register_hook(self._queue_bind_main_grads)
-        return out
-
-    def _queue_bind_main_grads(self, grad):
-        torch.autograd.Variable._execution_engine.queue_callback(self.bind_main_grads)
-
-    def bind_main_grads(self) -> None:
-        """``main_grad = grad`` for every covered parameter that has a grad (runs after backward)."""
-        for p in self.buffer_views:
-            if p.grad is not None:
-                p.main_grad = p.grad
-
-    def zero_grad_buffer(self):
-        if self.covers_all:  # megatron's zero_grad_buffer minus zeroing the (unwritten) buffer
-            handed_out = [view for p, view in self.buffer_views.items() if p.main_grad is view]
-            if handed_out:
-                torch._foreach_zero_(handed_out)
-            for p in self.params_with_grad:
-                p.grad_added_to_main_grad = False
-            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
-                bucket_group.reset()
-        else:
-            super().zero_grad_buffer()
-        for p, view in self.buffer_views.items():
-            p.grad = None
-            p.main_grad = view
-
-
-def _use_foreach_torch_adam(optimizer, *, joint_groups: bool) -> None:
-    """Without apex/TE megatron falls back to ``torch.optim.AdamW`` with default arguments, which
-    on CPU tensors means the per-tensor loop; switch its groups to the multi-tensor (foreach)
-    implementation (same math; measured ~1.4x faster step on the tiny CPU model). With
-    ``joint_groups``, also step equal-hyperparameter groups together (``_JointGroupStep``)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            for group in inner.param_groups:
-                if group.get("foreach") is None and not group.get("fused"):
-                    group["foreach"] = True
-            if joint_groups and not isinstance(inner.step, _JointGroupStep):
-                inner.step = _JointGroupStep(inner)
-
-
-class _JointGroupStep:
-    """A torch Adam(W)'s ``step`` that runs param groups whose Adam hyperparameters are all equal
-    as one group: megatron splits params into weight-decay / no-weight-decay groups (plus lr_mult
-    and expert groups), which with equal settings (e.g. weight_decay=0) only doubles the foreach
-    kernel launches and Python set-up (measured +7% of the Adam step on the bench model). Adam is
-    elementwise per tensor, so the update is bit-identical; state stays keyed by parameter and the
-    groups are restored after the step (checkpoints and LR schedules see megatron's groups)."""
-
-    def __init__(self, inner: torch.optim.Optimizer):
-        self.inner, self.step, self.keys = inner, inner.step, tuple(inner.defaults)
-
-    def __call__(self, closure=None):
-        groups = self.inner.param_groups
-        joint: dict[tuple, list[dict]] = {}
-        try:
-            for g in groups:
-                joint.setdefault(tuple(g[k] for k in self.keys), []).append(g)
-        except TypeError:  # an unhashable hyperparameter value: step group by group
-            return self.step(closure)
-        if len(joint) == len(groups):
-            return self.step(closure)
-        self.inner.param_groups = [{**gs[0], "params": [p for g in gs for p in g["params"]]} for gs in joint.values()]
-        try:
-            return self.step(closure)
-        finally:
-            self.inner.param_groups = groups
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
+                         forward_only: bool = False) -> list:
+        """``ModelEngine.forward_backward`` with ``forward_only=True`` (required: nothing here trains)."""
+        if not forward_only:
+            raise ValueError("ReferenceEngine is frozen: call forward_backward(..., forward_only=True)")
+        with torch.no_grad():
+            return super().forward_backward(microbatches, loss_fn, forward_only=True)
 
 
 def _megatron_loss(loss_fn: LossFn, microbatch: dict, output: torch.Tensor):
@@ -362,60 +256,3 @@ def _from_last_stage(value: torch.Tensor) -> torch.Tensor:
     value = value.clone() if ps.is_pipeline_last_stage(ignore_virtual=True) else torch.zeros_like(value)
     torch.distributed.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
     return value
-
-
-def load_checked(chunk: torch.nn.Module, local_sd: dict[str, torch.Tensor]) -> None:
-    """``load_state_dict(strict)`` with a one-line ValueError naming the first mismatched tensor."""
-    own = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
-    for name in own:
-        if name not in local_sd:
-            raise ValueError(f"tensor {name!r} is missing from the weights")
-        if tuple(local_sd[name].shape) != tuple(own[name].shape):
-            raise ValueError(f"shape mismatch for {name!r}: weights {tuple(local_sd[name].shape)} vs model {tuple(own[name].shape)}")
-    extra = [k for k in local_sd if k not in own]
-    if extra:
-        raise ValueError(f"unexpected tensor {extra[0]!r} for this model")
-    chunk.load_state_dict(local_sd, strict=False)
-
-
-def _owner_table(wm, config) -> dict:
-    """"first" / "last" / global block index -> (pp rank, chunk index) that holds it."""
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    stages = [None] if vpp is None else list(range(vpp))
-    owners = {i: (r, c) for r in range(pp) for c, v in enumerate(stages) for i in wm.stage_layers(config, r, v)}
-    return {"first": (0, 0), "last": (pp - 1, len(stages) - 1), **owners}
-
-
-def iter_full(engine: TrainEngine, local_tensors: Callable[[torch.nn.Module], dict], *,
-              include_buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Shared gather loop of iter_full_params / iter_full_grads (see there)."""
-    wm, cfg = engine.family.weight_map, engine.config
-    owners = _owner_table(wm, cfg)
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    pp_group, pp_size = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
-    chunks = engine.chunks
-    tables = [local_tensors(c) for c in chunks]
-    for m in wm.param_maps(cfg):
-        if m.buffer and not include_buffers:
-            continue
-        owner_pp, chunk_idx = owners[m.layer if m.layer is not None else m.stage]
-        full = None
-        if owner_pp == pp_rank:
-            local_name = m.megatron
-            if m.layer is not None:
-                start = chunks[chunk_idx].global_layer_numbers[0]
-                local_name = m.megatron.replace(f"layers.{m.layer}.", f"layers.{m.layer - start}.", 1)
-            full = tables[chunk_idx][local_name].detach()
-            if m.split_dim is not None and tp > 1:
-                parts = [torch.empty_like(full) for _ in range(tp)]
-                torch.distributed.all_gather(parts, full.contiguous(), group=tp_group)
-                full = torch.cat(parts, dim=m.split_dim)
-        if pp_size > 1:
-            src = torch.distributed.get_global_rank(pp_group, owner_pp)
-            meta = [(tuple(full.shape), full.dtype) if full is not None else None]
-            torch.distributed.broadcast_object_list(meta, src=src, group=pp_group)
-            if full is None:
-                full = torch.empty(meta[0][0], dtype=meta[0][1], device=current_device())
-            torch.distributed.broadcast(full, src=src, group=pp_group)
-        yield m.megatron, full

@@ -75,3 +75,23 @@ def test_cli_show_resolved():
     r = subprocess.run([sys.executable, "-m", "megaflow.cli", "config", "show", "--set", "parallel.tp=4"],
                        capture_output=True, text=True, cwd=REPO, check=True)
     assert tomllib.loads(r.stdout)["parallel"]["tp"] == 4
+
+
+def test_config_show_every_shipped_config(capsys, monkeypatch):
+    """``megaflow config show`` on every file in configs/: the printed TOML is the loaded config. A config whose
+    model.pretrained is not downloaded here (the GPU configs) is shown with --no-files; without it, one line
+    naming model.pretrained and exit 2."""
+    from megaflow.cli import main
+
+    monkeypatch.chdir(REPO)
+    files = sorted((REPO / "configs").glob("*.toml"))
+    assert {"sd3_medium_8xh100.toml", "flux_dev_2x8xh100.toml"} <= {f.name for f in files}
+    for f in files:
+        cfg = load_config(f)
+        missing = bool(cfg.model.pretrained) and not (REPO / cfg.model.pretrained).is_dir()
+        assert main(["config", "show", "-c", str(f), *(["--no-files"] if missing else [])]) == 0, f
+        assert tomllib.loads(capsys.readouterr().out) == tomllib.loads(dump_config(cfg)), f
+        if missing:
+            assert main(["config", "show", "-c", str(f)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "model.pretrained" in err, err

@@ -10,15 +10,25 @@ embeddings and defines ``forward``.
 Between pipeline stages every family sends ONE tensor: its token streams plus one temb row
 ([tokens + 1, B, h]; with SP each stream is split over TP and the temb row is replicated), so
 ``pipeline_seq_length`` is the same for all families.
+
+Activation recompute: the blocks are megaflow's own modules, called from each family's ``forward`` loop,
+not megatron's ``TransformerBlock`` (whose checkpointing drives ``TransformerLayer``). So the loop calls
+every block through ``DiTModel._run_layer``, which reads the same ``TransformerConfig`` fields megatron
+does (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) and wraps the block in
+megatron's ``tensor_parallel.checkpoint`` (RNG-tracker aware): only the block's inputs are kept in the
+forward; its internals are recomputed during backward. Supported: "full" granularity, per block
+(``uniform`` with 1 layer per unit) or the first N blocks of each chunk (``block``). "selective" (megatron's
+per-submodule recompute inside ``TransformerLayer``) has no counterpart in these blocks and is refused.
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel.mappings import (
@@ -72,6 +82,25 @@ def stage_layers(config: TransformerConfig, pp_rank: int, vp_stage: int | None =
     return range(offset, offset + get_num_layers_to_build(config, vp_stage, pp_rank))
 
 
+def recompute_blocks(config: TransformerConfig) -> int:
+    """How many leading blocks of every model chunk run under activation checkpointing: all of them for
+    ``recompute_granularity="full"`` with ``recompute_method="uniform"`` (``recompute_num_layers`` must be 1:
+    one block per checkpoint), ``recompute_num_layers`` of them with ``"block"``, none without recompute.
+    ValueError for what the DiT blocks cannot do ("selective"; uniform units of several blocks)."""
+    granularity, method, num = config.recompute_granularity, config.recompute_method, config.recompute_num_layers
+    if granularity is None:
+        return 0
+    if granularity != "full":
+        raise ValueError(f"recompute_granularity={granularity!r}: the DiT blocks support only 'full' "
+                         "(megatron's selective recompute lives inside its TransformerLayer)")
+    if method == "uniform":
+        if num != 1:
+            raise ValueError(f"recompute_method='uniform' with recompute_num_layers={num}: the DiT blocks "
+                             "checkpoint one block per unit (recompute_num_layers=1)")
+        return 1 << 30
+    return int(num)
+
+
 def stage_ends(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None) -> tuple[bool, bool]:
     """(first, last): whether pipeline rank ``pp_rank`` / chunk ``vp_stage`` is the first stage
     (holds the embeddings) and the last one (holds the final layer) of the whole model."""
@@ -97,6 +126,7 @@ class DiTModel(MegatronModule):
             pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
         self.pp_rank, self.vp_stage = pp_rank, vp_stage
         self.pre_process, self.post_process = stage_ends(config, pp_rank, vp_stage)
+        self._recompute_blocks = recompute_blocks(config)
         self.sequence_parallel = config.sequence_parallel and config.tensor_model_parallel_size > 1
         self.input_tensor: torch.Tensor | None = None
         # Read by megatron's schedules / finalize_model_grads (no tied embedding <-> output weights).
@@ -115,6 +145,15 @@ class DiTModel(MegatronModule):
         h = self.config.hidden_size
         self.final_adaln = ReplicatedLinear(h, 2 * h, config=self.config, sequence_parallel_grad=True)
         self.final_proj = ReplicatedLinear(h, self.config.patch_dim, config=self.config, sequence_parallel_grad=True)
+
+    def _run_layer(self, index: int, layer: torch.nn.Module, *tensors: torch.Tensor, **static):
+        """``layer(*tensors, **static)`` for this chunk's block ``index`` (0-based in the chunk), under
+        ``tensor_parallel.checkpoint`` when the config recomputes that block and autograd is recording
+        (see the module docstring). ``static``: non-tensor arguments (e.g. RoPE tables), held by the
+        checkpoint's closure rather than saved as inputs."""
+        if index >= self._recompute_blocks or not torch.is_grad_enabled():
+            return layer(*tensors, **static)
+        return tensor_parallel.checkpoint(partial(layer, **static) if static else layer, False, *tensors)
 
     @property
     def global_layer_numbers(self) -> list[int]:

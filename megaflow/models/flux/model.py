@@ -123,12 +123,12 @@ class FluxTransformer(DiTModel):
             context, hidden, temb = packed[:lr], packed[lr:-1], packed[-1]
         rope = self._rope(txt_ids, img_ids)
         joint = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if layer.single:
                 joint = torch.cat([context, hidden]) if joint is None else joint
-                joint = layer(joint, temb, rope.joint)
+                joint = self._run_layer(i, layer, joint, temb, rope=rope.joint)
             else:
-                hidden, context = layer(hidden, context, temb, rope)
+                hidden, context = self._run_layer(i, layer, hidden, context, temb, rope=rope)
         if joint is not None:
             context, hidden = joint[:context.shape[0]], joint[context.shape[0]:]
         if self.post_process:

@@ -58,6 +58,15 @@ class PatchEmbed(torch.nn.Module):
         self.register_buffer("pos_embed", grid, persistent=True)
         self.patch_size, self.max_size = p, config.pos_embed_max_size
 
+    def _apply(self, fn, recurse: bool = True):
+        """Module casts (``.bfloat16()`` by megatron's Float16Module, ``.to(device)``) move the position table
+        but keep it float32, as diffusers' PatchEmbed and the SGLang engine hold it: the sum with the
+        patches is taken in fp32 and cast to the patches' dtype, on both sides."""
+        table = self.pos_embed
+        super()._apply(fn, recurse)
+        self.pos_embed = table.to(self.pos_embed.device)
+        return self
+
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         gh, gw = latents.shape[-2] // self.patch_size, latents.shape[-1] // self.patch_size
         if gh > self.max_size or gw > self.max_size:
@@ -123,8 +132,8 @@ class SD3MMDiT(DiTModel):
         else:
             assert self.input_tensor is not None, "non-first pipeline stage needs set_input_tensor()"
             hidden, context, temb = self._unpack(self.input_tensor, num_image)
-        for layer in self.layers:
-            hidden, context = layer(hidden, context, temb)
+        for i, layer in enumerate(self.layers):
+            hidden, context = self._run_layer(i, layer, hidden, context, temb)
         if self.post_process:
             return self._final(hidden, temb, height, width)
         return torch.cat([hidden, context, temb[None]], dim=0)

@@ -1,0 +1,81 @@
+"""``megaflow plan``: the model arithmetic against the real models, and the command on the shipped configs.
+
+Needs: CPU; 1 process for the measured part (slow). Checks:
+- parameter counts (megaflow.plan_model) equal the diffusers models' numel exactly (tiny SD3.5-like with dual
+  attention and q/k norm, tiny FLUX; SD3's position table is a buffer, counted apart);
+- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3 and FLUX at sizes
+  where activations dominate), and the predicted trainer memory (weights, fp32 grads, Adam, activations) vs the
+  peak RSS of building the trainer and one train step: ratio printed, asserted within [0.6, 1.6];
+- the plan of both GPU configs (built-in tables) and of a tiny pipeline dir (read from its files).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflow.config import load_config
+from megaflow.models.flux import tiny as flux_tiny
+from megaflow.models.sd3 import tiny as sd3_tiny
+from megaflow.plan import GIB, format_plan, plan, trainer_items
+from megaflow.plan_model import STAGE_EXTRA, block_activation_units, dims_from_config, total_params
+from megaflow.testing.dist import run_multiprocess
+
+import plan_workers
+
+SD3 = sd3_tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0, 1), num_layers=4, attention_head_dim=16,
+                           num_attention_heads=4, caption_projection_dim=64, sample_size=64, pos_embed_max_size=64)
+FLUX = flux_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, axes_dims_rope=(4, 6, 6))
+
+
+def test_param_counts_equal_diffusers_models():
+    model = sd3_tiny.diffusers_model(SD3)
+    n = sum(p.numel() for p in model.parameters())
+    assert total_params(dims_from_config("sd3", SD3, "tiny")) == n
+    model = flux_tiny.diffusers_model(FLUX)
+    assert total_params(dims_from_config("flux", FLUX, "tiny")) == sum(p.numel() for p in model.parameters())
+
+
+def _predicted_saved(family: str, dcfg: dict, image: int, text: int, batch: int) -> float:
+    d = dims_from_config(family, dcfg, "tiny")
+    units = sum(block_activation_units(d, i, image, text, 1, False) for i in range(d.num_blocks))
+    return (units + STAGE_EXTRA * (image + text)) * batch * d.hidden * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_predictions_vs_measured_memory(family, tmp_path):
+    if family == "sd3":
+        dcfg, batches = SD3, sd3_tiny.sft_batches(SD3, num_microbatches=1, batch=4, context_len=32, latent_size=64)
+        image, text = 32 * 32, 32
+    else:
+        dcfg, batches = FLUX, flux_tiny.sft_batches(FLUX, num_microbatches=1, batch=4, grid=32, context_len=32)
+        image, text = 32 * 32, 32
+    torch.save(dict(family=family, dcfg=dcfg, batches=batches), tmp_path / "case.pt")
+    (m,) = run_multiprocess(plan_workers.measure_rank, 1, str(tmp_path / "case.pt"), timeout_s=600)
+    predicted = _predicted_saved(family, dcfg, image, text, batch=4)
+    print(family, "saved: predicted", predicted / 2**20, "MiB, measured", m["saved"] / 2**20, "MiB")
+    assert 0.75 <= predicted / m["saved"] <= 1.25, (predicted, m)
+    cfg = load_config(None, [f"model.family={family}", "algo.kl_beta=0", "train.micro_batch_size=4"])
+    items, _ = trainer_items(cfg, dims_from_config(family, dcfg, "tiny"), world=1, stage=0, image=image, text=text)
+    trainer = sum(v for k, v in items.items() if k != "runtime")
+    ratio = trainer / m["peak_rss"]
+    print(family, f"train step: predicted {trainer / 2**20:.1f} MiB, peak RSS {m['peak_rss'] / 2**20:.1f} MiB, "
+          f"ratio {ratio:.2f}")
+    assert 0.6 <= ratio <= 1.6, (trainer, m)
+
+
+def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
+    sd3 = plan(load_config("configs/sd3_medium_8xh100.toml"), gpus=8, gpu_mem_gib=80)
+    assert sd3["fits"] and [g.ranks for g in sd3["groups"]] == [[0], list(range(1, 8))]
+    assert abs(sd3["params"] - 2.24e9) < 0.01e9 and sd3["image_tokens"] == 1024
+    rank0, others = sd3["groups"]
+    assert rank0.total - others.total == pytest.approx(sum(v for k, v in rank0.items.items() if k.startswith("engine")))
+    flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)
+    assert abs(flux["params"] - 11.9e9) < 0.05e9 and not flux["fits"]  # the engine on rank 0 (see the config)
+    assert flux["groups"][1].total < 80 * GIB
+    text = format_plan(flux)
+    assert "DOES NOT FIT" in text and "fits: no" in text
+    tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
+    assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
+    with pytest.raises(ValueError, match="not a multiple"):
+        plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=6, gpu_mem_gib=80)
