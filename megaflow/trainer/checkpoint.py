@@ -110,6 +110,7 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     tmp = _agree_on_tmp_dir(dst)
     state = _model_sharded_state_dict(chunks)
     if optimizer is not None:
+        _init_adam_state(optimizer)  # an optimizer that never stepped (every update skipped) has no state yet
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, str(tmp))
     _barrier()

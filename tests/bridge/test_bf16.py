@@ -5,12 +5,9 @@ the trainer (megaflow.models.sd3.model.PatchEmbed), diffusers and the SGLang eng
 engine stores each in its own dtype and re-hashes the same bytes. Mixed dtypes under verify stay refused by
 preflight (they could never match).
 
-The sync test is a strict xfail until ``SGLangEngine.update_weights`` (megaflow/rollout/sglang_engine.py)
-stops casting every tensor to ``rollout.precision`` before sending: it turns the fp32 position table into
-bf16, SGLang's updater casts it back into its fp32 parameter (``loaded_weight.to(param.dtype)``), and the
-re-hash of that fp32(bf16(table)) never matches the trainer's fp32 digest ("checksum mismatch for 1
-tensor(s): pos_embed.pos_embed"). Sending ``t.detach().to("cpu")`` unchanged makes it pass (checked with
-that one line patched in: both syncs verified, 67 tensors).
+Regression: ``SGLangEngine.update_weights`` once cast every tensor to ``rollout.precision`` before sending,
+turning the fp32 position table into bf16; the engine's re-hash of fp32(bf16(table)) never matched the
+trainer's fp32 digest ("checksum mismatch for 1 tensor(s): pos_embed.pos_embed").
 
 Needs: CPU, 1 process with one SGLang engine (~25 s start).
 """
@@ -20,7 +17,7 @@ import pytest
 
 from megaflow.config import ConfigError, load_config
 from megaflow.config.preflight import preflight
-from megaflow.testing.dist import RankError, run_multiprocess
+from megaflow.testing.dist import run_multiprocess
 
 import bf16_workers
 
@@ -36,8 +33,6 @@ def test_preflight_accepts_matching_bf16_and_refuses_mixed_under_verify():
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.xfail(strict=True, raises=RankError, reason="SGLangEngine.update_weights casts SD3's fp32 position "
-                   "table to bf16 before sending (see the module docstring)")
 def test_bf16_trainer_syncs_verified_into_bf16_engine(tiny_sd3_dir):
     (r,) = run_multiprocess(bf16_workers.bf16_sync_rank, 1, str(tiny_sd3_dir), timeout_s=600)
     print(r)

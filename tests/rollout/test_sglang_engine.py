@@ -141,7 +141,7 @@ def test_weight_update_changes_images_and_verifies(engine, reference, tiny_sd3_d
     assert torch.equal(engine.generate(req)[0].image, before[0].image)
 
 
-def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch):
+def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch, tiny_sd3_dir):
     """bridge.verify = false: no SHA-256 anywhere in the sync (an unknown name then goes unnoticed, as
     SGLang skips it); true: each tensor hashed once on the sending side, the engine re-hashes once."""
     import megaflow.bridge.base as base
@@ -163,6 +163,8 @@ def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch)
     with pytest.raises(SyncError, match="did not verify"):
         ColocatedBridge([engine], verify=True).push(unknown)
     assert engine.checksum() == checksum0
+    # the engine replays what it was sent after a worker restart: leave it holding the pipeline's weights only
+    assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok
 
 
 def test_release_resume_on_cpu(engine):

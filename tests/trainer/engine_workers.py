@@ -31,7 +31,11 @@ def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     eng = _engine(case["dcfg"], tp2, optimizer=True)
     eng.load_diffusers_state_dict(case["state"])
     fast_paths = eng.fast_paths_active
+    # a never-stepped optimizer (every update of a run skipped so far) saves too, as a fresh one
+    save_checkpoint(eng.chunks, ckpt + "-fresh", family="sd3", diffusers_config=case["dcfg"], optimizer=eng.optimizer)
     losses = [float(eng.train_step(mbs)["loss"]) for _ in range(3)]
+    second = dict(eng.iter_full_params())
+    second = {k: v.clone() for k, v in second.items()}
     saved = {k: v.clone() for k, v in eng.iter_full_params()}  # replicated ones alias live params
     save_checkpoint(eng.chunks, ckpt, family="sd3", diffusers_config=case["dcfg"], optimizer=eng.optimizer)
     step4 = float(eng.train_step(mbs)["loss"])
@@ -42,12 +46,17 @@ def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     resumed4 = float(eng.train_step(mbs)["loss"])
     resumed_after4 = dict(eng.iter_full_params())
 
+    eng = _engine(case["dcfg"], tp2, optimizer=True)
+    load_checkpoint(eng.chunks, ckpt + "-fresh", optimizer=eng.optimizer)
+    fresh_losses = [float(eng.train_step(mbs)["loss"]) for _ in range(3)]
+    fresh_err = max(float((second[k] - v).abs().max()) for k, v in eng.iter_full_params())
+
     eng = _engine(case["dcfg"], ParallelDims(pp=2), optimizer=False)
     load_checkpoint(eng.chunks, ckpt)
     pp2 = dict(eng.iter_full_params())
     destroy_distributed()
     return {
-        "losses": losses, "step4": step4, "resumed4": resumed4, "fast_paths": fast_paths,
+        "losses": losses, "fresh_losses": fresh_losses, "fresh_param_err": fresh_err, "step4": step4, "resumed4": resumed4, "fast_paths": fast_paths,
         "resume_param_err": max(float((after4[k] - resumed_after4[k]).abs().max()) for k in after4),
         "pp2_mismatch": sorted(k for k in saved if not torch.equal(saved[k], pp2.get(k, torch.empty(0)))),
         "moved": max(float((after4[k] - saved[k]).abs().max()) for k in saved),

@@ -48,3 +48,5 @@ def test_train_steps_match_reference_and_checkpoint_resume(tmp_path):
         assert abs(r["step4"] - r["resumed4"]) <= 1e-6
         assert r["resume_param_err"] <= 1e-6 and r["moved"] > 1e-4
         assert r["pp2_mismatch"] == []
+        # resumed from the checkpoint saved before the first step: the same 3 steps, the same weights
+        assert r["fresh_losses"] == r["losses"] and r["fresh_param_err"] == 0.0

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
-from megaflow.rollout.sglang.config import DTYPES, FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
+from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
 from megaflow.rollout.sglang.wire import EngineCallFailed
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -269,9 +269,10 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
         """Push DiT tensors (diffusers names) as one flattened bucket; ``verify``: then check each by SHA-256
-        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed)."""
-        dtype = DTYPES[self.config.precision]
-        named = [(n, t.detach().to("cpu", dtype).contiguous()) for n, t in named_tensors]
+        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed).
+        Tensors travel in the dtype they come in: SGLang casts each into its parameter's own dtype, and a
+        tensor kept in fp32 on both sides (SD3's position table in a bf16 model) must not be rounded on the way."""
+        named = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
         t0 = time.perf_counter()
         with self._lock:
             ok, message = self._server.update_from_tensors(named, verify=verify)
