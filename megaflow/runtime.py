@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -69,13 +68,6 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
         ref = ReferenceEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec)
         ref.load_diffusers_state_dict(state)
     return trainer, ref
-
-
-def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
-    """The trainer's full weights under the engine's (diffusers) names, streamed (collective)."""
-    wm = trainer.family.weight_map
-    for name, tensor in trainer.iter_full_params():
-        yield from wm.megatron_to_diffusers(name, tensor, trainer.config)
 
 
 def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, *, verbose: bool = False) -> list:

@@ -18,6 +18,7 @@ def bf16_sync_rank(pipeline_dir: str) -> dict:
     from pathlib import Path
 
     from megaflow import runtime
+    from megaflow.bridge.convert import engine_named_params
     from megaflow.config import load_config
     from megaflow.config.preflight import preflight
     from megaflow.models.sd3 import tiny
@@ -31,7 +32,7 @@ def bf16_sync_rank(pipeline_dir: str) -> dict:
     out = {}
     try:
         bridge = runtime.build_bridge(cfg, engines, Path(pipeline_dir).parent, Path(pipeline_dir))
-        first = bridge.push(runtime.engine_named_params(trainer))
+        first = bridge.push(engine_named_params(trainer))
         dcfg = {k: v for k, v in trainer.family.config_to_diffusers(trainer.config).items() if not k.startswith("_")}
         b = tiny.sft_batches(dcfg, num_microbatches=1, batch=2, context_len=8, latent_size=8)[0]
         mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],
@@ -39,7 +40,7 @@ def bf16_sync_rank(pipeline_dir: str) -> dict:
         before = {k: v.clone() for k, v in trainer.iter_full_params()}
         step = trainer.train_step([mb])
         moved = max(float((v.float() - before[k].float()).abs().max()) for k, v in trainer.iter_full_params())
-        second = bridge.push(runtime.engine_named_params(trainer))
+        second = bridge.push(engine_named_params(trainer))
         main = [p for g in trainer.optimizer.optimizer.param_groups for p in g["params"]]
         out = dict(
             first_verified=first.verified, second_verified=second.verified, num_tensors=second.num_tensors,
@@ -47,7 +48,7 @@ def bf16_sync_rank(pipeline_dir: str) -> dict:
             param_dtypes=sorted({str(p.dtype) for c in trainer.chunks for p in c.parameters()}),
             main_dtypes=sorted({str(p.dtype) for p in main}),
             ref_dtypes=sorted({str(p.dtype) for c in ref.chunks for p in c.parameters()}),
-            sent_dtypes=sorted({str(t.dtype) for _, t in runtime.engine_named_params(trainer)}))
+            sent_dtypes=sorted({str(t.dtype) for _, t in engine_named_params(trainer)}))
     finally:
         for e in engines:
             e.shutdown()

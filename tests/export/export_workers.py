@@ -1,7 +1,7 @@
 """Rank functions for tests/export (module-level: pickled by reference into the rank). Each makes a
 hand-made run's checkpoint: the run's TrainEngine (built from ``<run>/config.toml`` and ``pipeline_dir``)
 with moved weights, saved as checkpoint ``iteration`` of ``run_dir``; each returns the weights the
-engines would get (``runtime.engine_named_params``: diffusers names, full tensors)."""
+engines would get (``engine_named_params``: diffusers names, full tensors)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,7 @@ def _trainer(run_dir: str, pipeline_dir: str):
 
 def _save(cfg, trainer, run_dir: str, pipeline_dir: str, iteration: int, *, optimizer) -> dict:
     from megaflow import runtime
+    from megaflow.bridge.convert import engine_named_params
     from megaflow.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
     from megaflow.parallel import destroy_distributed
     from megaflow.trainer.checkpoint import save_checkpoint
@@ -33,7 +34,7 @@ def _save(cfg, trainer, run_dir: str, pipeline_dir: str, iteration: int, *, opti
     save_checkpoint(trainer.chunks, ckpt / MODEL_DIR, family=cfg.model.family, diffusers_config=dconfig,
                     optimizer=optimizer)
     (ckpt / STATE_FILE).write_text(json.dumps({"iteration": iteration}))
-    weights = {k: v.clone() for k, v in runtime.engine_named_params(trainer)}
+    weights = {k: v.clone() for k, v in engine_named_params(trainer)}
     destroy_distributed()
     return weights
 

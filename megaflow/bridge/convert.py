@@ -1,0 +1,19 @@
+"""Megatron names -> engine (diffusers) names: the convert stage of the sync pipeline
+(gather -> convert -> bucket -> push).
+
+The gather is the trainer's ``iter_full_params`` (TP all-gather, PP broadcast, one tensor at a time);
+the per-family weight map renames and splits fused tensors (e.g. QKV) into the engine's names.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full weights under the engine's (diffusers) names, streamed (collective: every trainer
+    rank must iterate it)."""
+    wm = trainer.family.weight_map
+    for name, tensor in trainer.iter_full_params():
+        yield from wm.megatron_to_diffusers(name, tensor, trainer.config)
