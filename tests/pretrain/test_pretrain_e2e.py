@@ -1,5 +1,5 @@
 """``megaflow pretrain`` end to end on tiny settings, then the saved pipeline through a real SGLang engine:
-the engine's conditioning equals ``encode_prompts`` (bit-exact), its latents are 16x16 (the VAE's spatial
+the engine's conditioning equals ``encode_prompts`` (hidden states bit-exact, pooled projections to 1 ulp), its latents are 16x16 (the VAE's spatial
 factor 2), its decoded images equal the VAE decode of its final latents (1e-5), and ``eval shapes --pipeline``
 samples and scores through it. Needs: CPU, 1 process + engine workers (~2 min)."""
 import json
@@ -59,7 +59,9 @@ def test_engine_conditioning_latents_and_decode_match(pretrained):
     finally:
         engine.shutdown()
     assert torch.equal(t.conditioning["encoder_hidden_states"], embeds[0])
-    assert torch.equal(t.conditioning["pooled_projections"], pooled[0])
+    # The pooled CLIP projections go through SGLang's own CLIP text projection: on some CPUs (seen on an AMD EPYC)
+    # its GEMM kernel rounds differently from transformers' in the last bit (<= 1 ulp, 9.5e-7 at magnitude ~9).
+    torch.testing.assert_close(t.conditioning["pooled_projections"], pooled[0], rtol=0, atol=2e-6)
     assert t.latents.shape == (5, 4, 16, 16)
     torch.testing.assert_close(t.image, decode(pipe.vae, t.latents[-1:])[0], atol=1e-5, rtol=0)
 
