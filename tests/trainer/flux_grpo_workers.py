@@ -9,18 +9,15 @@ import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
 
-def _trainer(pipeline_dir: str):
-    """A TrainEngine (no optimizer) of this rank's layout holding the pipeline's FLUX weights."""
+def _trainer(pipeline_dir: str, tp: int, sp: bool):
+    """The run's trainer (``runtime.build_trainer``, model.family = "flux") at TP=``tp`` (SP ``sp``)."""
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from megaflow import runtime
+    from megaflow.config import load_config
 
-    from megaflow.models.flux import from_diffusers
-    from megaflow.trainer.engine import TrainEngine
-
-    tdir = Path(pipeline_dir) / "transformer"
-    eng = TrainEngine(from_diffusers(tdir / "config.json"), family="flux", spec="local")
-    eng.load_diffusers_state_dict({k: v for f in sorted(tdir.glob("*.safetensors")) for k, v in load_file(str(f)).items()})
+    cfg = load_config(None, ['model.family="flux"', f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}"])
+    eng, _ = runtime.build_trainer(cfg, Path(pipeline_dir))
     return eng
 
 
@@ -47,7 +44,7 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_paths: dict[str, str], tp: int
     from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
 
     init_distributed(ParallelDims(tp=tp, sp=sp), seed=0)
-    eng = _trainer(pipeline_dir)
+    eng = _trainer(pipeline_dir, tp, sp)
     out = {}
     for name, path in trajs_paths.items():
         trajs = torch.load(path, weights_only=False)
