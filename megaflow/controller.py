@@ -26,6 +26,7 @@ from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig, save_config
 from megaflow.config.sections import from_section
 from megaflow.flow.step import TransitionConfig, sample_sde_window
+from megaflow.models.registry import get_family
 from megaflow.progress import RunReporter
 from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.types import RolloutRequest
@@ -58,12 +59,15 @@ def sde_window(cfg: MegaflowConfig, iteration: int) -> list[int] | None:
 
 
 def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutRequest]:
+    """This iteration's rollout requests; ``rollout.guidance_scale > 1`` turns on CFG unless the model
+    family embeds guidance (FLUX.1-dev: the scale is a model input, one branch)."""
     r = cfg.rollout
     base = cfg.run.seed * 1_000_003 + iteration * 10_007
     window = sde_window(cfg, iteration)
+    do_cfg = r.guidance_scale > 1.0 and not get_family(cfg.model.family).embedded_guidance
     return [RolloutRequest(prompt=next(prompts), num_outputs=r.group_size, seed=base + g * r.group_size,
                            num_steps=r.num_steps, height=r.height, width=r.width,
-                           guidance_scale=r.guidance_scale, do_cfg=r.guidance_scale > 1.0,
+                           guidance_scale=r.guidance_scale, do_cfg=do_cfg,
                            sde_type=r.sde_type, noise_level=r.noise_level,
                            sde_step_indices=window, log_prob_no_const=r.log_prob_no_const,
                            max_sequence_length=r.max_sequence_length or None)

@@ -64,7 +64,9 @@ class RolloutConfig:
     num_steps: int = opt(10, "Denoising steps per rollout.", ge=1)
     height: int = opt(64, "Image height in pixels.", ge=8)
     width: int = opt(64, "Image width in pixels.", ge=8)
-    guidance_scale: float = opt(1.0, "Classifier-free guidance scale (1.0 = CFG off).", ge=1.0)
+    guidance_scale: float = opt(1.0, "Guidance scale of every rollout request. SD3: classifier-free guidance, "
+                                "on when > 1.0 (two DiT branches). FLUX.1: the embedded guidance the DiT takes "
+                                "as an input (models with guidance_embeds), never CFG.", ge=1.0)
     sde_type: str = opt("sde", "Rollout transition: sde, cps or ode.", choices=("sde", "cps", "ode"))
     noise_level: float = opt(0.7, "SDE/CPS noise level a (0.7 SDE, 0.8 CPS in flow_grpo).", ge=0.0, le=1.0)
     sde_window: list = opt([], "Step indices sampled with SDE (others ODE); empty = all steps.", items=int)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-# name -> module defining FAMILY. "flux" joins here when megaflow.models.flux exists.
+# name -> module defining FAMILY.
 _FAMILIES: dict[str, str] = {
     "sd3": "megaflow.models.sd3",
     "flux": "megaflow.models.flux",
@@ -41,17 +41,25 @@ class ModelFamily:
     """(config, trainer microbatch) -> the model's forward kwargs."""
     microbatch_seq_length: Callable[[Any, dict], int]
     """(config, trainer microbatch) -> seq_length for megatron's schedule."""
+    batch_conditioning: Callable[[Any, Any, bool], dict]
+    """(config, the trajectories of one trainer microbatch, cfg) -> its conditioning keys: what
+    ``model_inputs`` reads besides latents and sigma, batched ([negative; positive] under CFG)."""
+    embedded_guidance: bool = False
+    """True: a rollout's ``guidance_scale`` is a model input (FLUX.1-dev's guidance embedding) and never
+    turns on classifier-free guidance; False: guidance_scale > 1 samples with CFG (two branches)."""
 
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
-                     weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type) -> ModelFamily:
+                     weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type,
+                     embedded_guidance: bool = False) -> ModelFamily:
         """The family of a package laid out like ``megaflow.models.sd3``: ``config`` has
-        ``from_diffusers`` / ``to_diffusers``, ``model`` has ``pipeline_seq_length``, ``model_inputs``
-        and ``microbatch_seq_length``."""
+        ``from_diffusers`` / ``to_diffusers``, ``model`` has ``pipeline_seq_length``, ``model_inputs``,
+        ``microbatch_seq_length`` and ``batch_conditioning``."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
-                   model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length)
+                   model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length,
+                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance)
 
 
 def family_names() -> tuple[str, ...]:

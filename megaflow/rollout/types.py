@@ -117,7 +117,12 @@ class Trajectory:
     do_cfg: bool
     conditioning: dict[str, torch.Tensor]
     """DiT kwargs to replay a step, per sample, no batch dim: 'encoder_hidden_states' [L, D] and
-    'pooled_projections' [P] (plus 'negative_*' twins when do_cfg); FLUX adds 'guidance' (scalar)."""
+    'pooled_projections' [P] (plus 'negative_*' twins when do_cfg); FLUX adds 'guidance' (scalar, the
+    engine's own units: 1000 x guidance_scale; the trainer reads ``guidance_scale``)."""
+    height: int | None = None
+    """Image height in pixels of the request that produced this sample (None when not recorded)."""
+    width: int | None = None
+    """Image width in pixels of the request that produced this sample (None when not recorded)."""
     model_outputs: torch.Tensor | None = None
     """[T, C, h, w] float32 velocity used at each step (after CFG) when the engine exposes it, else None."""
     image: torch.Tensor | None = None

@@ -49,6 +49,7 @@ from megaflow.flow.step import TransitionConfig, transition_log_prob, transition
 from megaflow.parallel.dims import current_device
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo_batches import (
+    Conditioning,
     guided_velocity,
     microbatches_for,
     num_samples,
@@ -78,11 +79,17 @@ class GRPOSettings:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def build_microbatches(trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
+def batch_conditioning(engine) -> Conditioning:
+    """The microbatch conditioning of ``engine``'s model family, bound to its model config."""
+    return partial(engine.family.batch_conditioning, engine.config)
+
+
+def build_microbatches(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                        steps: Sequence[int], micro_batch_size: int, device: torch.device) -> list[dict]:
-    """This DP rank's microbatches of ONE optimizer step over every kept (sample, step) item."""
+    """This DP rank's microbatches of ONE optimizer step over every kept (sample, step) item for ``engine``."""
     (items,) = plan_updates(_kept(keep), steps) or [[]]
-    return microbatches_for(trajs, advantages, items, micro_batch_size, device)
+    return microbatches_for(trajs, advantages, items, micro_batch_size, device,
+                            conditioning=batch_conditioning(engine))
 
 
 def _kept(keep: torch.Tensor) -> list[int]:
@@ -192,7 +199,8 @@ def _aggregate(results: list[dict]) -> dict[str, float]:
 def _pre_update_log_probs(engine, trajs, advantages, items, settings: GRPOSettings, device) -> dict:
     """The trainer's log-prob of every item under the current weights (before any update), on every DP
     rank of the last pipeline stage ({} elsewhere): the old policy of mismatch correction."""
-    mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device)
+    mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device,
+                           conditioning=batch_conditioning(engine))
     velocities = engine.forward_backward(mbs, None, forward_only=True)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     log_probs = []
@@ -230,7 +238,8 @@ def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
             mismatch, is_stats = _item_mismatch_weights(old, trajs, every_item, settings.mismatch)
     per_step = []
     for items in plan:
-        mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device, mismatch=mismatch)
+        mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device, mismatch=mismatch,
+                               conditioning=batch_conditioning(engine))
         per_step.append(grpo_train_step(engine, mbs, settings, ref_engine, num_items=len(items)))
     return {**_combine_steps(per_step), **_share_from_last_stage(is_stats)}
 

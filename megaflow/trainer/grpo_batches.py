@@ -16,15 +16,20 @@ With one epoch and one minibatch nothing is drawn: items are sample-major ``(i, 
 rank r takes items r, r + dp, ... and pads with copies of item 0 marked ``real=False`` so every rank
 runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.grpo).
 
+The model's conditioning keys come from the model family (``conditioning`` = the family's
+``batch_conditioning`` bound to the model config, megaflow.models.registry): SD3's
+``encoder_hidden_states`` / ``pooled_projections``; FLUX.1's adds ``txt_ids``, ``img_ids`` and the
+embedded ``guidance``. The rest of a microbatch is the same for every family.
+
 Classifier-free guidance (trajectories with ``do_cfg``): the microbatch carries both branches in one
 batch of 2B, ``[unconditional; conditional]`` (flow_grpo's order): ``latents`` and ``sigma`` repeated,
-``encoder_hidden_states`` / ``pooled_projections`` = negative then positive conditioning, plus
-``guidance_scale [B]``; ``guided_velocity`` combines the DiT output as the engine does,
-v = v_u + g·(v_c − v_u) (sglang ``CFGPolicy.combine``). The per-item GRPO keys stay ``[B]``.
+the conditioning negative then positive, plus ``guidance_scale [B]``; ``guided_velocity`` combines the
+DiT output as the engine does, v = v_u + g·(v_c − v_u) (sglang ``CFGPolicy.combine``). The per-item
+GRPO keys stay ``[B]``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
@@ -33,7 +38,9 @@ from megaflow.flow.step import sigma_max_of
 from megaflow.rollout.types import Trajectory
 
 Item = tuple[int, int]
-_DIT_KEYS = ("encoder_hidden_states", "pooled_projections")
+Conditioning = Callable[[Sequence[Trajectory], bool], dict]
+"""(trajectories of one microbatch, cfg) -> the model's conditioning keys, batched (a family's
+``batch_conditioning`` with its model config bound)."""
 
 
 def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs: int = 1,
@@ -68,28 +75,12 @@ def _dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], lis
     return mine + [items[0]] * (per_rank - len(mine)), real
 
 
-def _conditioning(tr: Sequence[Trajectory], cfg: bool) -> dict[str, torch.Tensor]:
-    out = {}
-    for key in _DIT_KEYS:
-        pos = torch.stack([x.conditioning[key] for x in tr])
-        if cfg:
-            missing = [f"{x.request_id}/{x.index}" for x in tr if f"negative_{key}" not in x.conditioning]
-            if missing:
-                raise ValueError(f"trajectory {missing[0]} has do_cfg=True but no 'negative_{key}' in its "
-                                 "conditioning: the trainer needs the unconditional branch to recompute CFG")
-            neg = torch.stack([x.conditioning[f"negative_{key}"] for x in tr])
-            if neg.shape != pos.shape:
-                raise ValueError(f"negative_{key} shape {tuple(neg.shape[1:])} != {key} shape "
-                                 f"{tuple(pos.shape[1:])}: both CFG branches must run as one batch")
-            pos = torch.cat([neg, pos])
-        out[key] = pos
-    return out
-
-
 def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                 real: Sequence[bool], device: torch.device,
-                mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> dict:
-    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for CFG.
+                mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
+                conditioning: Conditioning) -> dict:
+    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for the
+    conditioning and CFG.
     ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
     (megaflow.trainer.grpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
     tr = [trajs[i] for i, _ in items]
@@ -105,7 +96,7 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
     mb = {
         "latents": torch.cat([latents, latents]) if cfg else latents,
         "sigma": torch.cat([sigma, sigma]) if cfg else sigma,
-        **_conditioning(tr, cfg),
+        **conditioning(tr, cfg),
         "x_next": torch.stack([x.latents[t + 1] for x, t in zip(tr, ts)]),
         "sigma_next": torch.stack([x.sigmas[t + 1] for x, t in zip(tr, ts)]).float(),
         "sigma_max": torch.stack([sigma_max_of(x.sigmas) for x in tr]).float(),
@@ -125,13 +116,14 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
 
 def microbatches_for(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                      micro_batch_size: int, device: torch.device,
-                     mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> list[dict]:
+                     mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
+                     conditioning: Conditioning) -> list[dict]:
     """This DP rank's microbatches for one optimizer step over ``items`` (all ranks pass the same list)."""
     if not items:
         return []
     mine, real = _dp_slice(list(items), micro_batch_size)
     return [stack_items(trajs, advantages, mine[s:s + micro_batch_size], real[s:s + micro_batch_size], device,
-                        mismatch) for s in range(0, len(mine), micro_batch_size)]
+                        mismatch, conditioning=conditioning) for s in range(0, len(mine), micro_batch_size)]
 
 
 def num_samples(mb: dict) -> int:

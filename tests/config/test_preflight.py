@@ -38,7 +38,8 @@ def test_cuda_detection_agrees_with_torch():
 
 
 @pytest.mark.parametrize("path, command", [("cpu_demo.toml", "train"), ("shapes_demo.toml", "demo"),
-                                           ("shapes_pretrain.toml", "pretrain"), ("cpu_demo.toml", "show")])
+                                           ("shapes_pretrain.toml", "pretrain"), ("cpu_demo.toml", "show"),
+                                           ("cpu_demo_flux.toml", "train")])
 def test_shipped_configs_and_model_pass(path, command, monkeypatch):
     monkeypatch.chdir(REPO)  # shapes_demo names assets/shapeeval-sd3 relative to the checkout
     monkeypatch.delenv("WORLD_SIZE", raising=False)

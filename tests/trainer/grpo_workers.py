@@ -265,7 +265,7 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_path: str) -> dict:
     from megaflow.config import load_config
     from megaflow.flow.step import TransitionConfig
     from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
-    from megaflow.trainer.grpo import _policy
+    from megaflow.trainer.grpo import _policy, batch_conditioning
     from megaflow.trainer.grpo_batches import microbatches_for
 
     trajs = torch.load(trajs_path, weights_only=False)
@@ -275,7 +275,8 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_path: str) -> dict:
     items = [(i, t) for i in range(len(trajs)) for t in range(trajs[0].num_steps)]
     out = {}
     for name, batch in (("cfg", trajs), ("no_cfg", [dataclasses.replace(t, do_cfg=False) for t in trajs])):
-        mbs = microbatches_for(batch, torch.zeros(len(batch)), items, 8, torch.device("cpu"))
+        mbs = microbatches_for(batch, torch.zeros(len(batch)), items, 8, torch.device("cpu"),
+                               conditioning=batch_conditioning(eng))
         diffs = [(_policy(v, mb, transition).log_prob - mb["rollout_log_prob"]).abs()[mb["real"]]
                  for mb, v in zip(mbs, eng.forward_backward(mbs, None, forward_only=True))]
         out[name] = float(torch.cat(diffs).max())

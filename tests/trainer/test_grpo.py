@@ -82,7 +82,7 @@ def _grpo_rank(kind):
             out.append(total)
         return out
 
-    mbs = build_microbatches(trajs, adv, keep, steps, settings.micro_batch_size, torch.device("cpu"))
+    mbs = build_microbatches(eng, trajs, adv, keep, steps, settings.micro_batch_size, torch.device("cpu"))
     before = logp_sums()
     stats = grpo_train_step(eng, mbs, settings)
     after = logp_sums()

@@ -20,6 +20,7 @@ import megaflow  # noqa: F401
 from megaflow.algo.loss import LossConfig, MismatchConfig
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, sigma_max_of, transition_log_prob
+from megaflow.models.registry import get_family
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer import grpo, grpo_batches
 from megaflow.trainer.grpo import GRPOSettings, grpo_update
@@ -37,6 +38,7 @@ class FakeEngine:
         self.a = torch.nn.Parameter(torch.tensor(0.3))
         self.b = torch.nn.Parameter(torch.tensor(-0.2))
         self.config = SimpleNamespace(calculate_per_token_loss=False)
+        self.family = get_family("sd3")  # its batch_conditioning stacks the trajectories' conditioning
         self.losses: list[float] = []
         self.optimizer = SimpleNamespace(zero_grad=self._zero, step=lambda: (True, 1.0, None))
 
@@ -144,6 +146,7 @@ def test_loss_refuses_sample_levels_without_precomputed_weights():
     trajs = _trajs(engine)
     settings = GRPOSettings(transition=TRANSITION, loss=LossConfig(kl_beta=0.0),
                             mismatch=MismatchConfig(mismatch_level="trajectory"))
-    mb = grpo_batches.stack_items(trajs, ADV, [(0, 0), (0, 1)], [True, True], torch.device("cpu"))
+    mb = grpo_batches.stack_items(trajs, ADV, [(0, 0), (0, 1)], [True, True], torch.device("cpu"),
+                                  conditioning=grpo.batch_conditioning(engine))
     with pytest.raises(ValueError, match="grpo_update"):
         grpo.grpo_loss(engine.velocity(mb["latents"]), mb, settings=settings, normalizer=2.0)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -21,9 +22,11 @@ from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo import GRPOSettings, grpo_loss
+from megaflow.models.registry import get_family
 from megaflow.trainer.grpo_batches import guided_velocity, plan_updates, stack_items
 
 torch.set_num_threads(1)
+SD3_CONDITIONING = dict(conditioning=functools.partial(get_family("sd3").batch_conditioning, None))
 
 
 def test_plan_single_step_is_sample_major_and_complete():
@@ -79,7 +82,7 @@ def test_grpo_loss_padding_rows_with_nan_add_exactly_zero(mismatch):
     v0 = torch.randn(5, 4, 2, 2, generator=g)
     results = []
     for poisoned in (False, True):
-        mb = stack_items(trajs, torch.tensor([1.0, -0.5, 2.0]), items, real, torch.device("cpu"))
+        mb = stack_items(trajs, torch.tensor([1.0, -0.5, 2.0]), items, real, torch.device("cpu"), **SD3_CONDITIONING)
         mb["ref_mean"] = torch.randn(5, 4, 2, 2, generator=torch.Generator().manual_seed(2))
         if poisoned:
             mb["rollout_log_prob"][3:] = torch.tensor([math.nan, -math.inf])
@@ -97,7 +100,7 @@ def test_grpo_loss_padding_rows_with_nan_add_exactly_zero(mismatch):
 
 def test_cfg_microbatch_and_guided_velocity():
     trajs = _trajs(cfg=True)
-    mb = stack_items(trajs, torch.zeros(3), [(0, 1), (2, 3)], [True, True], torch.device("cpu"))
+    mb = stack_items(trajs, torch.zeros(3), [(0, 1), (2, 3)], [True, True], torch.device("cpu"), **SD3_CONDITIONING)
     assert mb["latents"].shape[0] == 4 and torch.equal(mb["latents"][:2], mb["latents"][2:])
     assert torch.equal(mb["encoder_hidden_states"][:2], torch.zeros(2, 5, 8))  # unconditional first
     assert torch.equal(mb["encoder_hidden_states"][2], trajs[0].conditioning["encoder_hidden_states"])
@@ -107,10 +110,10 @@ def test_cfg_microbatch_and_guided_velocity():
     no_neg = [dataclasses.replace(t, conditioning={k: v for k, v in t.conditioning.items() if "negative" not in k})
               for t in trajs]
     with pytest.raises(ValueError, match="negative_encoder_hidden_states"):
-        stack_items(no_neg, torch.zeros(3), [(0, 1)], [True], torch.device("cpu"))
+        stack_items(no_neg, torch.zeros(3), [(0, 1)], [True], torch.device("cpu"), **SD3_CONDITIONING)
     mixed = [trajs[0], _trajs(1)[0]]
     with pytest.raises(ValueError, match="mixes CFG"):
-        stack_items(mixed, torch.zeros(2), [(0, 1), (1, 1)], [True, True], torch.device("cpu"))
+        stack_items(mixed, torch.zeros(2), [(0, 1), (1, 1)], [True, True], torch.device("cpu"), **SD3_CONDITIONING)
 
 
 def test_timestep_fraction():

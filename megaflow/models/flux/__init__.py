@@ -9,7 +9,8 @@ from megaflow.models.flux.spec import get_flux_layer_spec
 from megaflow.models.registry import ModelFamily
 
 FAMILY = ModelFamily.from_modules("flux", "FluxTransformer2DModel", config=config, model=model,
-                                  weight_map=weight_map, layer_spec=get_flux_layer_spec, model_class=FluxTransformer)
+                                  weight_map=weight_map, layer_spec=get_flux_layer_spec, model_class=FluxTransformer,
+                                  embedded_guidance=True)
 
 __all__ = ["FAMILY", "FluxConfig", "FluxTransformer", "from_diffusers", "get_flux_layer_spec", "model_inputs",
            "weight_map"]

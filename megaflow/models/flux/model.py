@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megaflow.models.common.batch import stack_conditioning
 from megaflow.models.common.layers import ReplicatedLinear
 from megaflow.models.common.model import TIMESTEP_CHANNELS, DiTModel, EmbedMLP, pipeline_seq_length, timestep_features
 from megaflow.models.flux.config import ROPE_THETA, TIMESTEP_SCALE, FluxConfig
@@ -134,6 +135,41 @@ class FluxTransformer(DiTModel):
         if self.post_process:
             return self._final(hidden, temb)
         return torch.cat([context, hidden, temb[None]], dim=0)
+
+
+def packed_grid(num_tokens: int, height: int, width: int) -> tuple[int, int]:
+    """The (rows, cols) of FLUX's packed latent tokens for a ``height`` x ``width`` image: FluxPipeline
+    packs to (height // s, width // s) with s = 2 x the VAE's scale factor. Both factors fall as s grows,
+    so the one s that gives ``num_tokens`` fixes the grid; ValueError when none does."""
+    for s in range(1, max(height, width) + 1):
+        rows, cols = height // s, width // s
+        if rows * cols == num_tokens:
+            return rows, cols
+        if rows * cols < num_tokens:
+            break
+    raise ValueError(f"{num_tokens} packed latent tokens fit no grid of a {height}x{width} image")
+
+
+def batch_conditioning(config: FluxConfig, trajectories, cfg: bool) -> dict:
+    """The conditioning keys of a trainer microbatch (see ``model_inputs``) from rollout trajectories:
+    encoder_hidden_states and pooled_projections stacked; txt_ids zeros [L, 3] and img_ids the packed
+    grid's (0, row, col) (FluxPipeline's, which the engine's rotary tables are built from); guidance [B]
+    = each trajectory's ``guidance_scale`` when the model embeds guidance (FLUX.1-dev). FLUX.1 samples
+    without true CFG: ``cfg`` raises ValueError."""
+    if cfg:
+        raise ValueError("FLUX.1 has no classifier-free guidance branch: its guidance_scale is the embedded "
+                         "guidance (trajectories must have do_cfg=False)")
+    size = (trajectories[0].height, trajectories[0].width)
+    if None in size or any((x.height, x.width) != size for x in trajectories):
+        raise ValueError("a FLUX microbatch needs one known image size (height, width) for its img_ids; got "
+                         f"{sorted({(x.height, x.width) for x in trajectories}, key=str)}")
+    out = stack_conditioning(trajectories, ("encoder_hidden_states", "pooled_projections"), cfg=False)
+    num_tokens = trajectories[0].latents.shape[-2]
+    out["txt_ids"] = torch.zeros(out["encoder_hidden_states"].shape[1], 3)
+    out["img_ids"] = image_ids(*packed_grid(num_tokens, *size))
+    if config.guidance_embeds:
+        out["guidance"] = torch.tensor([float(x.guidance_scale) for x in trajectories])
+    return out
 
 
 def model_inputs(config: FluxConfig, microbatch: dict) -> dict:

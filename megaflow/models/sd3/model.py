@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megaflow.models.common.batch import stack_conditioning
 from megaflow.models.common.layers import ReplicatedLinear
 from megaflow.models.common.model import (  # noqa: F401  (pipeline_seq_length: part of the family API)
     TIMESTEP_CHANNELS,
@@ -137,6 +138,12 @@ class SD3MMDiT(DiTModel):
         if self.post_process:
             return self._final(hidden, temb, height, width)
         return torch.cat([hidden, context, temb[None]], dim=0)
+
+
+def batch_conditioning(config: MMDiTConfig, trajectories, cfg: bool) -> dict:
+    """The conditioning keys of a trainer microbatch (see ``model_inputs``) from rollout trajectories:
+    encoder_hidden_states and pooled_projections stacked, [negative; positive] under CFG."""
+    return stack_conditioning(trajectories, ("encoder_hidden_states", "pooled_projections"), cfg)
 
 
 def model_inputs(config: MMDiTConfig, microbatch: dict) -> dict:

@@ -1,0 +1,33 @@
+"""Trainer microbatch conditioning from rollout trajectories, shared by the families.
+
+A family's ``batch_conditioning(config, trajectories, cfg)`` (megaflow.models.registry) returns the
+conditioning keys of one trainer microbatch (everything its ``model_inputs`` reads besides ``latents``
+and ``sigma``); ``stack_conditioning`` is the part every family has: per-sample conditioning tensors
+stacked along a new batch dim, and under classifier-free guidance the negative branch first
+(``[negative; positive]``, flow_grpo's order), from the trajectories' ``negative_<key>`` twins.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def stack_conditioning(trajectories: Sequence, keys: Sequence[str], cfg: bool) -> dict[str, torch.Tensor]:
+    """``{key: [B, ...]}`` (``[2B, ...]`` = [negative; positive] when ``cfg``) from each trajectory's
+    ``conditioning``; ValueError naming the sample that lacks a negative twin or whose twin's shape differs."""
+    out = {}
+    for key in keys:
+        pos = torch.stack([x.conditioning[key] for x in trajectories])
+        if cfg:
+            missing = [f"{x.request_id}/{x.index}" for x in trajectories if f"negative_{key}" not in x.conditioning]
+            if missing:
+                raise ValueError(f"trajectory {missing[0]} has do_cfg=True but no 'negative_{key}' in its "
+                                 "conditioning: the trainer needs the unconditional branch to recompute CFG")
+            neg = torch.stack([x.conditioning[f"negative_{key}"] for x in trajectories])
+            if neg.shape != pos.shape:
+                raise ValueError(f"negative_{key} shape {tuple(neg.shape[1:])} != {key} shape "
+                                 f"{tuple(pos.shape[1:])}: both CFG branches must run as one batch")
+            pos = torch.cat([neg, pos])
+        out[key] = pos
+    return out
