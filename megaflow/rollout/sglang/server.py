@@ -72,6 +72,27 @@ def _without_launcher_env(quiet: bool = True):
 
 
 @contextlib.contextmanager
+def _pinned_device(device_index: int | None):
+    """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index`` (an index
+    into this process's CUDA_VISIBLE_DEVICES when set); None: leave the environment alone."""
+    if device_index is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in saved.split(",")] if saved else None
+    if visible is not None and not 0 <= device_index < len(visible):
+        raise ValueError(f"engine device_index {device_index} is outside CUDA_VISIBLE_DEVICES={saved!r}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device_index] if visible is not None else str(device_index)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@contextlib.contextmanager
 def _worker_output(log_file: Path | None):
     """Point this process's stdout/stderr descriptors at ``log_file`` (appending) while workers are spawned
     (they inherit the descriptors); None: leave them alone."""
@@ -125,15 +146,17 @@ class EngineServer:
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
 
     @classmethod
-    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None) -> EngineServer:
-        """Start the workers (``kwargs``: sglang ServerArgs); their output goes to ``log_file`` if given, as
-        does what sglang logs in this process while they start (server args, start messages)."""
+    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None,
+              device_index: int | None = None) -> EngineServer:
+        """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
+        pinned); their output goes to ``log_file`` if given, as does what sglang logs in this process while
+        they start (server args, start messages)."""
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
         # must not wipe the host's logging setup, so it is restored afterwards.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
         try:
-            with _without_launcher_env(), _worker_output(log_file):
+            with _without_launcher_env(), _pinned_device(device_index), _worker_output(log_file):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
                 processes = launch_server(server_args, launch_http_server=False)
