@@ -83,3 +83,14 @@ def placement_from_env(engine_hosts: str, engines_per_host: int, env=None) -> Pl
     local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     return Placement(rank=int(env.get("RANK", "0")), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
                      hosts=engine_host_ranks(engine_hosts, world, local_world), engines_per_host=engines_per_host)
+
+
+def worker_visible_devices(device_index: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for workers pinned to local device ``device_index``: the entry at that index of
+    this process's ``visible`` list when set (e.g. "4,5" and 1 -> "5"), else the index itself."""
+    if not visible:
+        return str(device_index)
+    ids = [d.strip() for d in visible.split(",")]
+    if not 0 <= device_index < len(ids):
+        raise ValueError(f"engine device_index {device_index} is outside CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[device_index]

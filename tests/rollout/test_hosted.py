@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hosted_workers as hw
-from megaflow.placement import Placement, engine_host_ranks, placement_from_env
+from megaflow.placement import Placement, engine_host_ranks, placement_from_env, worker_visible_devices
 from megaflow.rollout.hosted import plan_groups, sample_and_score
 from megaflow.rollout.types import RolloutRequest
 from megaflow.testing.dist import run_multiprocess
@@ -37,6 +37,13 @@ def test_placement_ids_are_global_and_from_env():
     q = Placement(rank=5, world_size=8, local_rank=1, hosts=(0, 4), engines_per_host=2)
     assert not q.is_host and q.engine_ids() == []
     assert placement_from_env("rank0", 1, env={}).hosts == (0,)
+
+
+def test_engine_workers_see_only_their_device():
+    assert worker_visible_devices(3, None) == "3" and worker_visible_devices(1, "") == "1"
+    assert worker_visible_devices(1, "4, 5") == "5"  # an index into the launcher's visible list
+    with pytest.raises(ValueError, match="device_index 2 is outside"):
+        worker_visible_devices(2, "4,5")
 
 
 def test_plan_groups_is_group_atomic_balanced_and_seeded():

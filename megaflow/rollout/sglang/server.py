@@ -37,6 +37,7 @@ from sglang.multimodal_gen.runtime.server_args import ServerArgs
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+from megaflow.placement import worker_visible_devices
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -73,16 +74,13 @@ def _without_launcher_env(quiet: bool = True):
 
 @contextlib.contextmanager
 def _pinned_device(device_index: int | None):
-    """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index`` (an index
-    into this process's CUDA_VISIBLE_DEVICES when set); None: leave the environment alone."""
+    """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
+    (:func:`megaflow.placement.worker_visible_devices`); None: leave the environment alone."""
     if device_index is None:
         yield
         return
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in saved.split(",")] if saved else None
-    if visible is not None and not 0 <= device_index < len(visible):
-        raise ValueError(f"engine device_index {device_index} is outside CUDA_VISIBLE_DEVICES={saved!r}")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device_index] if visible is not None else str(device_index)
+    os.environ["CUDA_VISIBLE_DEVICES"] = worker_visible_devices(device_index, saved)
     try:
         yield
     finally:
