@@ -1,9 +1,9 @@
 """Build the runtime pieces of a run from a validated config (the only place that does).
 
 Trainer (megatron TrainEngine, + frozen reference when KL is on), this rank's rollout engines (SGLang,
-DP replicas behind the least-loaded balancer, on the ranks megaflow.placement names), the weight sync, the reward scorer and the prompt
-stream. Every builder takes the config sections it needs and returns plain objects; the controller
-composes them.
+DP replicas behind the least-loaded balancer, on the ranks megaflow.placement names), the weight sync,
+the reward scorer and the prompt stream. Every builder takes the config sections it needs and returns
+plain objects; the controller composes them.
 """
 from __future__ import annotations
 

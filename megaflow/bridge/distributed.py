@@ -6,7 +6,8 @@ tensors on GPU; ``megaflow.bridge.placed`` builds it); engines on the source ran
 bucket too. For each bucket the source broadcasts the metadata (a pickled list) and then the flat
 byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and each receiver loads it into its local
 engines through the colocated path. A ``None`` metadata message ends the sync; receivers then verify
-against the digests the source sends and report back, so the source's :class:`SyncReport` is only ``verified`` when every remote engine matched.
+against the digests the source sends and report back, so the source's :class:`SyncReport` is only
+``verified`` when every remote engine matched.
 """
 from __future__ import annotations
 
