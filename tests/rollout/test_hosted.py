@@ -54,7 +54,8 @@ def test_plan_groups_is_group_atomic_balanced_and_seeded():
     assert len({tuple(plan_groups(reqs, (0, 4), 1, seed=s)) for s in range(6)}) > 1  # ties depend on the seed
     uneven = [RolloutRequest(prompt="p", num_outputs=k, request_id=str(i)) for i, k in enumerate([8, 2, 2, 2, 2])]
     plan = plan_groups(uneven, (0, 1), 1, seed=0)
-    assert plan[1:] == [plan[1]] * 4 and plan[1] != plan[0]  # the big group's host gets nothing until the other catches up
+    # the big group's host gets nothing until the other one has caught up
+    assert plan[1:] == [plan[1]] * 4 and plan[1] != plan[0]
 
 
 def _reference():
