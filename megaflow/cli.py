@@ -177,6 +177,13 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_hosts(args: argparse.Namespace) -> int:
+    _load_checked(args, "train")  # one-line errors before two launches start
+    from megaflow.bench.hosts import bench_hosts
+    _emit(bench_hosts(args.config, args.overrides, iterations=args.iterations), args)
+    return 0
+
+
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
     cfg = _run_config(args, "train")
     from megaflow.bench.learn import bench_learn
@@ -257,7 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_bl.add_argument("--eval-every", type=int, default=0, help="Held-out eval every N iterations (0 = off).")
     p_bl.add_argument("--eval-num", type=int, default=100, help="Held-out prompts of those intermediate evals.")
     p_bl.add_argument("--target-gain", type=float, default=0.05, help="Report the RL time to this held-out gain.")
-    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bl, _cmd_bench_learn)):
+    p_bh = bench_sub.add_parser("hosts", help="Whole-loop images/s of megaflow train with 2 engine hosts / 1 "
+                                "(two torchrun runs on this machine, rollout.engine_hosts = rank).")
+    _add_config_args(p_bh, default="configs/cpu_demo.toml")
+    p_bh.add_argument("--iterations", type=int, default=6, help="Iterations per run (the first is not timed).")
+    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bl, _cmd_bench_learn),
+                       (p_bh, _cmd_bench_hosts)):
         p.add_argument("--json", action="store_true", help="Print one JSON object.")
         p.add_argument("--out", default=None, help="Also write the JSON to this file.")
         p.set_defaults(handler=handler)

@@ -1,10 +1,13 @@
 """The FlowGRPO loop: generate -> reward -> advantages -> train -> sync, every phase a named call.
 
-Rank 0 drives the SGLang engines and the rewards; every trainer rank receives the scored batch
-and takes part in the megatron step and in gathering full weights for the sync. Launch:
+The engine hosts (``rollout.engine_hosts``, megaflow.placement) sample and score their share of the
+groups; every rank receives the whole scored batch (megaflow.rollout.hosted), computes the same
+advantages, takes part in the megatron step and in the weight sync to every host (megaflow.bridge.placed).
+Rank 0 (the driver) owns the run dir, the metrics and evaluation. Launch:
 
     megaflow train -c configs/cpu_demo.toml                       # 1 process
     torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
+    NNODES=2 NODE_RANK=<0|1> bash scripts/launch.sh -c ... --set rollout.engine_hosts='"node"'
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import as_completed
 from pathlib import Path
 
 import torch
@@ -70,35 +72,25 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
                            guidance_scale=r.guidance_scale, do_cfg=do_cfg,
                            sde_type=r.sde_type, noise_level=r.noise_level,
                            sde_step_indices=window, log_prob_no_const=r.log_prob_no_const,
-                           max_sequence_length=r.max_sequence_length or None)
+                           max_sequence_length=r.max_sequence_length or None,
+                           request_id=f"it{iteration}-g{g}")  # the same on every rank
             for g in range(r.prompts_per_iter)]
 
 
 def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):
-    """Sample every group, score the images, turn rewards into group-normalised advantages.
+    """Sample every group on ``rollout`` (one host's engines), score the images (scoring overlaps sampling,
+    :func:`megaflow.rollout.hosted.sample_and_score`), turn rewards into advantages (:func:`batch_advantages`)."""
+    from megaflow.rollout.hosted import sample_and_score
+    return batch_advantages(*sample_and_score(rollout, scorer, requests), cfg)
 
-    Scoring overlaps sampling: ``rollout.submit`` gives one future per group and each group goes to the
-    scorer as soon as it is back, while the other groups still sample; the scores are put back in request
-    order. Rewards scored image by image (ShapeEval, JPEG, colour) give exactly the result of scoring all
-    images as one batch; a batched network (the CIFAR classifier) may differ in the last bits with the batch
-    size. The gain is real only when groups come back at different times (several engine calls: more
-    samples than ``rollout.max_batch_outputs``, or several engines)."""
-    t0 = time.perf_counter()
-    pending = {future: g for g, future in enumerate(rollout.submit(requests))}
-    groups: list = [None] * len(requests)
-    scored: list = [None] * len(requests)
-    for future in as_completed(pending):
-        g = pending[future]
-        groups[g] = future.result()
-        scored[g] = scorer.submit(torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]])
-    t_sampled = time.perf_counter()
-    trajs = [t for group in groups for t in group]
-    scores = RewardScores.concat([f.result() for f in scored])
+
+def batch_advantages(trajs, scores: RewardScores, timings: dict, cfg: MegaflowConfig):
+    """(trajectories, group-normalised advantages, kept mask, metrics) of a scored batch (groups of
+    ``rollout.group_size`` consecutive samples); deterministic, so every rank computes the same."""
     group_ids = torch.tensor([i // cfg.rollout.group_size for i in range(len(trajs))])
     adv = group_advantages(scores.total, group_ids, from_section(AdvantageConfig, cfg.algo))
     metrics = {**scores.summary(), **{f"adv/{k}": v for k, v in adv.stats.items()},
-               "adv/dropped_ratio": adv.dropped_ratio, "time/sample_s": t_sampled - t0,
-               "time/score_after_sample_s": time.perf_counter() - t_sampled}
+               "adv/dropped_ratio": adv.dropped_ratio, **timings}
     return trajs, adv.advantages, adv.keep, metrics
 
 
@@ -124,15 +116,11 @@ def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: in
                               timestep_fraction=cfg.algo.timestep_fraction)
 
 
-def sync_weights(trainer, bridge, iteration: int = 0) -> dict:
-    """Gather full weights (all trainer ranks), push them into the engines (rank 0), verify."""
+def sync_weights(trainer, sync, iteration: int = 0) -> dict:
+    """Gather full weights (every rank), push them into every engine host's engines, verify (``sync``: a
+    megaflow.bridge.placed.PlacedSync); the merged metrics on every rank."""
     from megaflow.bridge.convert import engine_named_params
-    stream = _fault_midway(engine_named_params(trainer), iteration)
-    if bridge is None:  # not the driver rank: take part in the gathers only
-        for _ in stream:
-            pass
-        return {}
-    return bridge.push(stream).as_metrics()
+    return sync.push(_fault_midway(engine_named_params(trainer), iteration))
 
 
 def _fault_midway(stream, iteration: int):
@@ -180,17 +168,19 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
     from megaflow.colocate import Phases
     from megaflow.interrupt import Interrupted, StopRequests
     from megaflow.parallel import ParallelDims, init_distributed
-    from megaflow.rollout.balancer import Balancer
+    from megaflow.placement import placement_from_env
     from megaflow.rundir import run_dir_of
 
     torch.set_num_threads(cfg.run.num_threads)
     run_dir = run_dir_of(cfg)
     p = cfg.parallel
-    init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed)
-    rank0 = dist.get_rank() == 0
+    init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed,
+                     timeout_s=p.timeout_s)
+    placement = placement_from_env(cfg.rollout.engine_hosts, cfg.rollout.num_engines)
+    rank0 = placement.is_driver
     stop = StopRequests()
     owned, start, resume_from = _claim_run_dir(cfg, resume, rank0)
-    engines, scorer, reporter, done = [], None, None, False
+    hosted, reporter, done = None, None, False
     try:
         pipeline_dir = None
         if rank0:
@@ -209,19 +199,18 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             if rank0:
                 print(f"[megaflow] resuming after iteration {start} from {resume_from} "
                       f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
-        engines = runtime.build_engines(cfg, pipeline_dir, verbose=verbose) if rank0 else []
-        rollout = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if rank0 else None
-        bridge = runtime.build_bridge(cfg, engines, run_dir, pipeline_dir) if rank0 else None
-        scorer = runtime.build_scorer(cfg) if rank0 else None
+        hosted = runtime.build_rollout(cfg, placement, pipeline_dir, verbose=verbose)
+        rollout = hosted.local  # this rank's engines (evaluation runs on the driver's)
+        sync = runtime.build_sync(cfg, hosted, run_dir, pipeline_dir)
         prompts = runtime.prompt_stream(cfg, consumed)
         settings = grpo_settings(cfg)
-        phases = Phases(engines, enabled=cfg.bridge.mode == "colocated")
+        phases = Phases(hosted.engines, enabled=cfg.bridge.mode == "colocated")
         if rank0:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
         reporter = RunReporter(run_dir, cfg, enabled=rank0, verbose=verbose, total_iterations=cfg.train.iterations,
                                start_iteration=start)
         metrics: dict = history[-1] if history else {}
-        initial_sync = sync_weights(trainer, bridge)  # engines now hold exactly the trainer's weights
+        initial_sync = sync_weights(trainer, sync)  # engines now hold exactly the trainer's weights
         if start == 0:
             reporter.iteration(0, initial_sync)
             history.append({"iteration": 0, **initial_sync})
@@ -235,21 +224,20 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
 
         for it in range(start + 1, cfg.train.iterations + 1):
             t0 = time.perf_counter()
-            batch = generate_and_score(rollout, scorer, make_requests(cfg, prompts, it), cfg) if rank0 else None
+            trajs, advantages, keep, roll_metrics = batch_advantages(
+                *hosted.collect(make_requests(cfg, prompts, it), it), cfg)
             faults.check("rollout", it)
             t_rollout = time.perf_counter() - t0
-            trajs, advantages, keep, roll_metrics = _share(batch, rank0)
             with phases.training():
                 train_metrics = grpo_update(trainer, trajs, advantages, keep, train_steps(cfg, settings.transition, it),
                                             settings, ref, seed=cfg.run.seed * 1_000_003 + it * 10_007 + 2)
             faults.check("train", it)
             t_train = time.perf_counter() - t0 - t_rollout
-            sync_metrics = sync_weights(trainer, bridge, it)
+            sync_metrics = sync_weights(trainer, sync, it)
             metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
                        **phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
                        "time/iteration_s": time.perf_counter() - t0}
-            if rollout is not None and hasattr(rollout, "metrics"):
-                metrics.update(rollout.metrics())
+            metrics.update(hosted.metrics())
             signum = stop.agreed()
             last = it == cfg.train.iterations
             history.append({"iteration": it, **metrics})
@@ -271,10 +259,8 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
         done = True
     finally:
         stop.restore()
-        for e in engines:
-            e.shutdown()
-        if scorer is not None:
-            scorer.close()
+        if hosted is not None:
+            hosted.close()
         if reporter is not None:
             reporter.close()
         if owned is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaflow.config.schema import MegaflowConfig
+from megaflow.placement import engine_host_ranks
 from megaflow.plan_model import (
     BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, STAGE_EXTRA,
     VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
@@ -43,10 +44,11 @@ class RankPlan:
         return sum(self.items.values())
 
 
-def engine_placement(cfg: MegaflowConfig, world: int) -> dict[int, int]:
-    """rank -> number of rollout engines it hosts. Today every engine runs on rank 0 (the controller starts
-    ``rollout.num_engines`` engines in its own process); placement policies extend this one function."""
-    return {0: cfg.rollout.num_engines}
+def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> dict[int, int]:
+    """rank -> number of rollout engines it hosts (megaflow.placement, ``rollout.engine_hosts``), for a launch
+    of ``world`` ranks with ``per_node`` (at most) per node."""
+    hosts = engine_host_ranks(cfg.rollout.engine_hosts, world, min(world, per_node))
+    return {r: cfg.rollout.num_engines for r in hosts}
 
 
 def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:

@@ -1,9 +1,9 @@
 """Build the runtime pieces of a run from a validated config (the only place that does).
 
-Trainer (megatron TrainEngine, + frozen reference when KL is on), rollout engines (SGLang, DP
-replicas behind the least-loaded balancer), the weight bridge, the reward scorer and the prompt
-stream. Every builder takes the config sections it needs and returns plain objects; the controller
-composes them.
+Trainer (megatron TrainEngine, + frozen reference when KL is on), this rank's rollout engines (SGLang,
+DP replicas behind the least-loaded balancer, on the ranks megaflow.placement names), the weight sync,
+the reward scorer and the prompt stream. Every builder takes the config sections it needs and returns
+plain objects; the controller composes them.
 """
 from __future__ import annotations
 
@@ -70,17 +70,37 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     return trainer, ref
 
 
-def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, *, verbose: bool = False) -> list:
-    """``rollout.num_engines`` SGLang engines on this host (each starts its own worker processes); their
-    logs go to <run dir>/logs/, or with ``verbose`` to the terminal."""
+def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False) -> list:
+    """The SGLang engines this rank hosts (``placement``: megaflow.placement.Placement; None = a 1-process
+    run's): ``rollout.num_engines`` on an engine host, pinned to its local GPU when CUDA is present, none
+    elsewhere (each starts its own worker processes); their logs go to <run dir>/logs/, or with ``verbose``
+    to the terminal."""
     from megaflow.config.to_sglang import engine_config
+    from megaflow.placement import placement_from_env
     from megaflow.rollout.sglang import SGLangEngine
-    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), i, verbose=verbose))
-            for i in range(cfg.rollout.num_engines)]
+    placement = placement or placement_from_env("rank0", cfg.rollout.num_engines, env={})
+    device = placement.device_index if torch.cuda.is_available() else None
+    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
+            for engine_id in placement.engine_ids()]
+
+
+def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, *, verbose: bool = False):
+    """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, and the gloo
+    rollout group over every rank (timeout ``parallel.timeout_s``; collective: every rank calls it)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from megaflow.rollout.balancer import Balancer
+    from megaflow.rollout.hosted import HostedRollout
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose)
+    local = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if engines else None
+    scorer = build_scorer(cfg) if engines else None
+    return HostedRollout(placement, engines=engines, local=local, scorer=scorer, group=group, seed=cfg.run.seed)
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
-    """The weight bridge of ``bridge.mode`` into ``engines``."""
+    """The local weight bridge of ``bridge.mode`` (colocated or disk) from this rank into ``engines``."""
     b = cfg.bridge
     nbytes = int(b.bucket_mb * 2**20)
     if b.mode == "colocated":
@@ -91,8 +111,35 @@ def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir
         tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
         return DiskBridge(engines, run_dir / "weights", transformer_config=tconf, bucket_bytes=nbytes,
                           verify=b.verify)
-    raise ValueError(f"bridge.mode = {b.mode!r}: the distributed path needs engines on other ranks; "
-                     "launch with scripts/launch.sh (one engine host per node)")
+    raise ValueError(f"bridge.mode = {b.mode!r} has no local bridge (see build_sync)")
+
+
+def build_sync(cfg: MegaflowConfig, rollout, run_dir: Path, pipeline_dir: Path):
+    """The PlacedSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed creates the
+    weight group over rank 0 and the engine hosts (NCCL with device tensors on GPU, else gloo; timeout
+    ``parallel.timeout_s``; collective: every rank calls it)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from megaflow.bridge.placed import PlacedSync
+    from megaflow.placement import DRIVER
+    p, b = rollout.placement, cfg.bridge
+    targets = [rollout.local] if rollout.local is not None else []
+    if b.mode != "distributed":
+        bridge = build_bridge(cfg, targets, run_dir, pipeline_dir) if targets else None
+        return PlacedSync(p, group=rollout.group, bridge=bridge)
+    from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
+    from megaflow.parallel import current_device
+    cuda = torch.cuda.is_available()
+    group = dist.new_group(sorted({DRIVER, *p.hosts}), backend="nccl" if cuda else "gloo",
+                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    device = current_device() if cuda else torch.device("cpu")
+    if p.is_driver:
+        return PlacedSync(p, group=rollout.group, bridge=DistributedBridge(
+            group=group, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify, device=device,
+            engines=targets))
+    receiver = DistributedReceiver(targets, group=group, src=DRIVER, device=device) if p.is_host else None
+    return PlacedSync(p, group=rollout.group, receiver=receiver)
 
 
 def build_scorer(cfg: MegaflowConfig):

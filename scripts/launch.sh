@@ -3,8 +3,15 @@
 #
 #   # 1 node, 2 trainer ranks (TP=2), engines on rank 0:
 #   NPROC=2 bash scripts/launch.sh -c configs/cpu_demo.toml --set parallel.tp=2
-#   # 2 nodes x 8 GPUs (set on each node; NODE_RANK differs):
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC=8 bash scripts/launch.sh -c configs/sd3_medium.toml --set parallel.tp=2
+#   # 2 nodes x 8 GPUs (set on each node; NODE_RANK differs), engines on local rank 0 of each node:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC=8 bash scripts/launch.sh -c configs/sd3_medium.toml \
+#       --set parallel.tp=2 --set rollout.engine_hosts=node
+#   # two "nodes" on one CPU host (as tests/test_launch_multinode.py does; run both, NODE_RANK 0 and 1):
+#   NNODES=2 NODE_RANK=0 NPROC=1 MASTER_PORT=29611 bash scripts/launch.sh -c configs/cpu_demo.toml \
+#       --set rollout.engine_hosts=node
+#
+# Every node needs the same repository and the run dir (run.output_dir) on a shared filesystem: rank 0
+# writes the run's config and, without model.pretrained, the tiny pipeline that every engine loads.
 #
 # Environment (all optional): NNODES (1), NODE_RANK (0), NPROC (processes per node; GPUs per node
 # when CUDA is present, else 1), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), VENV (the project venv).

@@ -1,11 +1,13 @@
 """Distributed path: broadcast buckets over a process group to the ranks that host engines.
 
 The trainer's source rank (usually global rank 0, holding the gathered full tensors) and one
-receiving rank per engine host form ``group``. For each bucket the source broadcasts the metadata
-(a pickled list) and then the flat byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and each
-receiver loads it into its local engines through the colocated path. A ``None`` metadata message
-ends the sync; receivers then verify against the digests the source sends and report back, so the
-source's :class:`SyncReport` is only ``verified`` when every remote engine matched.
+receiving rank per engine host form ``group`` (a dedicated group: gloo on CPU, NCCL with device
+tensors on GPU; ``megaflow.bridge.placed`` builds it); engines on the source rank itself get every
+bucket too. For each bucket the source broadcasts the metadata (a pickled list) and then the flat
+byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and each receiver loads it into its local
+engines through the colocated path. A ``None`` metadata message ends the sync; receivers then verify
+against the digests the source sends and report back, so the source's :class:`SyncReport` is only
+``verified`` when every remote engine matched.
 """
 from __future__ import annotations
 
@@ -25,34 +27,46 @@ def _bcast_obj(obj, src: int, group) -> object:
 
 
 class DistributedBridge:
-    """Source side: ``push`` streams buckets to every receiver in ``group``."""
+    """Source side: ``push`` streams buckets to every receiver in ``group`` and into ``engines`` (engines on
+    the source rank; none by default)."""
 
     mode = "distributed"
 
     def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20, verify: bool = True,
-                 device: torch.device | str = "cpu"):
-        self.group, self.src = group, src
+                 device: torch.device | str = "cpu", engines: Sequence = ()):
+        self.group, self.src, self.engines = group, src, list(engines)
         self.bucket_bytes, self.verify = int(bucket_bytes), verify
         self.device = torch.device(device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         stream = DigestingStream(named_tensors, digest=self.verify)
-        num_buckets = 0
+        num_buckets, local_error = 0, ""
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
             _bcast_obj(bucket.metadata, self.src, self.group)
             dist.broadcast(bucket.flat.to(self.device), src=self.src, group=self.group)
+            for engine in self.engines:  # a failure is raised after the receivers finished, never midway
+                r = engine.load_bucket(bucket, verify=False)  # one check per sync below
+                if not r.ok and not local_error:
+                    local_error = f"engine {getattr(engine, 'engine_id', '?')} bucket {num_buckets}: {r.message}"
         _bcast_obj(None, self.src, self.group)
         report = stream.report(self.mode, num_buckets)
         _bcast_obj(report.expected_sha256 if self.verify else None, self.src, self.group)
+        if self.verify and not local_error:
+            for engine in self.engines:
+                ok, msg = engine.verify_weights(report.expected_sha256)
+                if not ok:
+                    local_error = f"engine {getattr(engine, 'engine_id', '?')}: {msg}"
+                    break
         results = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(results, None, group=self.group)
-        failures = [r for r in results if r is not None and not r[0]]
+        failures = [r[1] for r in results if r is not None and not r[0]] + ([local_error] if local_error else [])
         if failures:
-            raise SyncError(f"distributed weight sync did not verify on {len(failures)} receiver(s): {failures[0][1]}")
+            raise SyncError(f"distributed weight sync did not verify on {len(failures)} host(s): {failures[0]}")
         if self.verify:
             report.verified = True
-            report.message = f"verified on {sum(r is not None for r in results)} receiver(s)"
+            report.message = (f"verified on {sum(r is not None for r in results)} receiver(s)"
+                              f"{' and the source' if self.engines else ''}")
         return report
 
 

@@ -29,6 +29,7 @@ from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.shapes import CATEGORIES
+from megaflow.placement import engine_host_ranks
 
 # Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
@@ -116,6 +117,12 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
     if launch and world.isdigit() and int(world) % size:
         raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide the {world} launched process(es) "
                           f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
+    local = os.environ.get("LOCAL_WORLD_SIZE", world)
+    if launch and world.isdigit() and local.isdigit():
+        try:
+            engine_host_ranks(cfg.rollout.engine_hosts, int(world), int(local))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_recompute(cfg: MegaflowConfig) -> None:
@@ -228,9 +235,9 @@ def _check_rollout(cfg: MegaflowConfig) -> None:
 
 def _check_bridge(cfg: MegaflowConfig) -> None:
     b, r = cfg.bridge, cfg.rollout
-    if b.mode == "distributed":
-        raise ConfigError("bridge.mode = 'distributed' is not wired into the training loop yet "
-                          "(megaflow.runtime.build_bridge); use 'colocated' or 'disk'")
+    if b.mode == "disk" and r.engine_hosts != "rank0":
+        raise ConfigError(f"bridge.mode = 'disk' writes the weights on rank 0 only; with rollout.engine_hosts = "
+                          f"{r.engine_hosts!r} use bridge.mode = 'colocated' or 'distributed'")
     engine_dtype = _ENGINE_DTYPE[r.precision]
     if b.verify and engine_dtype != cfg.model.dtype:
         raise ConfigError(f"rollout.precision = {r.precision!r} with model.dtype = {cfg.model.dtype!r} and "

@@ -54,11 +54,21 @@ class ParallelConfig:
     cp: int = opt(1, "Context-parallel degree.", ge=1)
     sp: bool = opt(False, "Sequence parallelism (requires tp > 1).")
     vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0)
+    timeout_s: float = opt(1800.0, "Timeout in seconds of every collective: the default process group "
+                           "(init_process_group) and the rollout and weight-sync groups megaflow creates. Ranks "
+                           "waiting for other hosts' rollouts wait on the gloo rollout group under it, so it must "
+                           "exceed the longest rollout.", gt=0.0)
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    num_engines: int = opt(1, "SGLang diffusion engines run as data-parallel replicas.", ge=1)
+    num_engines: int = opt(1, "SGLang diffusion engines per engine host (rollout.engine_hosts), run as "
+                           "data-parallel replicas.", ge=1)
+    engine_hosts: str = opt("rank0", "Which ranks start engines, each pinned to the rank's local GPU (on CPU nothing "
+                            "is pinned): rank0 (global rank 0 only), node (local rank 0 of every node) or rank "
+                            "(every rank). Prompt groups are split over the hosts (seeded, group-atomic, fewest "
+                            "samples per engine first); each host samples and scores its share and every rank "
+                            "receives every trajectory and reward as tensors.", choices=("rank0", "node", "rank"))
     group_size: int = opt(4, "Samples per prompt (the GRPO group); one request per group.", ge=2)
     prompts_per_iter: int = opt(4, "Prompt groups sampled per training iteration.", ge=1)
     num_steps: int = opt(10, "Denoising steps per rollout.", ge=1)
@@ -141,7 +151,10 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class BridgeConfig:
-    mode: str = opt("colocated", "Weight transfer path to the engines: colocated, distributed or disk.",
+    mode: str = opt("colocated", "Weight transfer path to the engines: colocated (every engine host pushes the "
+                    "weights it gathered itself into its engines), distributed (global rank 0 broadcasts buckets "
+                    "to the engine hosts over a dedicated group: gloo on CPU, NCCL with device tensors on GPU) or "
+                    "disk (safetensors files + reload; engine_hosts = rank0 only).",
                     choices=("colocated", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
     verify: bool = opt(True, "Verify every sync: each tensor is SHA-256 hashed once while streaming and once "

@@ -169,3 +169,16 @@ def test_world_size_is_checked_only_for_launches(monkeypatch):
     pf.preflight(cfg, "show")
     with pytest.raises(ConfigError, match="does not divide the 3 launched"):
         pf.preflight(cfg, "train")
+
+
+def test_engine_placement_is_checked_across_fields(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    pf.preflight(load_config(None, ['rollout.engine_hosts="node"']), "train")  # one node is fine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="4 process\\(es\\) are not whole nodes of 3"):
+        pf.preflight(load_config(None, ['rollout.engine_hosts="node"']), "train")
+    pf.preflight(load_config(None, ['rollout.engine_hosts="node"']), "show")  # not a launch
+    with pytest.raises(ConfigError, match="bridge.mode = 'disk' writes the weights on rank 0 only"):
+        pf.preflight(load_config(None, ['rollout.engine_hosts="rank"', 'bridge.mode="disk"']), "show")
+    pf.preflight(load_config(None, ['rollout.engine_hosts="rank"', 'bridge.mode="distributed"']), "show")

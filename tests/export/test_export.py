@@ -182,7 +182,7 @@ def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
                                request_id="ode")]
 
     def sample(pipeline: Path, push: bool) -> list:
-        engine = SGLangEngine(engine_config(cfg, str(pipeline), 0))
+        engine = SGLangEngine(engine_config(cfg, str(pipeline), "engine0"))
         try:
             before = engine.generate(requests()) if push else None
             if push:

@@ -44,6 +44,9 @@ class SGLangEngineConfig:
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
     """Keep a CPU copy of tensors pushed by update_weights and re-apply it after a restart."""
+    device_index: int | None = None
+    """Local GPU the worker processes are pinned to: they are started with CUDA_VISIBLE_DEVICES naming only
+    that device (the entry at this index of this process's CUDA_VISIBLE_DEVICES when set); None: inherit."""
     server_kwargs: dict = field(default_factory=dict)
     """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
 

@@ -102,7 +102,8 @@ class SGLangEngine:
         return Path(self.config.log_dir) / f"{self.engine_id}.log" if self.config.log_dir else None
 
     def _start_server(self) -> EngineServer:
-        return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file)
+        return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file,
+                                  device_index=self.config.device_index)
 
     def _server_kwargs(self) -> dict:
         c = self.config

@@ -37,6 +37,7 @@ from sglang.multimodal_gen.runtime.server_args import ServerArgs
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+from megaflow.placement import worker_visible_devices
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -69,6 +70,24 @@ def _without_launcher_env(quiet: bool = True):
             os.environ.pop(k, None)
         os.environ.update(saved)
 
+
+
+@contextlib.contextmanager
+def _pinned_device(device_index: int | None):
+    """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
+    (:func:`megaflow.placement.worker_visible_devices`); None: leave the environment alone."""
+    if device_index is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = worker_visible_devices(device_index, saved)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 @contextlib.contextmanager
@@ -125,15 +144,17 @@ class EngineServer:
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
 
     @classmethod
-    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None) -> EngineServer:
-        """Start the workers (``kwargs``: sglang ServerArgs); their output goes to ``log_file`` if given, as
-        does what sglang logs in this process while they start (server args, start messages)."""
+    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None,
+              device_index: int | None = None) -> EngineServer:
+        """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
+        pinned); their output goes to ``log_file`` if given, as does what sglang logs in this process while
+        they start (server args, start messages)."""
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
         # must not wipe the host's logging setup, so it is restored afterwards.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
         try:
-            with _without_launcher_env(), _worker_output(log_file):
+            with _without_launcher_env(), _pinned_device(device_index), _worker_output(log_file):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
                 processes = launch_server(server_args, launch_http_server=False)

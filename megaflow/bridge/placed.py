@@ -1,0 +1,81 @@
+"""Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
+
+Every rank calls ``PlacedSync.push(engine_named_params(trainer))`` (the gather is collective). What a
+rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.placement):
+
+* colocated / disk: each engine host pushes the full tensors it gathered itself into its own engines
+  (the TP/PP gather gives every rank full tensors) through its local bridge; engines of one host are
+  updated in parallel when the host runs several (they sit behind one Balancer, whose control calls fan
+  out concurrently). Other ranks only take part in the gather.
+* distributed: global rank 0 broadcasts buckets to the engine hosts over a dedicated group
+  (:class:`~megaflow.bridge.distributed.DistributedBridge`), loading its own engines too; each other
+  host receives in a thread while its main thread takes part in the gather, and verifies.
+
+Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
+result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
+``sync/hosts_verified``) and every rank raises the same :class:`SyncError` if any host failed, so no
+rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from megaflow.bridge.base import SyncError
+from megaflow.placement import Placement
+
+
+def _drain(stream: Iterable) -> None:
+    for _ in stream:
+        pass
+
+
+class PlacedSync:
+    """This rank's side of every sync: ``bridge`` (a WeightBridge pushing from this rank), ``receiver`` (a
+    DistributedReceiver) or neither (the rank only takes part in the gather)."""
+
+    def __init__(self, placement: Placement, *, group, bridge=None, receiver=None):
+        if bridge is not None and receiver is not None:
+            raise ValueError("a rank either pushes or receives weights, not both")
+        self.placement, self.group, self.bridge, self.receiver = placement, group, bridge, receiver
+
+    def _local(self, named_tensors: Iterable) -> tuple[bool, str, float, float, bool]:
+        """(ok, message, bytes, tensors, verified) of this rank's part."""
+        if self.receiver is not None:
+            with ThreadPoolExecutor(1, thread_name_prefix="weights-receive") as pool:
+                received = pool.submit(self.receiver.receive)
+                _drain(named_tensors)
+                ok, msg = received.result()
+            return ok, msg, 0.0, 0.0, ok
+        if self.bridge is None:
+            _drain(named_tensors)
+            return True, "", 0.0, 0.0, False
+        try:
+            report = self.bridge.push(named_tensors)
+        except SyncError as e:
+            return False, str(e), 0.0, 0.0, False
+        return True, report.message, float(report.num_bytes), float(report.num_tensors), report.verified
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Sync every engine host; the merged metrics (the same on every rank). SyncError on every rank if a
+        host's engines rejected or did not verify the weights."""
+        t0 = time.perf_counter()
+        ok, msg, nbytes, ntensors, verified = self._local(named_tensors)
+        p = self.placement
+        row = torch.tensor([float(p.is_host), float(ok), time.perf_counter() - t0, nbytes, ntensors,
+                            float(verified)], dtype=torch.float64)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, row, group=self.group)
+        table = torch.stack(rows)
+        failed = [r for r in range(len(rows)) if not table[r, 1]]
+        if failed:
+            raise SyncError(f"weight sync failed on rank(s) {failed}" + (f": {msg}" if not ok else ""))
+        hosts = table[table[:, 0] > 0]
+        driver = table[0]
+        return {"sync/seconds": float(hosts[:, 2].max()), "sync/mbytes": float(driver[3]) / 2**20,
+                "sync/tensors": float(driver[4]), "sync/verified": float(bool(hosts[:, 5].all())),
+                "sync/hosts": float(hosts.shape[0]), "sync/hosts_verified": float(hosts[:, 5].sum())}

@@ -1,0 +1,99 @@
+"""A host's share of a rollout (trajectories + rewards) as tensors, and its broadcast to every rank.
+
+``pack_share`` turns the trajectories one engine host sampled (and the rewards it scored) into named
+tensors, generically: every tensor field of :class:`Trajectory` and every tensor in its dict fields
+(``conditioning``) is stacked over the samples; fields that are None are left out, so a field the
+engine does not fill (or that a later Trajectory drops) costs nothing. ``broadcast_share`` sends them
+from the host to every rank of a gloo group: a small header (names, shapes, dtypes) and then ONE flat
+byte tensor, so the bulk never goes through pickle. ``unpack_share`` rebuilds the trajectories: the
+tensors from the share, the other fields from the requests every rank already has (prompt, seeds,
+sampling settings are deterministic), ``engine_id`` = ``host<rank>``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megaflow.rewards.scorer import RewardScores
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+_TRAJ, _COMPONENT = "traj.", "reward.component."
+
+
+def pack_share(trajs: Sequence[Trajectory], scores: RewardScores, sample_seconds: float) -> dict[str, torch.Tensor]:
+    """Named tensors of ``trajs`` (in order), their ``scores`` and the host's sampling wall time."""
+    out: dict[str, torch.Tensor] = {}
+    for f in dataclasses.fields(Trajectory):
+        first = getattr(trajs[0], f.name)
+        if isinstance(first, torch.Tensor):
+            out[_TRAJ + f.name] = torch.stack([getattr(t, f.name) for t in trajs])
+        elif isinstance(first, dict) and first and all(isinstance(v, torch.Tensor) for v in first.values()):
+            for key in first:
+                out[f"{_TRAJ}{f.name}.{key}"] = torch.stack([getattr(t, f.name)[key] for t in trajs])
+    labels = list(scores.components)
+    out["reward.total"] = scores.total
+    out.update({_COMPONENT + label: scores.components[label] for label in labels})
+    out["reward.seconds"] = torch.tensor([scores.seconds[label] for label in labels], dtype=torch.float64)
+    out["reward.weights"] = torch.tensor([scores.weights[label] for label in labels], dtype=torch.float64)
+    out["time.sample_s"] = torch.tensor([sample_seconds], dtype=torch.float64)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a rollout share header")
+    return dtype
+
+
+def broadcast_share(share: dict[str, torch.Tensor] | None, src: int, group) -> dict[str, torch.Tensor]:
+    """``share`` from global rank ``src`` on every rank of ``group`` (``share`` is read on ``src`` only):
+    one header broadcast, then one flat uint8 tensor. CPU tensors (a gloo group)."""
+    header = [[(n, tuple(t.shape), str(t.dtype)) for n, t in share.items()] if share is not None else None]
+    dist.broadcast_object_list(header, src=src, group=group)
+    spec = [(name, shape, _dtype(dtype)) for name, shape, dtype in header[0]]
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in spec]
+    if share is not None:
+        flat = torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in share.values()])
+    else:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, src=src, group=group)
+    out, offset = {}, 0
+    for (name, shape, dtype), size in zip(spec, sizes):
+        out[name] = flat[offset:offset + size].clone().view(dtype).reshape(shape)  # own, aligned storage
+        offset += size
+    return out
+
+
+def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutRequest],
+                 host: int) -> tuple[list[Trajectory], RewardScores]:
+    """The trajectories (request order, then output index) and scores ``share`` carries for ``requests``."""
+    tensors: dict[str, dict[str, torch.Tensor] | torch.Tensor] = {}
+    for name, value in share.items():
+        if name.startswith(_TRAJ):
+            field, _, key = name[len(_TRAJ):].partition(".")
+            if key:
+                tensors.setdefault(field, {})[key] = value
+            else:
+                tensors[field] = value
+    trajs, i = [], 0
+    for r in requests:
+        for j, seed in enumerate(r.output_seeds()):
+            fields = {k: ({kk: vv[i] for kk, vv in v.items()} if isinstance(v, dict) else v[i])
+                      for k, v in tensors.items()}
+            trajs.append(Trajectory(request_id=r.request_id, index=j, prompt=r.prompt, seed=seed,
+                                    sde_type=r.sde_type, noise_level=r.noise_level,
+                                    log_prob_no_const=r.log_prob_no_const, guidance_scale=r.guidance_scale,
+                                    do_cfg=r.do_cfg, engine_id=f"host{host}", **fields))
+            i += 1
+    if i != share["reward.total"].shape[0]:
+        raise ValueError(f"host {host} sent {share['reward.total'].shape[0]} samples for {i} requested")
+    labels = [n[len(_COMPONENT):] for n in share if n.startswith(_COMPONENT)]
+    scores = RewardScores(total=share["reward.total"], components={k: share[_COMPONENT + k] for k in labels},
+                          weights=dict(zip(labels, share["reward.weights"].tolist())),
+                          seconds=dict(zip(labels, share["reward.seconds"].tolist())))
+    return trajs, scores

@@ -1,0 +1,122 @@
+"""Rollout over every engine host: each rank calls ``HostedRollout.collect(requests)`` and gets the whole batch.
+
+Every rank builds the same requests (prompt stream and seeds are deterministic) and computes the same
+plan (:func:`plan_groups`): groups are assigned whole to hosts, each to the host whose engines have the
+fewest samples assigned so far, ties broken by a generator seeded by the run seed and the iteration.
+The plan is static (computed without communication, from request sizes); within a host the local
+:class:`~megaflow.rollout.balancer.Balancer` dispatches dynamically (least in flight). Each host samples
+its share with its own engines and scores it with its own scorer as groups come back
+(:func:`sample_and_score`): scoring runs where the images are, in parallel on all hosts, and only
+scalars per sample travel. Then every host broadcasts its share as tensors
+(:mod:`megaflow.rollout.exchange`) over a gloo group whose timeout is ``parallel.timeout_s``; ranks with
+nothing to sample wait there (on GPU: not in an NCCL collective, so NCCL's watchdog never sees the wait).
+Every rank then holds bit-identical trajectories and rewards in request order, so the advantages
+computed from them are identical everywhere without another exchange.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import as_completed
+
+import torch
+
+from megaflow.placement import Placement
+from megaflow.rewards.scorer import RewardScores
+from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+
+def plan_groups(requests: Sequence[RolloutRequest], hosts: Sequence[int], engines_per_host: int,
+                seed: int) -> list[int]:
+    """The host (global rank) of every request: group-atomic, fewest assigned samples per engine first,
+    ties broken by ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    load = {h: 0 for h in hosts}
+    plan = []
+    for r in requests:
+        low = min(load.values())
+        host = rng.choice([h for h in hosts if load[h] == low])
+        load[host] += r.num_outputs / engines_per_host
+        plan.append(host)
+    return plan
+
+
+def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
+    """(trajectories in request order, their RewardScores, timings): every group goes to the scorer as soon
+    as it is back while the others still sample (``rollout.submit`` gives one future per group); scores
+    are put back in request order. Rewards scored image by image give exactly the result of one batch; a
+    batched network may differ in the last bits with the batch size."""
+    t0 = time.perf_counter()
+    pending = {future: g for g, future in enumerate(rollout.submit(requests))}
+    groups: list = [None] * len(requests)
+    scored: list = [None] * len(requests)
+    for future in as_completed(pending):
+        g = pending[future]
+        groups[g] = future.result()
+        scored[g] = scorer.submit(torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]])
+    t_sampled = time.perf_counter()
+    scores = RewardScores.concat([f.result() for f in scored])
+    timings = {"time/sample_s": t_sampled - t0, "time/score_after_sample_s": time.perf_counter() - t_sampled}
+    return [t for group in groups for t in group], scores, timings
+
+
+class HostedRollout:
+    """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
+    that hosts none), its scorer, and the gloo ``group`` spanning every rank."""
+
+    def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int):
+        if placement.is_host != bool(engines):
+            raise ValueError(f"rank {placement.rank}: is_host={placement.is_host} but {len(engines)} engine(s)")
+        self.placement, self.engines, self.local, self.scorer = placement, list(engines), local, scorer
+        self.group, self.seed = group, seed
+
+    def collect(self, requests: Sequence[RolloutRequest],
+                iteration: int) -> tuple[list[Trajectory], RewardScores, dict[str, float]]:
+        """Every trajectory and reward of ``requests`` (request order) on every rank, plus timings and
+        per-host counts (``rollout/host<rank>/images``, ``rollout/host<rank>/sample_s``)."""
+        p = self.placement
+        t0 = time.perf_counter()
+        plan = plan_groups(requests, p.hosts, p.engines_per_host, self.seed * 1_000_003 + iteration * 10_007 + 3)
+        mine = [r for r, h in zip(requests, plan) if h == p.rank]
+        share, timings = None, {}
+        if mine:
+            trajs, scores, timings = sample_and_score(self.local, self.scorer, mine)
+            share = pack_share(trajs, scores, timings["time/sample_s"])
+        all_trajs: list[Trajectory] = []
+        all_scores: list[RewardScores] = []
+        where: dict[str, int] = {}  # request id -> position of its first sample in all_trajs
+        metrics: dict[str, float] = {}
+        for host in p.hosts:
+            theirs = [r for r, h in zip(requests, plan) if h == host]
+            if not theirs:
+                continue
+            received = broadcast_share(share if host == p.rank else None, host, self.group)
+            trajs, scores = unpack_share(received, theirs, host)
+            metrics[f"rollout/host{host}/images"] = float(len(trajs))
+            metrics[f"rollout/host{host}/sample_s"] = float(received["time.sample_s"][0])
+            for r in theirs:
+                where[r.request_id] = len(all_trajs)
+                all_trajs.extend(trajs[:r.num_outputs])
+                trajs = trajs[r.num_outputs:]
+            all_scores.append(scores)
+        order = [where[r.request_id] + j for r in requests for j in range(r.num_outputs)]
+        merged = RewardScores.concat(all_scores)  # seconds: summed over hosts (scoring work, not wall time)
+        scores = RewardScores(total=merged.total[order], components={k: v[order] for k, v in merged.components.items()},
+                              weights=merged.weights, seconds=merged.seconds)
+        metrics.update({"time/sample_s": max(v for k, v in metrics.items() if k.endswith("/sample_s")),
+                        "time/collect_s": time.perf_counter() - t0,
+                        "time/score_after_sample_s": timings.get("time/score_after_sample_s", 0.0)})
+        return [all_trajs[i] for i in order], scores, metrics
+
+    def metrics(self) -> dict:
+        """The local balancer's per-engine counters (empty without one)."""
+        return self.local.metrics() if self.local is not None and hasattr(self.local, "metrics") else {}
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+        if self.scorer is not None:
+            self.scorer.close()
+
