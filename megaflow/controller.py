@@ -121,9 +121,10 @@ def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: in
 
 
 def sync_weights(trainer, bridge, iteration: int = 0) -> dict:
-    """Gather full weights (all trainer ranks), push them into the engines (rank 0), verify."""
-    from megaflow.bridge.convert import engine_named_params
-    stream = _fault_midway(engine_named_params(trainer), iteration)
+    """Gather full weights (all trainer ranks; under LoRA only the adapters), push them into the engines
+    (rank 0), verify."""
+    from megaflow.bridge.lora import sync_stream
+    stream = _fault_midway(sync_stream(trainer), iteration)
     if bridge is None:  # not the driver rank: take part in the gathers only
         for _ in stream:
             pass
