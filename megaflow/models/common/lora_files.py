@@ -46,12 +46,13 @@ def read_adapter(path: str | Path, *, rank: int, alpha: float) -> dict[str, torc
 def write_adapter(directory: str | Path, state: dict[str, torch.Tensor], *, rank: int, alpha: float,
                   pipeline_class: str) -> Path:
     """Write ``state`` (PEFT names) as ``directory/pytorch_lora_weights.safetensors`` through diffusers'
-    ``<pipeline_class>.save_lora_weights`` (e.g. StableDiffusion3Pipeline), with r, lora_alpha and the target
-    modules recorded."""
+    ``<pipeline_class>.save_lora_weights`` (e.g. StableDiffusion3Pipeline), with the PEFT LoraConfig fields that
+    ``load_lora_weights`` reads (r, lora_alpha, target_modules = every adapted module, no per-module patterns)."""
     import diffusers
 
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     getattr(diffusers, pipeline_class).save_lora_weights(
         str(directory), transformer_lora_layers={k: v.contiguous() for k, v in state.items()},
-        transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules})
+        transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules,
+                                           "rank_pattern": {}, "alpha_pattern": {}})  # diffusers reads both
     return Path(directory) / WEIGHT_NAME
