@@ -100,16 +100,21 @@ class ModelEngine:
 
     # ---- weights in -------------------------------------------------------------------------
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
-        """Load full diffusers weights: each rank takes its TP shard of its stage's tensors.
+        """Load full diffusers weights: each rank takes its TP shard of its stage's tensors (LoRA adapters,
+        if any, are kept as they are).
 
         ValueError names the first tensor whose shape does not match the model."""
         wm = self.family.weight_map
-        full = wm.to_megatron_full(diffusers_sd, self.config)
+        for chunk, local in self._local_shards(wm, wm.to_megatron_full(diffusers_sd, self.config)):
+            load_checked(chunk, {**local, **adapter_state(chunk)})
+
+    def _local_shards(self, weight_map, full: dict[str, torch.Tensor]):
+        """(chunk, this rank's local state dict of it) for every chunk, from a full global megatron state dict
+        over ``weight_map``."""
         tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         for chunk in self.chunks:
-            local = wm.select_local(full, self.config, tp_rank=tp_rank, tp_size=tp_size,
-                                    pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
-            load_checked(chunk, local)
+            yield chunk, weight_map.select_local(full, self.config, tp_rank=tp_rank, tp_size=tp_size,
+                                                 pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
 
     # ---- steps --------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
@@ -203,18 +208,8 @@ class TrainEngine(ModelEngine):
         self.lora_map = lora_weight_map(self.family.weight_map, lora) if lora is not None else None
 
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
-        """``ModelEngine.load_diffusers_state_dict`` (the base weights; adapters are kept), then the
-        optimizer's main params re-read."""
-        if self.lora is None:
-            super().load_diffusers_state_dict(diffusers_sd)
-        else:
-            wm = self.family.weight_map
-            full = wm.to_megatron_full(diffusers_sd, self.config)
-            for chunk in self.chunks:
-                local = wm.select_local(full, self.config, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                        tp_size=ps.get_tensor_model_parallel_world_size(), pp_rank=chunk.pp_rank,
-                                        vp_stage=chunk.vp_stage)
-                load_checked(chunk, {**local, **adapter_state(chunk)})
+        """``ModelEngine.load_diffusers_state_dict``, then the optimizer's main params re-read."""
+        super().load_diffusers_state_dict(diffusers_sd)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
@@ -224,10 +219,7 @@ class TrainEngine(ModelEngine):
         if self.lora is None:
             raise ValueError("load_adapters needs a LoRA engine (lora.rank > 0)")
         full = self.lora_map.to_megatron_full(diffusers_lora_sd, self.config)
-        for chunk in self.chunks:
-            local = self.lora_map.select_local(full, self.config, tp_rank=ps.get_tensor_model_parallel_rank(),
-                                               tp_size=ps.get_tensor_model_parallel_world_size(),
-                                               pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
+        for chunk, local in self._local_shards(self.lora_map, full):
             own = adapter_state(chunk)
             for name, tensor in local.items():
                 if tuple(tensor.shape) != tuple(own[name].shape):

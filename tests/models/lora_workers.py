@@ -86,8 +86,9 @@ def parity_rank(case_path: str) -> dict:
         chunk = eng.chunks[0]
         trainable = sorted({n.rsplit(".", 2)[-2] for n, p in chunk.named_parameters() if p.requires_grad})
         in_optimizer = sum(p.numel() for g in eng.optimizer.param_groups for p in g["params"])
+        in_ddp = sum(p.numel() for p in eng.model[0].params_with_grad)
         adapter_numel = sum(p.numel() for n, p in chunk.named_parameters() if n.endswith((".lora.a", ".lora.b")))
         out[label] = dict(loss=loss, grads=grads, trainable=trainable, in_optimizer=in_optimizer,
-                          adapter_numel=adapter_numel)
+                          adapter_numel=adapter_numel, in_ddp=in_ddp)
     destroy_distributed()
     return out

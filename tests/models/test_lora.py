@@ -1,6 +1,7 @@
 """LoRA on the megatron SD3: forward and adapter grads against diffusers + PEFT (the independent reference),
 at one process and at TP=2, TP=2+SP and PP=2; a fresh adapter (B = 0) and the adapter-off reference give the
-base model exactly; only adapters train.
+base model exactly (bit for bit vs the same megatron model without LoRA); only adapters train (the only
+parameters with grads, in DDP's grad buffers and in the optimizer).
 
 Needs: CPU; the parallel test runs 2 gloo processes (one launch, three layouts). Tolerances: velocity
 <= 1e-5 (fp32; measured ~2e-7), loss <= 1e-6, adapter grads <= 1e-5 relative to the largest grad.
@@ -24,7 +25,7 @@ def _velocity(eng, b):
 
 
 def test_lora_forward_matches_peft_and_base_is_exact():
-    from megaflow.trainer.engine import BaseReference
+    from megaflow.trainer.engine import BaseReference, TrainEngine
     torch.set_num_threads(1)
     model, base, adapters = lora_workers.peft_model(DCFG)
     b = tiny.sft_batches(DCFG, num_microbatches=1, batch=2, context_len=6, seed=2)[0]
@@ -38,6 +39,9 @@ def test_lora_forward_matches_peft_and_base_is_exact():
     try:
         eng.load_diffusers_state_dict(base)
         fresh = _velocity(eng, b)  # B = 0: the adapters add exactly nothing
+        plain = TrainEngine(eng.config, spec="local")  # the same megatron model without LoRA
+        plain.load_diffusers_state_dict(base)
+        assert torch.equal(fresh, _velocity(plain, b))
         with torch.no_grad():
             for a in eng.chunks[0].modules():
                 if hasattr(a, "enabled") and hasattr(a, "b"):
@@ -50,7 +54,7 @@ def test_lora_forward_matches_peft_and_base_is_exact():
         assert (got - expected).abs().max() <= 1e-5
         assert (got - fresh).abs().max() > 1e-2  # the adapters matter
         assert (fresh - expected_base).abs().max() <= 1e-5
-        assert torch.equal(off, fresh)  # adapter off == the model before any adapter was set, bit for bit
+        assert torch.equal(off, fresh)  # adapters off == the base model, bit for bit
         chunk = eng.chunks[0]
         trainable = [n for n, p in chunk.named_parameters() if p.requires_grad]
         assert trainable and all(n.endswith((".lora.a", ".lora.b")) for n in trainable)
@@ -78,4 +82,4 @@ def test_lora_parallel_matches_peft(tmp_path):
             err = max(float((res["grads"][k] - g).abs().max()) for k, g in grads.items())
             assert err <= 1e-5 * scale, (label, rank, err, scale)
             assert res["trainable"] == ["lora"], (label, res["trainable"])
-            assert res["in_optimizer"] == res["adapter_numel"], label
+            assert res["in_optimizer"] == res["adapter_numel"] == res["in_ddp"], label
