@@ -96,7 +96,7 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
     import megaflow  # noqa: F401  (import guards before megatron)
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
-    from megaflow.parallel.cpu import apply_perf_patches, remove_perf_patches
+    from megaflow.parallel.perf_patches import apply_perf_patches, remove_perf_patches
     from megaflow.trainer.engine import FastPaths, TrainEngine, adam_config, rectified_flow_microbatch
 
     torch.set_num_threads(threads)

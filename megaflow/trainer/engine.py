@@ -40,7 +40,7 @@ from megaflow.models.common.lora import LoRASettings, adapter_state, adapters_di
 from megaflow.models.common.lora_map import lora_weight_map
 from megaflow.models.provider import build_model_chunks
 from megaflow.models.registry import get_family
-from megaflow.parallel.cpu import PERF_PATCHES, apply_perf_patches
+from megaflow.parallel.perf_patches import PERF_PATCHES, apply_perf_patches
 from megaflow.trainer.fast_paths import FastPaths, SingleRankDDP, select_fast_paths, use_foreach_torch_adam
 from megaflow.trainer.full_weights import iter_full, load_checked
 

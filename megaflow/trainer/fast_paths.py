@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megaflow.parallel.cpu import PERF_PATCHES
+from megaflow.parallel.perf_patches import PERF_PATCHES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,7 @@ class FastPaths:
     """torch Adam(W) steps megatron's param groups with equal hyperparameters in one call
     (``_JointGroupStep``); any layout."""
     megatron_patches: frozenset[str] = frozenset(PERF_PATCHES)
-    """Which of ``megaflow.parallel.cpu.PERF_PATCHES`` to apply (process-wide, idempotent; leaving
+    """Which of ``megaflow.parallel.perf_patches.PERF_PATCHES`` to apply (process-wide, idempotent; leaving
     one out does not remove it if something else applied it)."""
 
 

@@ -1,5 +1,5 @@
 """Rank function for tests/parallel/test_perf_patches.py: for every performance patch in
-``megaflow.parallel.cpu.PERF_PATCHES``, whether the slow megatron path it replaces is still there
+``megaflow.parallel.perf_patches.PERF_PATCHES``, whether the slow megatron path it replaces is still there
 (``needed``) and whether the patched path gives exactly the same results (``identical``).
 """
 from __future__ import annotations
@@ -10,19 +10,20 @@ import contextlib
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, cpu, destroy_distributed, init_distributed
+from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel import perf_patches
 
 
 @contextlib.contextmanager
 def _only(name: str | None):
     """Exactly one performance patch applied (or none) while active."""
-    cpu.remove_perf_patches()
+    perf_patches.remove_perf_patches()
     if name is not None:
-        cpu.apply_perf_patches(skip=set(cpu.PERF_PATCHES) - {name})
+        perf_patches.apply_perf_patches(skip=set(perf_patches.PERF_PATCHES) - {name})
     try:
         yield
     finally:
-        cpu.remove_perf_patches()
+        perf_patches.remove_perf_patches()
 
 
 @contextlib.contextmanager
@@ -141,10 +142,10 @@ def perf_patch_checks_rank(names: list[str]) -> dict:
 
     init_distributed(ParallelDims(), seed=5)
     report = {name: globals()[f"check_{name}"]() for name in names}
-    cpu.apply_perf_patches()
-    cpu.remove_perf_patches()
+    perf_patches.apply_perf_patches()
+    perf_patches.remove_perf_patches()
     report["_restored"] = (
-        not cpu.applied_perf_patches()
+        not perf_patches.applied_perf_patches()
         and layers.copy_to_tensor_model_parallel_region is mappings.copy_to_tensor_model_parallel_region
         and clip_grads.torch.distributed is torch.distributed
         and clip_grads.to_local_if_dtensor.__module__ == "megatron.core.utils"

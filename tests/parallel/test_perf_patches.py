@@ -1,4 +1,4 @@
-"""megaflow's performance patches of megatron-core (``megaflow.parallel.cpu.PERF_PATCHES``).
+"""megaflow's performance patches of megatron-core (``megaflow.parallel.perf_patches.PERF_PATCHES``).
 
 Per patch, in one gloo process (CPU): the slow megatron path it replaces is still megatron's own
 (so a megatron upgrade that fixes it makes this fail and the patch can go), and the patched path
@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from megaflow.parallel import cpu
+from megaflow.parallel import patching, perf_patches
 from megaflow.testing.dist import run_multiprocess
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -24,12 +24,12 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 def report():
     import perf_patch_workers
 
-    names = list(cpu.PERF_PATCHES)
+    names = list(perf_patches.PERF_PATCHES)
     return run_multiprocess(perf_patch_workers.perf_patch_checks_rank, 1, names, timeout_s=300, env=CPU_ONLY)[0]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", sorted(cpu.PERF_PATCHES))
+@pytest.mark.parametrize("name", sorted(perf_patches.PERF_PATCHES))
 def test_patch_is_needed_and_bit_identical(report, name):
     assert report[name]["needed"], f"{name}: megatron no longer takes the slow path -- patch still needed?"
     assert report[name]["identical"], f"{name}: patched results differ from megatron's"
@@ -42,7 +42,7 @@ def test_remove_restores_megatron(report):
 
 def test_unknown_patch_name_is_rejected():
     with pytest.raises(ValueError, match="no_such_patch"):
-        cpu.apply_perf_patches(skip={"no_such_patch"})
+        perf_patches.apply_perf_patches(skip={"no_such_patch"})
 
 
 def test_torch_view_cache_follows_layer_changes():
@@ -50,9 +50,9 @@ def test_torch_view_cache_follows_layer_changes():
     module.torch = torch
     sys.modules[module.__name__] = module
     try:
-        first = cpu._torch_view_patch((module.__name__,), torch_attrs={"zeros": "first"},
+        first = patching.torch_view_patch((module.__name__,), torch_attrs={"zeros": "first"},
                                       cuda_attrs={"current_device": "cpu0"})
-        second = cpu._torch_view_patch((module.__name__,), torch_attrs={"ones": "second"})
+        second = patching.torch_view_patch((module.__name__,), torch_attrs={"ones": "second"})
         undo_first = first()
         assert module.torch.zeros == "first" and module.torch.cuda.current_device == "cpu0"
         assert module.torch.ones is torch.ones and "ones" in vars(module.torch)  # cached

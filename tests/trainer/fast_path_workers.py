@@ -39,7 +39,7 @@ def count_collectives():
 
 
 def _variants():
-    from megaflow.parallel.cpu import PERF_PATCHES
+    from megaflow.parallel.perf_patches import PERF_PATCHES
     from megaflow.trainer.engine import FastPaths
 
     off = dict(single_rank_grads=False, single_rank_finalize=False, joint_adam_groups=False,
@@ -54,7 +54,7 @@ def _variants():
 
 def _run_steps(eng, fast_paths, mbs) -> dict:
     """Two train steps with exactly ``fast_paths.megatron_patches`` applied process-wide."""
-    from megaflow.parallel.cpu import PERF_PATCHES, apply_perf_patches, remove_perf_patches
+    from megaflow.parallel.perf_patches import PERF_PATCHES, apply_perf_patches, remove_perf_patches
 
     remove_perf_patches()
     apply_perf_patches(skip=set(PERF_PATCHES) - set(fast_paths.megatron_patches))
@@ -75,7 +75,7 @@ def _single_rank_still_needed(engines: dict, mbs) -> dict:
     """What megatron does at world size 1 that the single-rank fast paths skip."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megaflow.parallel.cpu import apply_perf_patches, remove_perf_patches
+    from megaflow.parallel.perf_patches import apply_perf_patches, remove_perf_patches
     from megaflow.trainer.engine import rectified_flow_loss
 
     plain, fast = engines["plain"], engines["all"]

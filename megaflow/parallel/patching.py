@@ -1,0 +1,133 @@
+"""Confined patching of megatron-core: the two mechanisms the CPU shims (``megaflow.parallel.cpu``) and
+the performance patches (``megaflow.parallel.perf_patches``) are built from.
+
+- ``torch_view_patch``: for the listed megatron modules only, the module-global name ``torch`` is replaced
+  by a ``_TorchView`` that forwards every attribute to the real torch except the overrides of the applied
+  patches (layered, so removing one patch never removes another's override). torch itself is never modified.
+- ``set_attrs``: set attributes on owners (functions in a module, methods on a class) and return an undo.
+
+Every patch body returns its undo; the tables in the two modules above apply and remove them by name.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from typing import Callable
+
+import torch
+
+MCORE_VERSION = "0.19.2"
+"""The megatron-core version the shims and patches were written and tested against."""
+
+
+def installed_mcore_version() -> str:
+    """megatron-core's installed distribution version (package_info.__version__ may carry a +git tag)."""
+    return importlib.metadata.version("megatron-core")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mechanism 1: a per-module view of `torch` with a few CUDA entry points routed to the CPU.
+
+
+class _CudaView:
+    """Stands in for ``torch.cuda`` inside one megatron module; overrides win, rest forwards."""
+
+    def __init__(self, torch_view: "_TorchView"):
+        self._torch_view = torch_view
+
+    def __getattr__(self, name):
+        return self.__dict__["_torch_view"]._resolve(self, "cuda", name, torch.cuda)
+
+
+class _TorchView:
+    """Stands in for ``torch`` inside one megatron module; overrides win, rest forwards.
+
+    Overrides come in layers, one per applied shim, so removing one shim never removes another's
+    override of the same name. A name, once resolved, is cached in the view's ``__dict__`` (a plain
+    attribute hit afterwards: megatron looks up e.g. ``torch.no_grad`` ~100 times per training
+    step); the cache is dropped whenever a layer is added or removed. So a torch attribute rebound
+    after a module first used it is not seen by that module until the next layer change.
+    """
+
+    def __init__(self):
+        self._layers: dict[object, dict[str, dict]] = {}  # shim token -> {"torch"|"cuda": overrides}
+        self._cached: list[tuple[object, str]] = []
+        self.cuda = _CudaView(self)
+
+    def _lookup(self, namespace: str, name: str, fallback):
+        for layer in self.__dict__["_layers"].values():
+            if name in layer[namespace]:
+                return layer[namespace][name]
+        return getattr(fallback, name)
+
+    def _resolve(self, holder, namespace: str, name: str, fallback):
+        value = self._lookup(namespace, name, fallback)
+        holder.__dict__[name] = value
+        self.__dict__["_cached"].append((holder, name))
+        return value
+
+    def __getattr__(self, name):
+        return self._resolve(self, "torch", name, torch)
+
+    def set_layer(self, token, layer: dict | None) -> None:
+        """Add (``layer``) or remove (``None``) the overrides of one shim; drops the name cache."""
+        if layer is None:
+            del self._layers[token]
+        else:
+            self._layers[token] = layer
+        for holder, name in self._cached:
+            holder.__dict__.pop(name, None)
+        self._cached.clear()
+
+
+_VIEWS: dict[str, _TorchView] = {}
+
+
+def torch_view_patch(modules: tuple[str, ...], *, torch_attrs=None, cuda_attrs=None):
+    """A shim body: give each module a torch view with these overrides; returns its undo.
+
+    The view is installed as the module's global ``torch`` while any shim has a layer in it and
+    removed (the real torch put back) when the last layer goes.
+    """
+    layer = {"torch": dict(torch_attrs or {}), "cuda": dict(cuda_attrs or {})}
+
+    def apply() -> Callable[[], None]:
+        token = object()
+        for name in modules:
+            module = importlib.import_module(name)
+            if name not in _VIEWS:
+                assert module.torch is torch, f"{name}.torch is not torch"
+                _VIEWS[name] = module.torch = _TorchView()
+            _VIEWS[name].set_layer(token, layer)
+
+        def undo():
+            for name in modules:
+                view = _VIEWS[name]
+                view.set_layer(token, None)
+                if not view._layers:
+                    sys.modules[name].torch = torch
+                    del _VIEWS[name]
+
+        return undo
+
+    return apply
+
+
+def set_attrs(patches: list[tuple[object, str, object]]) -> Callable[[], None]:
+    """Set each (owner, name, value); return an undo restoring the originals (or deleting)."""
+    saved = [(owner, name, owner.__dict__.get(name, _MISSING)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+
+    def undo():
+        for owner, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+    return undo
+
+
+_MISSING = object()
