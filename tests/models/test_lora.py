@@ -1,7 +1,7 @@
 """LoRA on the megatron SD3: forward and adapter grads against diffusers + PEFT (the independent reference),
-at one process and at TP=2, TP=2+SP and PP=2; a fresh adapter (B = 0) and the adapter-off reference give the
-base model exactly (bit for bit vs the same megatron model without LoRA); only adapters train (the only
-parameters with grads, in DDP's grad buffers and in the optimizer).
+at one process and at TP=2, TP=2+SP and PP=2; a fresh adapter (B = 0) gives exactly the base (bit for bit: the
+adapter-off reference of the same engine; <= 1e-6 vs the megatron model without LoRA, whose DDP memory layout
+differs); only adapters train (the only parameters with grads, in DDP's grad buffers and in the optimizer).
 
 Needs: CPU; the parallel test runs 2 gloo processes (one launch, three layouts). Tolerances: velocity
 <= 1e-5 (fp32; measured ~2e-7), loss <= 1e-6, adapter grads <= 1e-5 relative to the largest grad.
@@ -41,7 +41,9 @@ def test_lora_forward_matches_peft_and_base_is_exact():
         fresh = _velocity(eng, b)  # B = 0: the adapters add exactly nothing
         plain = TrainEngine(eng.config, spec="local")  # the same megatron model without LoRA
         plain.load_diffusers_state_dict(base)
-        assert torch.equal(fresh, _velocity(plain, b))
+        # not bit-equal: DDP lays out the trainable params (all vs only adapters) differently, and the CPU
+        # GEMMs round by memory layout (measured 6e-8); the adapter itself adds exact zeros (torch.equal below)
+        assert (fresh - _velocity(plain, b)).abs().max() <= 1e-6
         with torch.no_grad():
             for a in eng.chunks[0].modules():
                 if hasattr(a, "enabled") and hasattr(a, "b"):
@@ -54,7 +56,7 @@ def test_lora_forward_matches_peft_and_base_is_exact():
         assert (got - expected).abs().max() <= 1e-5
         assert (got - fresh).abs().max() > 1e-2  # the adapters matter
         assert (fresh - expected_base).abs().max() <= 1e-5
-        assert torch.equal(off, fresh)  # adapters off == the base model, bit for bit
+        assert torch.equal(off, fresh)  # B = 0 adds exactly nothing: bit-equal to the adapters switched off
         chunk = eng.chunks[0]
         trainable = [n for n, p in chunk.named_parameters() if p.requires_grad]
         assert trainable and all(n.endswith((".lora.a", ".lora.b")) for n in trainable)
