@@ -117,10 +117,10 @@ def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: in
 
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:
-    """Gather full weights (every rank), push them into every engine host's engines, verify (``sync``: a
-    megaflow.bridge.placed.PlacedSync); the merged metrics on every rank."""
-    from megaflow.bridge.convert import engine_named_params
-    return sync.push(_fault_midway(engine_named_params(trainer), iteration))
+    """Gather full weights (every rank; under LoRA only the adapters), push them into every engine host's
+    engines, verify (``sync``: a megaflow.bridge.placed.PlacedSync); the merged metrics on every rank."""
+    from megaflow.bridge.lora import sync_stream
+    return sync.push(_fault_midway(sync_stream(trainer), iteration))
 
 
 def _fault_midway(stream, iteration: int):

@@ -9,6 +9,15 @@ The export is the run's pipeline -- ``model.pretrained`` from ``<run>/config.tom
     <out>/<everything else>                                copied unchanged (text encoders, VAE, scheduler,
                                                            tokenizers, model_index.json, megaflow.json, ...)
 
+A LoRA run (``lora.rank`` > 0 in its config) trains adapters on a frozen base: the export is then the
+pipeline with the checkpoint's (unchanged) base weights plus the adapter in the diffusers/PEFT format,
+
+    <out>/pytorch_lora_weights.safetensors                 transformer.<module>.lora_A/B.weight, r / lora_alpha /
+                                                           target_modules in its header (diffusers' save_lora_weights)
+
+so ``pipe = StableDiffusion3Pipeline.from_pretrained(out); pipe.load_lora_weights(out)`` is the trained model
+(with HF_HUB_OFFLINE=1 diffusers wants ``weight_name="pytorch_lora_weights.safetensors"`` too).
+
 Everything that can be checked without loading tensors (run dir, config, pipeline, checkpoint, ``--out``)
 is checked first; the weights must match the pipeline's transformer tensor for tensor (names and shapes)
 before anything is written. The pipeline is written into a temp dir beside ``out`` and renamed into place.
@@ -25,6 +34,7 @@ from pathlib import Path
 from megaflow.checkpoints import MODEL_DIR, find_checkpoint
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+ADAPTER_SUFFIXES = (".lora.a", ".lora.b")  # megatron names of LoRA adapter tensors (megaflow.models.common.lora)
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
@@ -54,16 +64,33 @@ def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:
 def checkpoint_transformer(model_dir: str | Path):
     """(family, diffusers config dict as the family writes it, diffusers state dict) of a megatron dist
     checkpoint's model, read in this process without building a model; the state is checked against
-    the diffusers class of the config recorded in the checkpoint."""
+    the diffusers class of the config recorded in the checkpoint. A LoRA run's adapter tensors are not
+    part of it (``checkpoint_adapters`` reads them)."""
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
     meta, full = load_full_state_dict(model_dir)
     family = get_family(meta["family"])
     config = family.config_from_diffusers(meta["diffusers_config"])
-    state = family.weight_map.to_diffusers(full, config)
+    base = {k: v for k, v in full.items() if not k.endswith(ADAPTER_SUFFIXES)}
+    state = family.weight_map.to_diffusers(base, config)
     check_diffusers_state(state, diffusers_shapes(family, meta["diffusers_config"]))
     return family, family.config_to_diffusers(config), state
+
+
+def checkpoint_adapters(model_dir: str | Path, lora) -> dict:
+    """The LoRA adapters (``LoRASettings`` ``lora``) of a megatron dist checkpoint as a PEFT-named state dict
+    (``<module>.lora_A.weight`` ...); ValueError names the first adapter tensor the settings and the
+    checkpoint disagree on."""
+    from megaflow.models.common.lora_map import lora_weight_map
+    from megaflow.models.registry import get_family
+    from megaflow.trainer.checkpoint import load_full_state_dict
+
+    meta, full = load_full_state_dict(model_dir)
+    family = get_family(meta["family"])
+    config = family.config_from_diffusers(meta["diffusers_config"])
+    adapters = {k: v for k, v in full.items() if k.endswith(ADAPTER_SUFFIXES)}
+    return lora_weight_map(family.weight_map, lora).to_diffusers(adapters, config)
 
 
 def save_transformer_weights(directory: Path, state: dict) -> Path:
@@ -130,14 +157,29 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     except ValueError as e:
         raise ValueError(f"{ckpt / MODEL_DIR} does not fit {pipeline}/transformer: {e}") from None
 
+    lora = _run_lora(run_dir)
+    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora) if lora is not None else None
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         _copy_pipeline(pipeline, tmp)
         save_transformer_weights(tmp / "transformer", state)
+        if adapters is not None:
+            from megaflow.models.common.lora_files import write_adapter
+            pipeline_class = json.loads((pipeline / "model_index.json").read_text())["_class_name"]
+            write_adapter(tmp, adapters, rank=lora.rank, alpha=lora.alpha, pipeline_class=pipeline_class)
         _check_out(out)  # still free (nothing appeared while we wrote)
         tmp.rename(out)  # onto an empty dir: replaced atomically
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
-            "family": family.name, "tensors": len(state), "seconds": round(time.perf_counter() - started, 3)}
+            "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _run_lora(run_dir: Path):
+    """The run's LoRA settings (its config.toml), None for a full-parameter run."""
+    from megaflow.config import load_config
+    from megaflow.runtime import lora_settings
+    return lora_settings(load_config(run_dir / "config.toml"))

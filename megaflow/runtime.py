@@ -45,12 +45,13 @@ def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowC
 
 
 def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
-    """(TrainEngine with optimizer, frozen ReferenceEngine when algo.kl_beta > 0 else None), both loaded from
-    the pipeline's DiT; the reference has the trainer's TP/PP layout but no DDP, grad buffer or optimizer."""
+    """(TrainEngine with optimizer, the KL reference when algo.kl_beta > 0 else None), loaded from the pipeline's
+    DiT (and ``lora.init``). The reference: a frozen ReferenceEngine (the trainer's TP/PP layout, no DDP, grad
+    buffer or optimizer), or under LoRA the trainer itself with its adapters off (``BaseReference``)."""
     from safetensors.torch import load_file
 
     from megaflow.models.registry import get_family
-    from megaflow.trainer.engine import ReferenceEngine, TrainEngine
+    from megaflow.trainer.engine import BaseReference, ReferenceEngine, TrainEngine
 
     from megaflow.config.to_megatron import optimizer_config, transformer_kwargs
     family = get_family(cfg.model.family)
@@ -61,13 +62,29 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
         raise ValueError(f"no safetensors weights in {tdir}")
     state = {k: v for f in files for k, v in load_file(str(f)).items()}
     opt = optimizer_config(cfg)
-    trainer = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt)
+    lora = lora_settings(cfg)
+    trainer = TrainEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora)
     trainer.load_diffusers_state_dict(state)
+    if lora is not None and cfg.lora.init:
+        from megaflow.models.common.lora_files import read_adapter
+        trainer.load_adapters(read_adapter(cfg.lora.init, rank=lora.rank, alpha=lora.alpha))
     ref = None
-    if cfg.algo.kl_beta > 0:
+    if cfg.algo.kl_beta > 0 and lora is not None:
+        ref = BaseReference(trainer)  # the base = the trainer with its adapters off: no second model
+    elif cfg.algo.kl_beta > 0:
         ref = ReferenceEngine(mcfg, family=cfg.model.family, spec=cfg.model.spec)
         ref.load_diffusers_state_dict(state)
     return trainer, ref
+
+
+def lora_settings(cfg: MegaflowConfig):
+    """The trainer's LoRA settings from ``lora`` (None for full-parameter training, ``lora.rank`` 0); the
+    adapters' A is drawn from ``run.seed``."""
+    if cfg.lora.rank == 0:
+        return None
+    from megaflow.config.sections import from_section
+    from megaflow.models.common.lora import LoRASettings
+    return from_section(LoRASettings, cfg.lora, seed=cfg.run.seed)
 
 
 def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False) -> list:
@@ -100,9 +117,13 @@ def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, *, verbose
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
-    """The local weight bridge of ``bridge.mode`` (colocated or disk) from this rank into ``engines``."""
+    """The local weight bridge of ``bridge.mode`` (colocated or disk) from this rank into ``engines``; under LoRA
+    (``lora.rank`` > 0) the adapter bridge (megaflow.bridge.lora: only the adapters move, merged by the engines)."""
     b = cfg.bridge
     nbytes = int(b.bucket_mb * 2**20)
+    if cfg.lora.rank > 0:  # preflight: only with bridge.mode = colocated
+        from megaflow.bridge.lora import LoRABridge
+        return LoRABridge(engines, alpha=cfg.lora.alpha, rank=cfg.lora.rank, verify=b.verify)
     if b.mode == "colocated":
         from megaflow.bridge.colocated import ColocatedBridge
         return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify)

@@ -83,6 +83,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     _check_rewards(cfg)
     _check_rollout(cfg)
     _check_bridge(cfg)
+    _check_lora(cfg, files=files)
     if files or not cfg.model.pretrained:
         _check_model(cfg)
     return cfg
@@ -243,6 +244,28 @@ def _check_bridge(cfg: MegaflowConfig) -> None:
         raise ConfigError(f"rollout.precision = {r.precision!r} with model.dtype = {cfg.model.dtype!r} and "
                           f"bridge.verify = true: the engine re-hashes its {engine_dtype} copy, which never matches "
                           f"the trainer's {cfg.model.dtype} digests; use matching dtypes or bridge.verify = false")
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megaflow.models.common.lora.TARGETS
+
+
+def _check_lora(cfg: MegaflowConfig, *, files: bool = True) -> None:
+    lo = cfg.lora
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    if bad or not lo.targets:
+        raise ConfigError(f"lora.targets = {lo.targets}: each must be one of {list(LORA_TARGETS)}")
+    if lo.rank == 0:
+        if lo.init:
+            raise ConfigError(f"lora.init = {lo.init!r} needs lora.rank > 0")
+        return
+    if cfg.bridge.mode != "colocated":
+        raise ConfigError(f"lora.rank = {lo.rank} with bridge.mode = {cfg.bridge.mode!r}: the LoRA sync "
+                          "(SGLang's lora_merge tensor update) runs only with bridge.mode = 'colocated'")
+    if lo.init and files:
+        path = Path(lo.init)
+        if not (path.is_file() or (path / "pytorch_lora_weights.safetensors").is_file()):
+            raise ConfigError(f"lora.init = {lo.init!r}: no such file (or directory with "
+                              "pytorch_lora_weights.safetensors)")
 
 
 def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int, int | None]:

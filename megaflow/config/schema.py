@@ -42,6 +42,24 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    """LoRA training of the DiT (megaflow.models.common.lora)."""
+
+    rank: int = opt(0, "LoRA rank r; 0 = full-parameter training (every weight trains, a frozen second model "
+                    "is the KL reference). r > 0: every DiT weight is frozen and rank-r adapters on the targeted "
+                    "linears of both streams train; the KL reference is the same model with the adapters off, "
+                    "and the weight sync moves only the adapters (SGLang merges them into its base).", ge=0)
+    alpha: float = opt(64.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.", gt=0.0)
+    targets: list = opt(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                        "Adapted linears, in both streams: linear_qkv (q, k, v), linear_proj (attention output), "
+                        "linear_fc1 / linear_fc2 (MLP).", items=str)
+    init: str = opt("", "Start from this LoRA adapter (a diffusers/PEFT LoRA safetensors file, or a directory "
+                    "with pytorch_lora_weights.safetensors, as `megaflow export` or "
+                    "pipeline.save_lora_weights write) instead of A random, B = 0; its rank and alpha must "
+                    "equal lora.rank and lora.alpha. Empty = fresh adapters.")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts) or a text file, one prompt a line.")
     shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).", items=str)
@@ -213,6 +231,7 @@ class PretrainConfig:
 class MegaflowConfig:
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run-wide settings."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model family and weights."})
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={"help": "LoRA adapters (rank 0 = off)."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Trainer parallelism."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "SGLang rollout engines."})

@@ -227,6 +227,14 @@ class Balancer:
         t0 = time.perf_counter()
         return self._merge(self._fan_out(lambda e: e.load_bucket(bucket, verify=verify)), time.perf_counter() - t0)
 
+    def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
+                    verify: bool = True) -> WeightUpdateResult:
+        """Set the same LoRA adapters on every engine (megaflow.bridge.lora); ok only if every engine reports ok."""
+        items = list(named_tensors)
+        t0 = time.perf_counter()
+        return self._merge(self._fan_out(lambda e: e.update_lora(items, alpha=alpha, rank=rank, verify=verify)),
+                           time.perf_counter() - t0)
+
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Every engine re-hashes the named tensors; ok only if all match (message names the failures)."""
         results = self._fan_out(lambda e: e.verify_weights(expected_sha256))

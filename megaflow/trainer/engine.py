@@ -13,7 +13,9 @@ A one-process job skips the data-parallel machinery that has nothing to do there
 bit-identical grads and updates, each switchable; ``megaflow.trainer.fast_paths``).
 
 ``ReferenceEngine`` is the KL reference: the same chunks, frozen, forward only, without DDP or grad
-buffers. Both share ``ModelEngine`` (weights in, megatron's schedule, full weights out, whose gather is
+buffers. With LoRA (``TrainEngine(lora=LoRASettings)``, ``megaflow.models.common.lora``) the base weights
+are frozen (outside DDP's grad buffers and the optimizer), only the adapters train, and the KL reference is
+``BaseReference``: the trainer itself with its adapters switched off. Both share ``ModelEngine`` (weights in, megatron's schedule, full weights out, whose gather is
 ``megaflow.trainer.full_weights``).
 
 Launch (each process builds its shard; ``megaflow.parallel.init_distributed`` first)::
@@ -34,13 +36,15 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megaflow.models.common.lora import LoRASettings, adapter_state, adapters_disabled, attach_lora
+from megaflow.models.common.lora_map import lora_weight_map
 from megaflow.models.provider import build_model_chunks
 from megaflow.models.registry import get_family
 from megaflow.parallel.perf_patches import PERF_PATCHES, apply_perf_patches
 from megaflow.trainer.fast_paths import FastPaths, SingleRankDDP, select_fast_paths, use_foreach_torch_adam
 from megaflow.trainer.full_weights import iter_full, load_checked
 
-__all__ = ["FastPaths", "LossFn", "ModelEngine", "ReferenceEngine", "SingleRankDDP", "TrainEngine", "adam_config",
+__all__ = ["BaseReference", "FastPaths", "LossFn", "ModelEngine", "ReferenceEngine", "SingleRankDDP", "TrainEngine", "adam_config",
            "iter_full", "load_checked", "rectified_flow_loss", "rectified_flow_microbatch", "unwrap"]
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -96,16 +100,21 @@ class ModelEngine:
 
     # ---- weights in -------------------------------------------------------------------------
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
-        """Load full diffusers weights: each rank takes its TP shard of its stage's tensors.
+        """Load full diffusers weights: each rank takes its TP shard of its stage's tensors (LoRA adapters,
+        if any, are kept as they are).
 
         ValueError names the first tensor whose shape does not match the model."""
         wm = self.family.weight_map
-        full = wm.to_megatron_full(diffusers_sd, self.config)
+        for chunk, local in self._local_shards(wm, wm.to_megatron_full(diffusers_sd, self.config)):
+            load_checked(chunk, {**local, **adapter_state(chunk)})
+
+    def _local_shards(self, weight_map, full: dict[str, torch.Tensor]):
+        """(chunk, this rank's local state dict of it) for every chunk, from a full global megatron state dict
+        over ``weight_map``."""
         tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         for chunk in self.chunks:
-            local = wm.select_local(full, self.config, tp_rank=tp_rank, tp_size=tp_size,
-                                    pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
-            load_checked(chunk, local)
+            yield chunk, weight_map.select_local(full, self.config, tp_rank=tp_rank, tp_size=tp_size,
+                                                 pp_rank=chunk.pp_rank, vp_stage=chunk.vp_stage)
 
     # ---- steps --------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
@@ -154,9 +163,12 @@ class ModelEngine:
         yield from iter_full(self, lambda chunk: {**dict(chunk.named_parameters()), **dict(chunk.named_buffers())})
 
 
-def _build_chunks(config, family: str, spec: str) -> list[torch.nn.Module]:
-    """This rank's chunks from the model provider, in ``Float16Module`` when the config is bf16/fp16."""
+def _build_chunks(config, family: str, spec: str, lora: LoRASettings | None = None) -> list[torch.nn.Module]:
+    """This rank's chunks from the model provider (with ``lora``: base frozen, adapters attached), in
+    ``Float16Module`` when the config is bf16/fp16."""
     chunks = build_model_chunks(config, family=family, spec=spec)
+    for c in chunks if lora is not None else ():
+        attach_lora(c, get_family(family).weight_map, lora)
     if config.bf16 or config.fp16:
         chunks = [Float16Module(config, c) for c in chunks]
     return chunks
@@ -168,15 +180,16 @@ class TrainEngine(ModelEngine):
     ``optimizer_config=None`` builds no optimizer (forward / grads only). ``ddp_config`` defaults to
     fp32 grad reduction, bucketed, distributed-optimizer layout iff the optimizer is distributed.
     ``fast_paths`` (default: all on) picks the bit-identical shortcuts of ``megaflow.trainer.fast_paths``
-    (see ``FastPaths``); ``self.fast_paths_active`` names the ones in effect.
+    (see ``FastPaths``); ``self.fast_paths_active`` names the ones in effect. ``lora``: train LoRA adapters
+    on a frozen base (None: every parameter trains).
     """
 
     def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
                  optimizer_config: OptimizerConfig | None = None,
                  ddp_config: DistributedDataParallelConfig | None = None,
-                 fast_paths: FastPaths | None = None):
+                 fast_paths: FastPaths | None = None, lora: LoRASettings | None = None):
         fast = FastPaths() if fast_paths is None else fast_paths
-        chunks = _build_chunks(config, family, spec)
+        chunks = _build_chunks(config, family, spec, lora)
         if ddp_config is None:
             distributed = optimizer_config is not None and optimizer_config.use_distributed_optimizer
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
@@ -191,12 +204,40 @@ class TrainEngine(ModelEngine):
         if self.optimizer is not None:
             config.grad_scale_func = self.optimizer.scale_loss
             use_foreach_torch_adam(self.optimizer, joint_groups=on["joint_adam_groups"])
+        self.lora = lora
+        self.lora_map = lora_weight_map(self.family.weight_map, lora) if lora is not None else None
 
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
         """``ModelEngine.load_diffusers_state_dict``, then the optimizer's main params re-read."""
         super().load_diffusers_state_dict(diffusers_sd)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
+
+    def load_adapters(self, diffusers_lora_sd: dict[str, torch.Tensor]) -> None:
+        """Set the LoRA adapters from a PEFT/diffusers adapter state dict (``<module>.lora_A.weight`` ...,
+        no ``transformer.`` prefix); ValueError names the first missing, unexpected or mis-shaped tensor."""
+        if self.lora is None:
+            raise ValueError("load_adapters needs a LoRA engine (lora.rank > 0)")
+        full = self.lora_map.to_megatron_full(diffusers_lora_sd, self.config)
+        for chunk, local in self._local_shards(self.lora_map, full):
+            own = adapter_state(chunk)
+            for name, tensor in local.items():
+                if tuple(tensor.shape) != tuple(own[name].shape):
+                    raise ValueError(f"LoRA tensor {name!r}: shape {tuple(tensor.shape)}, the model's adapter "
+                                     f"is {tuple(own[name].shape)} (rank or targets differ)")
+            chunk.load_state_dict(local, strict=False)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def iter_full_adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (PEFT/diffusers name, full tensor) for every LoRA adapter tensor (collective, like
+        ``iter_full_params``; names as ``<module>.lora_A.weight``)."""
+        if self.lora is None:
+            raise ValueError("iter_full_adapters needs a LoRA engine (lora.rank > 0)")
+        gathered = iter_full(self, lambda chunk: dict(chunk.named_parameters()), include_buffers=False,
+                             weight_map=self.lora_map)
+        for name, tensor in gathered:
+            yield from self.lora_map.megatron_to_diffusers(name, tensor, self.config)
 
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
                          forward_only: bool = False) -> list:
@@ -242,6 +283,23 @@ class ReferenceEngine(ModelEngine):
             raise ValueError("ReferenceEngine is frozen: call forward_backward(..., forward_only=True)")
         with torch.no_grad():
             return super().forward_backward(microbatches, loss_fn, forward_only=True)
+
+
+class BaseReference:
+    """The KL reference of a LoRA ``TrainEngine``: the same engine with its adapters switched off (the frozen
+    base), forward only; no second model. Same ``forward_backward`` contract as ``ReferenceEngine``."""
+
+    def __init__(self, engine: TrainEngine):
+        if engine.lora is None:
+            raise ValueError("BaseReference needs a LoRA engine; use ReferenceEngine for full-parameter training")
+        self.engine = engine
+
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
+                         forward_only: bool = False) -> list:
+        if not forward_only:
+            raise ValueError("BaseReference is frozen: call forward_backward(..., forward_only=True)")
+        with torch.no_grad(), adapters_disabled(self.engine.chunks):
+            return self.engine.forward_backward(microbatches, loss_fn, forward_only=True)
 
 
 def _megatron_loss(loss_fn: LossFn, microbatch: dict, output: torch.Tensor):

@@ -33,11 +33,12 @@ def _owner_table(wm, config) -> dict:
     return {"first": (0, 0), "last": (pp - 1, len(stages) - 1), **owners}
 
 
-def iter_full(engine, local_tensors: Callable[[torch.nn.Module], dict], *,
-              include_buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full(engine, local_tensors: Callable[[torch.nn.Module], dict], *, include_buffers: bool = True,
+              weight_map=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Shared gather loop of ``ModelEngine.iter_full_params`` / ``TrainEngine.iter_full_grads`` (see there):
-    ``engine`` has ``family``, ``config`` and ``chunks``; ``local_tensors(chunk)`` names the tensors to gather."""
-    wm, cfg = engine.family.weight_map, engine.config
+    ``engine`` has ``family``, ``config`` and ``chunks``; ``local_tensors(chunk)`` names the tensors to gather;
+    ``weight_map``: the table of tensors to gather (default the family's; the LoRA adapters have their own)."""
+    wm, cfg = weight_map or engine.family.weight_map, engine.config
     owners = _owner_table(wm, cfg)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()

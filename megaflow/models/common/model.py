@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megaflow.models.common.layers import ReplicatedLinear, layer_norm, modulate
 
@@ -206,4 +207,15 @@ class DiTModel(MegatronModule):
             layer_sd = layer.sharded_state_dict(local_prefix, (), metadata)
             replace_prefix_for_sharding(layer_sd, local_prefix, f"{prefix}layers.{layer.layer_number - 1}.")
             out.update(layer_sd)
-        return out
+        return _shard_adapters(out)
+
+
+def _shard_adapters(sharded: dict) -> dict:
+    """LoRA adapter tensors (``megaflow.models.common.lora``) sit inside megatron's linears, whose sharded
+    state dict calls every tensor but ``weight`` / ``bias`` replicated; an adapter tensor split over TP
+    (its ``lora_split_dim``) gets its TP-sharded entry here instead."""
+    for key, sh in sharded.items():
+        dim = getattr(getattr(sh, "data", None), "lora_split_dim", None)
+        if dim is not None:
+            sharded[key] = make_tp_sharded_tensor_for_checkpoint(sh.data, sh.key, tp_axis=dim)
+    return sharded

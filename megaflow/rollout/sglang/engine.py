@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
@@ -47,6 +48,12 @@ from megaflow.rollout.sglang.wire import EngineCallFailed
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 log = logging.getLogger(__name__)
+
+
+def lora_engine_name(peft_name: str) -> str:
+    """The engine's parameter name of a PEFT adapter tensor: SGLang's LoRA layer holds A and B as its
+    ``lora_A`` / ``lora_B`` parameters (``...to_q.lora_A.weight`` -> ``...to_q.lora_A``)."""
+    return peft_name.removesuffix(".weight")
 
 
 class EngineCrashed(RuntimeError):
@@ -81,6 +88,7 @@ class SGLangEngine:
         self._released = False
         self._closed = False
         self._replay: dict[str, torch.Tensor] = {}
+        self._lora_replay: tuple[dict[str, torch.Tensor], float, int] | None = None
         self._disk_source: str | None = None
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._slots = threading.Semaphore(config.num_inflight_calls)
@@ -258,6 +266,9 @@ class SGLangEngine:
                 replays.append(self._server.update_from_disk(self._disk_source))
             if self._replay:
                 replays.append(self._server.update_from_tensors(list(self._replay.items())))
+            if self._lora_replay is not None:
+                tensors, alpha, rank = self._lora_replay
+                replays.append(self._server.update_lora_from_tensors(list(tensors.items()), alpha=alpha, rank=rank))
             failed = [message for ok, message in replays if not ok]
             if failed:  # never sample with stale weights
                 raise EngineCrashed(f"engine {self.engine_id}: weights not restored after restart: {failed}")
@@ -279,6 +290,24 @@ class SGLangEngine:
             ok, message = self._server.update_from_tensors(named, verify=verify)
             if ok and self.config.replay_weights_on_restart:
                 self._replay.update({n: t.clone() for n, t in named})
+        return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
+                                  num_bytes=sum(t.numel() * t.element_size() for _, t in named),
+                                  seconds=time.perf_counter() - t0)
+
+    def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
+                    verify: bool = True) -> WeightUpdateResult:
+        """Set the DiT's LoRA adapters (PEFT names ``<module>.lora_A.weight`` / ``.lora_B.weight``): SGLang merges
+        base + alpha / rank * B @ A into each adapted linear, replacing the previous adapter. ``verify``: then
+        the engine re-hashes (SHA-256) every adapter tensor it holds against what was sent (a layer name it
+        does not know would otherwise be skipped with success reported)."""
+        named = [(lora_engine_name(n), t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+        t0 = time.perf_counter()
+        with self._lock:
+            ok, message = self._server.update_lora_from_tensors(named, alpha=alpha, rank=rank)
+            if ok and verify:
+                ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in named})
+            if ok and self.config.replay_weights_on_restart:
+                self._lora_replay = (dict((n, t.clone()) for n, t in named), alpha, rank)
         return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
                                   num_bytes=sum(t.numel() * t.element_size() for _, t in named),
                                   seconds=time.perf_counter() - t0)

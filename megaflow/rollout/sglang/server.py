@@ -214,6 +214,24 @@ class EngineServer:
             return False, f"weights not verified after update: {message}"
         return True, f"updated and verified {len(named)} tensors"
 
+    def update_lora_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, alpha: float,
+                                 rank: int) -> tuple[bool, str]:
+        """LoRA adapter tensors (PEFT names ``<module>.lora_A`` / ``.lora_B``) for the 'transformer' module,
+        one flattened bucket, through SGLang's ``weight_update_mode="lora_merge"``: the engine wraps its
+        linears in LoRA layers once, then each update replaces every named layer's adapter (its previous
+        merge undone from the kept base snapshot) and merges ``base + alpha / rank * B @ A``. The engine
+        keeps the adapter tensors as its ``<module>.lora_A`` / ``.lora_B`` parameters (what ``verify`` hashes)."""
+        bucket = FlattenedTensorBucket(named_tensors=named)
+        payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
+                                   "metadata": bucket.get_metadata()}}
+        serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
+        out, error = self._control(UpdateWeightFromTensorReqInput(
+            serialized_named_tensors=[serialized], load_format="flattened_bucket", target_modules=["transformer"],
+            weight_update_mode="lora_merge", lora_alpha=alpha, lora_rank=rank))
+        if error or not (out or {}).get("success"):
+            return False, f"update_weights_from_tensor(lora_merge) failed: {error or out}"
+        return True, str((out or {}).get("message", ""))
+
     def verify(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """The engine re-hashes the named DiT tensors it holds and compares with ``expected_sha256``."""
         out, error = self._control(UpdateWeightFromTensorCheckerReqInput(

@@ -1,0 +1,58 @@
+"""LoRA adapters on disk in the diffusers/PEFT format that ``pipeline.load_lora_weights`` loads:
+``pytorch_lora_weights.safetensors`` with keys ``transformer.<module>.lora_A.weight`` / ``.lora_B.weight``
+and the PEFT config (``r``, ``lora_alpha``, ``target_modules``) in the safetensors header under
+``lora_adapter_metadata`` (keys prefixed ``transformer.``), as diffusers' ``save_lora_weights`` writes it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+PREFIX = "transformer."
+
+
+def adapter_file(path: str | Path) -> Path:
+    """``path`` itself, or ``path/pytorch_lora_weights.safetensors`` for a directory."""
+    path = Path(path)
+    return path / WEIGHT_NAME if path.is_dir() else path
+
+
+def read_adapter(path: str | Path, *, rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """The transformer's adapter tensors (PEFT names, no ``transformer.`` prefix) of a LoRA file or directory.
+    ValueError when the file is missing, holds no transformer adapter, or its recorded rank / alpha differ from
+    ``rank`` / ``alpha`` (a file without recorded ones is checked by the shapes when loaded)."""
+    from safetensors import safe_open
+
+    file = adapter_file(path)
+    if not file.is_file():
+        raise ValueError(f"lora.init: {file} not found")
+    with safe_open(str(file), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get(METADATA_KEY) or "{}")
+        state = {k.removeprefix(PREFIX): f.get_tensor(k) for k in f.keys() if k.startswith(PREFIX)}
+    if not state:
+        raise ValueError(f"lora.init: {file} has no '{PREFIX}*' adapter tensors")
+    saved_rank, saved_alpha = meta.get(PREFIX + "r"), meta.get(PREFIX + "lora_alpha")
+    if saved_rank is not None and int(saved_rank) != rank:
+        raise ValueError(f"lora.init: {file} has rank {saved_rank}, lora.rank is {rank}")
+    if saved_alpha is not None and float(saved_alpha) != float(alpha):
+        raise ValueError(f"lora.init: {file} has alpha {saved_alpha}, lora.alpha is {alpha}")
+    return state
+
+
+def write_adapter(directory: str | Path, state: dict[str, torch.Tensor], *, rank: int, alpha: float,
+                  pipeline_class: str) -> Path:
+    """Write ``state`` (PEFT names) as ``directory/pytorch_lora_weights.safetensors`` through diffusers'
+    ``<pipeline_class>.save_lora_weights`` (e.g. StableDiffusion3Pipeline), with the PEFT LoraConfig fields that
+    ``load_lora_weights`` reads (r, lora_alpha, target_modules = every adapted module, no per-module patterns)."""
+    import diffusers
+
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    getattr(diffusers, pipeline_class).save_lora_weights(
+        str(directory), transformer_lora_layers={k: v.contiguous() for k, v in state.items()},
+        transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules,
+                                           "rank_pattern": {}, "alpha_pattern": {}})  # diffusers reads both
+    return Path(directory) / WEIGHT_NAME
