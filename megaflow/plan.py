@@ -1,9 +1,10 @@
 """``megaflow plan``: GPU memory per rank of a run, before anything starts (standard library only).
 
-For every rank: the trainer's weights (model.dtype), grads (megatron DDP's fp32 grad buffer), optimizer
-states (Adam moments, plus fp32 main params with bf16 weights; the distributed optimizer shards them over
+For every rank: the trainer's weights (model.dtype), grads (megatron DDP's fp32 grad buffer; under LoRA of the
+adapters only), optimizer states (Adam moments, plus fp32 main params with bf16 weights; the distributed optimizer shards them over
 the data-parallel ranks), activations of one micro-batch (x2 with CFG, x in-flight micro-batches on a
-pipeline stage) with and without ``train.recompute``, the frozen KL reference (weights only) and a runtime
+pipeline stage) with and without ``train.recompute``, the frozen KL reference (weights only; none under LoRA,
+where the reference is the base with the adapters off) and a runtime
 allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
 encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. The model
 numbers are ``megaflow.plan_model``'s. Estimates, not measurements: the figures to compare with a run are
@@ -21,7 +22,7 @@ from megaflow.plan_model import (
     BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, STAGE_EXTRA,
     VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
     embed_params,
-    final_params, total_params,
+    final_params, lora_params, total_params,
 )
 
 GIB = 2**30
@@ -106,15 +107,18 @@ def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, im
         (min(t.recompute_num_layers, len(full)) if t.recompute == "full" else 0)
     kept = sum(full[recomputed:]) + recomputed * BLOCK_INPUTS * stream + (max(full[:recomputed]) if recomputed else 0)
     act_unit = batch * d.hidden * wb
+    lora = cfg.lora
+    trained = sum(lora_params(d, i, lora.rank, lora.targets) for i in blocks) / tp if lora.rank else local
     items = {
         "weights": local * wb + (buffer_bytes(d) if stage == 0 else 0),
-        "grads (fp32 buffer)": local * 4,
-        "optimizer (Adam, /dp)": local * (8 + (4 if wb == 2 else 0)) / dp,
+        **({"LoRA adapters": trained * wb} if lora.rank else {}),
+        "grads (fp32 buffer)": trained * 4,
+        "optimizer (Adam, /dp)": trained * (8 + (4 if wb == 2 else 0)) / dp,
         "activations": (kept + STAGE_EXTRA * stream) * act_unit * in_flight,
     }
     info = {"activations without recompute": (sum(full) + STAGE_EXTRA * stream) * act_unit * in_flight} \
         if recomputed else {}
-    if cfg.algo.kl_beta > 0:
+    if cfg.algo.kl_beta > 0 and not lora.rank:  # under LoRA the reference is the base, adapters off
         items["KL reference"] = local * wb + (buffer_bytes(d) if stage == 0 else 0)
     items["runtime"] = RUNTIME_OVERHEAD
     return items, info

@@ -111,6 +111,22 @@ def block_params(d: DiTDims, index: int) -> tuple[int, int]:
     return sharded, replicated
 
 
+def lora_params(d: DiTDims, index: int, rank: int, targets) -> int:
+    """LoRA adapter parameters (A: r x in, B: out x r) of block ``index`` for the targeted linears of each stream:
+    linear_qkv (q, k, v: one adapter each, as PEFT), linear_proj, linear_fc1 (h -> 4h), linear_fc2 (4h -> h). A FLUX
+    single-stream block has one stream whose fused output projection reads [attn; mlp] (5h -> h). SD3.5's second
+    attention (dual blocks) is not counted: the adapters are a few percent of the weights either way."""
+    h = d.hidden
+    per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": 5 * h, "linear_fc2": 5 * h}
+    if d.family == "flux" and index >= d.blocks:
+        per = {"linear_qkv": 3 * 2 * h, "linear_proj": 6 * h, "linear_fc1": 5 * h, "linear_fc2": 0}
+        return rank * sum(per[t] for t in targets)
+    image = sum(per[t] for t in targets)
+    last = d.family == "sd3" and index == d.blocks - 1  # context_pre_only: the text stream has q/k/v only
+    text = per["linear_qkv"] if last and "linear_qkv" in targets else (0 if last else image)
+    return rank * (image + text)
+
+
 def embed_params(d: DiTDims) -> int:
     """Embeddings (first pipeline stage): patch/x embedding, context embedding, timestep (+ guidance) and
     pooled-text MLPs."""

@@ -66,14 +66,21 @@ def test_predictions_vs_measured_memory(family, tmp_path):
 
 def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     sd3 = plan(load_config("configs/sd3_medium_8xh100.toml"), gpus=8, gpu_mem_gib=80)
-    assert sd3["fits"] and [g.ranks for g in sd3["groups"]] == [[0], list(range(1, 8))]
+    assert sd3["fits"] and [g.ranks for g in sd3["groups"]] == [list(range(8))]  # an engine on every rank
     assert abs(sd3["params"] - 2.24e9) < 0.01e9 and sd3["image_tokens"] == 1024
-    rank0, others = sd3["groups"]
+    rank0_only = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.engine_hosts="rank0"']), gpus=8,
+                      gpu_mem_gib=80)
+    rank0, others = rank0_only["groups"]
+    assert rank0.ranks == [0] and others.ranks == list(range(1, 8))
     assert rank0.total - others.total == pytest.approx(sum(v for k, v in rank0.items.items() if k.startswith("engine")))
-    flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)
-    assert abs(flux["params"] - 11.9e9) < 0.05e9 and not flux["fits"]  # the engine on rank 0 (see the config)
-    assert flux["groups"][1].total < 80 * GIB
-    text = format_plan(flux)
+    assert sd3["groups"][0].total == pytest.approx(rank0.total)
+    flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)  # LoRA, engine on every rank
+    assert abs(flux["params"] - 11.9e9) < 0.05e9 and flux["fits"]
+    items = flux["groups"][0].items
+    assert "KL reference" not in items and items["grads (fp32 buffer)"] < 0.02 * items["weights"]
+    full = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0"]), gpus=16, gpu_mem_gib=80)
+    assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
+    text = format_plan(full)
     assert "DOES NOT FIT" in text and "fits: no" in text
     tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
     assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]

@@ -85,3 +85,18 @@ def test_lora_parallel_matches_peft(tmp_path):
             assert err <= 1e-5 * scale, (label, rank, err, scale)
             assert res["trainable"] == ["lora"], (label, res["trainable"])
             assert res["in_optimizer"] == res["adapter_numel"] == res["in_ddp"], label
+
+
+def test_plan_counts_the_lora_models_adapters():
+    """``megaflow plan``'s adapter count (plan_model.lora_params, summed over blocks) equals the trainable
+    parameters of megaflow's LoRA DiT (tiny SD3 without a second attention; TP=1). Needs: CPU, 1 process."""
+    from megaflow.plan_model import dims_from_config, lora_params
+    from megaflow.models.common.lora import TARGETS
+    dcfg = tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=())
+    eng = lora_workers.lora_engine(dcfg, ParallelDims(), optimizer=False)
+    try:
+        trained = sum(p.numel() for c in eng.chunks for p in c.parameters() if p.requires_grad)
+    finally:
+        destroy_distributed()
+    d = dims_from_config("sd3", dcfg, "tiny")
+    assert sum(lora_params(d, i, lora_workers.RANK, TARGETS) for i in range(d.num_blocks)) == trained
