@@ -37,6 +37,7 @@ from sglang.multimodal_gen.runtime.server_args import ServerArgs
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+from megaflow.rollout.sglang import plugin
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -56,11 +57,13 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 @contextlib.contextmanager
 def _without_launcher_env(quiet: bool = True):
-    """Hide the launcher's distributed env vars while engine worker processes are spawned; with ``quiet``
-    the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
+    """Hide the launcher's distributed env vars while engine worker processes are spawned and switch on
+    megaflow's SGLang plugin in them (``plugin``: a frozen heap makes SGLang's per-update ``gc.collect``
+    cheap); with ``quiet`` the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
     saved = {k: os.environ.pop(k) for k in list(os.environ)
              if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
-    added = {"TQDM_DISABLE": "1"} if quiet and "TQDM_DISABLE" not in os.environ else {}
+    added = {k: v for k, v in {plugin.ENV_VAR: "1", **({"TQDM_DISABLE": "1"} if quiet else {})}.items()
+             if k not in os.environ}
     os.environ.update(added)
     try:
         yield
