@@ -10,11 +10,12 @@ source's :class:`SyncReport` is only ``verified`` when every remote engine match
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.base import DigestingStream, SyncError, SyncReport
+from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, iter_buckets
 
 
@@ -36,24 +37,22 @@ class DistributedBridge:
         self.device = torch.device(device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = DigestingStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify)
         num_buckets = 0
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
             _bcast_obj(bucket.metadata, self.src, self.group)
             dist.broadcast(bucket.flat.to(self.device), src=self.src, group=self.group)
+            stream.record(bucket)
         _bcast_obj(None, self.src, self.group)
-        report = stream.report(self.mode, num_buckets)
-        _bcast_obj(report.expected_sha256 if self.verify else None, self.src, self.group)
+        _bcast_obj(stream.sha256 if self.verify else None, self.src, self.group)
         results = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(results, None, group=self.group)
         failures = [r for r in results if r is not None and not r[0]]
         if failures:
             raise SyncError(f"distributed weight sync did not verify on {len(failures)} receiver(s): {failures[0][1]}")
-        if self.verify:
-            report.verified = True
-            report.message = f"verified on {sum(r is not None for r in results)} receiver(s)"
-        return report
+        message = f"verified on {sum(r is not None for r in results)} receiver(s)" if self.verify else ""
+        return stream.report(self.mode, num_buckets, verified=self.verify, message=message)
 
 
 class DistributedReceiver:
@@ -66,23 +65,26 @@ class DistributedReceiver:
 
     def receive(self) -> tuple[bool, str]:
         ok, msg, n = True, "", 0
-        while True:
-            meta = _bcast_obj(None, self.src, self.group)
-            if meta is None:
-                break
-            flat = torch.empty(meta[-1].end_idx, dtype=torch.uint8, device=self.device)
-            dist.broadcast(flat, src=self.src, group=self.group)
-            n += 1
-            bucket = Bucket(flat=flat.cpu(), metadata=meta)
-            for engine in self.engines:
-                r = engine.load_bucket(bucket, verify=False)  # one check per sync below
-                if not r.ok and ok:
-                    ok, msg = False, f"bucket {n}: {r.message}"
-        expected = _bcast_obj(None, self.src, self.group)
-        if ok and expected is not None:
-            for engine in self.engines:
-                ok, msg = engine.verify_weights(expected)
-                if not ok:
+        with ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="receiver-load") as pool:
+            while True:
+                meta = _bcast_obj(None, self.src, self.group)
+                if meta is None:
                     break
+                flat = torch.empty(meta[-1].end_idx, dtype=torch.uint8, device=self.device)
+                if flat.device.type == "cpu":
+                    flat.share_memory_()  # engine processes map it without a copy
+                dist.broadcast(flat, src=self.src, group=self.group)
+                n += 1
+                bucket = Bucket(flat=flat, metadata=meta)  # on self.device: a CUDA bucket goes to engines by IPC
+                # every local engine at once; one check per sync below
+                for r in pool.map(lambda e: e.load_bucket(bucket, verify=False), self.engines):
+                    if not r.ok and ok:
+                        ok, msg = False, f"bucket {n}: {r.message}"
+            expected = _bcast_obj(None, self.src, self.group)
+            if ok and expected is not None:
+                try:
+                    msg = verify_engines(self.engines, expected, pool)
+                except SyncError as e:
+                    ok, msg = False, str(e)
         dist.all_gather_object([None] * dist.get_world_size(self.group), (ok, msg), group=self.group)
         return ok, msg

@@ -43,7 +43,8 @@ class SGLangEngineConfig:
     max_restarts: int = 3
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
-    """Keep a CPU copy of tensors pushed by update_weights and re-apply it after a restart."""
+    """Keep the host bytes of every tensor pushed (update_weights, load_bucket: a CPU bucket by reference,
+    a CUDA one copied to the host) and re-apply them after a restart."""
     server_kwargs: dict = field(default_factory=dict)
     """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
 

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
+from megaflow.rollout.sglang.weights import flatten
 from megaflow.rollout.sglang.wire import EngineCallFailed
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -256,7 +258,7 @@ class SGLangEngine:
             if self._disk_source is not None:
                 replays.append(self._server.update_from_disk(self._disk_source))
             if self._replay:
-                replays.append(self._server.update_from_tensors(list(self._replay.items())))
+                replays.append(self._server.update_from_bucket(*flatten(list(self._replay.items()))))
             failed = [message for ok, message in replays if not ok]
             if failed:  # never sample with stale weights
                 raise EngineCrashed(f"engine {self.engine_id}: weights not restored after restart: {failed}")
@@ -268,23 +270,35 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
-        """Push DiT tensors (diffusers names) as one flattened bucket; ``verify``: then check each by SHA-256
-        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed).
-        Tensors travel in the dtype they come in: SGLang casts each into its parameter's own dtype, and a
-        tensor kept in fp32 on both sides (SD3's position table in a bf16 model) must not be rounded on the way."""
-        named = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
-        t0 = time.perf_counter()
-        with self._lock:
-            ok, message = self._server.update_from_tensors(named, verify=verify)
-            if ok and self.config.replay_weights_on_restart:
-                self._replay.update({n: t.clone() for n, t in named})
-        return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
-                                  num_bytes=sum(t.numel() * t.element_size() for _, t in named),
-                                  seconds=time.perf_counter() - t0)
+        """Push DiT tensors (diffusers names) as one flattened bucket (SGLang's ``FlattenedTensorBucket``);
+        ``verify``: then check each by SHA-256 (SGLang skips unknown names and still reports success, so
+        without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
+        into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
+        bf16 model) must not be rounded on the way."""
+        flat, metadata = flatten(list(named_tensors))
+        return self._load(flat, metadata, verify=verify)
 
     def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """One bridge bucket (megaflow.bridge.buckets.Bucket) as one tensor update (verified if ``verify``)."""
-        return self.update_weights(bucket.unpack(), verify=verify)
+        """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
+        sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. The engine keeps
+        the bucket's bytes for replay after a restart (a CPU bucket by reference: do not modify it)."""
+        return self._load(bucket.flat, bucket.metadata, verify=verify)
+
+    def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool) -> WeightUpdateResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            ok, message = self._server.update_from_bucket(flat, metadata)
+            views = None
+            if ok and (verify or self.config.replay_weights_on_restart):
+                host = flat.cpu()
+                views = {m.name: host[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
+            if ok and verify:
+                ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in views.items()})
+                message = message if ok else f"weights not verified after update: {message}"
+            if ok and self.config.replay_weights_on_restart:
+                self._replay.update(views)
+        return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
+                                  num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""

@@ -26,18 +26,15 @@ from sglang.multimodal_gen.runtime.entrypoints.post_training.io_struct import (
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromTensorCheckerReqInput,
-    UpdateWeightFromTensorReqInput,
 )
 from sglang.multimodal_gen.runtime.launch_server import launch_server
 from sglang.multimodal_gen.runtime.loader.weight_utils import compute_weights_checksum
 from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
-from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
-from sglang.srt.utils import MultiprocessingSerializer
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 from megaflow.rollout.sglang import plugin
+from megaflow.rollout.sglang.weights import update_request
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -175,26 +172,13 @@ class EngineServer:
 
 
     # weights
-    def update_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> tuple[bool, str]:
-        """One flattened bucket for the 'transformer' module; the payload is serialized per send
-        (a CPU payload lives in shared memory that the worker can open only once). ``verify``: SHA-256
-        of every tensor here and in the engine afterwards."""
-        bucket = FlattenedTensorBucket(named_tensors=named)
-        payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
-                                   "metadata": bucket.get_metadata()}}
-        serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
-        out, error = self._control(UpdateWeightFromTensorReqInput(
-            serialized_named_tensors=[serialized], load_format="flattened_bucket",
-            target_modules=["transformer"]))
+    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence) -> tuple[bool, str]:
+        """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU)
+        into the DiT. Not verified: SGLang skips unknown names and still reports success (``verify``)."""
+        out, error = self._control(update_request(flat, metadata))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
-        if not verify:
-            return True, f"updated {len(named)} tensors (not verified)"
-        # SGLang skips unknown names and still reports success: verify every tensor by SHA-256.
-        ok, message = self.verify({n: compute_tensor_sha256(t) for n, t in named})
-        if not ok:
-            return False, f"weights not verified after update: {message}"
-        return True, f"updated and verified {len(named)} tensors"
+        return True, f"updated {len(metadata)} tensors (not verified)"
 
     def verify(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """The engine re-hashes the named DiT tensors it holds and compares with ``expected_sha256``."""
