@@ -1,11 +1,13 @@
 """Colocated path: engines on this host; buckets go in through shared memory (CUDA IPC on GPU).
 
-Each bucket is packed once -- into shared memory on CPU, on the tensors' own device on GPU -- and handed
+Each bucket is packed once -- into one shared-memory staging buffer on CPU that every bucket of every sync
+reuses (touched once: no page faults after the first sync), on the tensors' own device on GPU -- and handed
 to every engine's ``load_bucket`` (without a per-bucket check), all engines at once from a thread pool;
 the SGLang adapter sends the bucket as SGLang's flattened-bucket payload and the engine's workers map the
 shared memory (or open the CUDA IPC handle) and copy into their DiT parameters. While the engines load a
 bucket, this thread hashes it (with ``verify``), so each tensor is hashed once here and once by every
-engine at the end of the sync, the engines again in parallel. Peak extra memory is one bucket.
+engine at the end of the sync, the engines again in parallel. The next bucket is packed only once every
+engine is done with this one. Extra memory: the staging buffer, the size of the largest bucket.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
-from megaflow.bridge.buckets import iter_buckets
+from megaflow.bridge.buckets import StagingBuffer, iter_buckets
 
 
 class ColocatedBridge:
@@ -27,12 +29,13 @@ class ColocatedBridge:
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
+        self._staging = StagingBuffer(shared=True)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         stream = SyncStream(named_tensors, digest=self.verify)
         num_buckets = 0
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="colocated-push") as pool:
-            for bucket in iter_buckets(stream, self.bucket_bytes, shared=True):
+            for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging):
                 num_buckets += 1
                 loads = [pool.submit(engine.load_bucket, bucket, verify=False) for engine in self.engines]
                 stream.record(bucket)  # hashed while the engines load it; one check per sync below

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
-from megaflow.bridge.buckets import Bucket, iter_buckets
+from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
 
 
 def _bcast_obj(obj, src: int, group) -> object:
@@ -62,6 +62,7 @@ class DistributedReceiver:
         self.engines = list(engines)
         self.group, self.src = group, src
         self.device = torch.device(device)
+        self._staging = StagingBuffer(shared=True)  # CPU buckets: engine processes map it without a copy
 
     def receive(self) -> tuple[bool, str]:
         ok, msg, n = True, "", 0
@@ -70,9 +71,9 @@ class DistributedReceiver:
                 meta = _bcast_obj(None, self.src, self.group)
                 if meta is None:
                     break
-                flat = torch.empty(meta[-1].end_idx, dtype=torch.uint8, device=self.device)
-                if flat.device.type == "cpu":
-                    flat.share_memory_()  # engine processes map it without a copy
+                nbytes = meta[-1].end_idx
+                flat = (self._staging.take(nbytes) if self.device.type == "cpu"
+                        else torch.empty(nbytes, dtype=torch.uint8, device=self.device))
                 dist.broadcast(flat, src=self.src, group=self.group)
                 n += 1
                 bucket = Bucket(flat=flat, metadata=meta)  # on self.device: a CUDA bucket goes to engines by IPC

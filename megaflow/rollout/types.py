@@ -53,6 +53,9 @@ class RolloutRequest:
     """Prompt length in tokens for every text encoder (SGLang pads each to it); None = the pipeline's default."""
     return_images: bool = True
     """Decode latents to images (needed for rewards; off for pure log-prob checks)."""
+    return_model_outputs: bool = False
+    """Also return the per-step velocities (``Trajectory.model_outputs``): for parity checks; the trainer
+    does not read them, and an SGLang engine computes and ships them only when asked."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Identifier copied into every Trajectory of this request (the group id)."""
 
@@ -119,7 +122,8 @@ class Trajectory:
     """DiT kwargs to replay a step, per sample, no batch dim: 'encoder_hidden_states' [L, D] and
     'pooled_projections' [P] (plus 'negative_*' twins when do_cfg); FLUX adds 'guidance' (scalar)."""
     model_outputs: torch.Tensor | None = None
-    """[T, C, h, w] float32 velocity used at each step (after CFG) when the engine exposes it, else None."""
+    """[T, C, h, w] float32 velocity used at each step (after CFG) when the request asked for it
+    (``RolloutRequest.return_model_outputs``), else None."""
     image: torch.Tensor | None = None
     """[3, H, W] float32 in [0, 1], or None when images were not requested."""
     engine_id: str = ""

@@ -94,6 +94,29 @@ def test_colocated_push_loads_engines_in_parallel():
         assert all(torch.equal(v, t.module.state_dict()[k]) for k, v in src.state_dict().items())
 
 
+def test_colocated_reuses_one_staging_buffer_across_syncs():
+    """Every bucket of every sync is packed into the same shared-memory buffer (touched once), and each
+    sync still lands bit for bit."""
+    seen = []
+
+    class Recording(ModuleTarget):
+        def load_bucket(self, bucket, *, verify=True):
+            seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared()))
+            return super().load_bucket(bucket, verify=verify)
+    dst = tiny_dit(2)
+    bridge = ColocatedBridge([Recording(dst)], bucket_bytes=16 << 10)
+    per_sync = []
+    for seed in (0, 1):
+        src = tiny_dit(seed)
+        assert bridge.push(src.state_dict().items()).verified
+        assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
+        per_sync.append(set(seen))
+        seen.clear()
+    # the buffer grows to the largest bucket during the first sync; the second sync allocates nothing
+    assert all(shared for _, shared in per_sync[0] | per_sync[1])
+    assert len(per_sync[1]) == 1 and per_sync[1] <= per_sync[0], per_sync
+
+
 def test_colocated_rejects_unknown_name_without_partial_write():
     dst = tiny_dit(1)
     before = state(dst)

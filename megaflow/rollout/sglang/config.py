@@ -29,8 +29,6 @@ class SGLangEngineConfig:
     """Engine calls submitted concurrently (the worker runs one; the next is queued behind it)."""
     batch_window_ms: float = 5.0
     """How long the dispatcher waits for more requests to merge once one arrived."""
-    return_model_outputs: bool = True
-    """Return the per-step velocity (SGLang rollout debug mode)."""
     log_level: str = "warning"
     """SGLang's log level in the engine processes ('info' shows per-stage timings of every call)."""
     log_dir: str | None = None
@@ -43,8 +41,8 @@ class SGLangEngineConfig:
     max_restarts: int = 3
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
-    """Keep the host bytes of every tensor pushed (update_weights, load_bucket: a CPU bucket by reference,
-    a CUDA one copied to the host) and re-apply them after a restart."""
+    """Keep a host copy of every tensor pushed by update_weights / load_bucket (one copy per sync into
+    tensors reused across syncs) and re-apply it after a restart."""
     server_kwargs: dict = field(default_factory=dict)
     """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
 

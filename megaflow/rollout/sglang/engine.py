@@ -68,7 +68,7 @@ def _sampling_signature(r: RolloutRequest) -> tuple:
     """Requests with equal signatures can share one denoising batch."""
     return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
             tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
-            r.max_sequence_length)
+            r.max_sequence_length, r.return_model_outputs)
 
 
 class SGLangEngine:
@@ -219,8 +219,8 @@ class SGLangEngine:
         if server is None:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         t0 = time.perf_counter()
-        trajectories = server.generate(requests, return_model_outputs=self.config.return_model_outputs,
-                                       log_request=self.config.log_requests, timeout_s=self.config.call_timeout_s)
+        trajectories = server.generate(requests, log_request=self.config.log_requests,
+                                       timeout_s=self.config.call_timeout_s)
         seconds = time.perf_counter() - t0
         for t in trajectories:
             t.engine_id = self.engine_id
@@ -280,25 +280,32 @@ class SGLangEngine:
 
     def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
         """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
-        sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. The engine keeps
-        the bucket's bytes for replay after a restart (a CPU bucket by reference: do not modify it)."""
+        sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. For replay after
+        a restart the engine copies the bytes into its own host tensors (reused by the next sync)."""
         return self._load(bucket.flat, bucket.metadata, verify=verify)
 
     def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool) -> WeightUpdateResult:
         t0 = time.perf_counter()
         with self._lock:
             ok, message = self._server.update_from_bucket(flat, metadata)
-            views = None
-            if ok and (verify or self.config.replay_weights_on_restart):
-                host = flat.cpu()
-                views = {m.name: host[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
+            views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
             if ok and verify:
                 ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in views.items()})
                 message = message if ok else f"weights not verified after update: {message}"
             if ok and self.config.replay_weights_on_restart:
-                self._replay.update(views)
+                self._keep_for_replay(views)
         return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
                                   num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
+
+    def _keep_for_replay(self, views: dict[str, torch.Tensor]) -> None:
+        """Copy ``views`` into the replay store: into the tensor kept from the last sync when it matches
+        (touched memory: a plain copy), else into a new host tensor."""
+        for name, t in views.items():
+            kept = self._replay.get(name)
+            if kept is not None and kept.shape == t.shape and kept.dtype == t.dtype:
+                kept.copy_(t)
+            else:
+                self._replay[name] = t.to("cpu", copy=True)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""

@@ -155,10 +155,8 @@ class EngineServer:
         return ob.output, ob.error
 
     # generation
-    def generate(self, requests: list[RolloutRequest], *, return_model_outputs: bool, log_request: bool,
-                 timeout_s: int) -> list[Trajectory]:
-        req = build_request(self.server_args, self.family, requests, return_model_outputs=return_model_outputs,
-                            log_request=log_request)
+    def generate(self, requests: list[RolloutRequest], *, log_request: bool, timeout_s: int) -> list[Trajectory]:
+        req = build_request(self.server_args, self.family, requests, log_request=log_request)
         t0 = time.perf_counter()
         ob = self.client.forward(req, timeout_ms=timeout_s * 1000)
         seconds = time.perf_counter() - t0
