@@ -49,6 +49,11 @@ def make_large_pipeline(out: Path, *, layers: int, heads: int, head_dim: int, se
     return out
 
 
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (seconds span 1e-5 .. 10 here)."""
+    return float(f"{x:.4g}")
+
+
 def _median_seconds(fn, repeats: int) -> float:
     seconds = []
     for _ in range(repeats):
@@ -84,7 +89,7 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
     start_s = time.perf_counter() - t0
     out: dict = {"params": sum(t.numel() for t in state.values()),
                  "bytes": sum(t.numel() * t.element_size() for t in state.values()), "num_tensors": len(state),
-                 "engines": engines, "engine_start_s": round(start_s, 2), "copy_s": round(copy_s, 5),
+                 "engines": engines, "engine_start_s": round(start_s, 2), "copy_s": _sig(copy_s),
                  "sync_s": {}, "ratio_vs_copy": {}, "per_engine_s": {}}
     try:
         for verify in (False, True):
@@ -95,9 +100,9 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
                 bridge.push(state.items())
             seconds = _median_seconds(lambda: reports.append(bridge.push(state.items())), repeats)
             assert all(r.verified == verify for r in reports), reports
-            out["sync_s"][key] = round(seconds, 5)
-            out["ratio_vs_copy"][key] = round(seconds / copy_s, 3)
-            out["per_engine_s"][key] = round(seconds / engines, 5)
+            out["sync_s"][key] = _sig(seconds)
+            out["ratio_vs_copy"][key] = _sig(seconds / copy_s)
+            out["per_engine_s"][key] = _sig(seconds / engines)
             out["num_buckets"] = reports[-1].num_buckets
         expected = weights_checksum(state.items())
         out["bit_exact"] = all(e.checksum() == expected for e in started)
