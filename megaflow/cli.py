@@ -184,6 +184,13 @@ def _cmd_bench_hosts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_sync(args: argparse.Namespace) -> int:
+    from megaflow.bench.sync import bench_sync
+    _emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines,
+                     repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny), args)
+    return 0
+
+
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
     cfg = _run_config(args, "train")
     from megaflow.bench.learn import bench_learn
@@ -257,6 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_br.add_argument("--steps", type=int, default=4)
     p_br.add_argument("--res", type=int, default=64)
     p_br.add_argument("--repeats", type=int, default=5)
+    p_bs = bench_sub.add_parser("sync", help="Weight-sync seconds into SGLang engines (verify off / on) vs a plain "
+                                "copy of the same bytes: a scaled-up random SD3 DiT and the tiny one.")
+    p_bs.add_argument("--layers", type=int, default=6, help="Joint blocks of the large DiT.")
+    p_bs.add_argument("--heads", type=int, default=12, help="Attention heads of the large DiT.")
+    p_bs.add_argument("--head-dim", type=int, default=64, help="Head width of the large DiT.")
+    p_bs.add_argument("--engines", type=int, default=1, help="SGLang engines synced at once.")
+    p_bs.add_argument("--repeats", type=int, default=5, help="Timed pushes (the median is reported).")
+    p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")
+    p_bs.add_argument("--bucket-mb", type=float, default=64.0, help="Bucket size, MiB.")
+    p_bs.add_argument("--no-tiny", action="store_true", help="Skip the tiny model.")
     p_bl = bench_sub.add_parser("learn", help="P6: the demo's RL recipe through a plain diffusers + torch loop vs "
                                 "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")
     _add_config_args(p_bl, default="configs/shapes_demo.toml")
@@ -268,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(two torchrun runs on this machine, rollout.engine_hosts = rank).")
     _add_config_args(p_bh, default="configs/cpu_demo.toml")
     p_bh.add_argument("--iterations", type=int, default=6, help="Iterations per run (the first is not timed).")
-    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bl, _cmd_bench_learn),
-                       (p_bh, _cmd_bench_hosts)):
+    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bs, _cmd_bench_sync),
+                       (p_bl, _cmd_bench_learn), (p_bh, _cmd_bench_hosts)):
         p.add_argument("--json", action="store_true", help="Print one JSON object.")
         p.add_argument("--out", default=None, help="Also write the JSON to this file.")
         p.set_defaults(handler=handler)

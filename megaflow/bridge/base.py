@@ -2,23 +2,24 @@
 
 The trainer streams ``(engine_name, full_tensor)`` pairs (already gathered over TP/PP and renamed to
 the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_params`). A bridge
-moves them into the rollout engine(s) by one transfer path -- colocated (same host: shared memory /
-CUDA IPC), distributed (a process-group broadcast to the rank that hosts the engine) or disk
-(safetensors + reload) -- and, with ``verify``, checks the result once per sync: every tensor is
-hashed once here while streaming and once by each engine at the end (engines load buckets with
-``verify=False``, no per-bucket hashing). Without ``verify`` nothing is hashed at all. The three paths
-are three implementations of this one interface, chosen by ``bridge.mode``.
+packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
+(same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
+engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result once per sync: every
+tensor is hashed once here, from its packed bucket, and once by each engine at the end (engines load
+buckets with ``verify=False``, no per-bucket hashing). Without ``verify`` nothing is hashed at all. The
+three paths are three implementations of this one interface, chosen by ``bridge.mode``.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from megaflow.bridge.buckets import tensor_sha256
+from megaflow.bridge.buckets import Bucket
 
 
 class SyncError(RuntimeError):
@@ -54,8 +55,9 @@ class WeightBridge(Protocol):
         ...
 
 
-class DigestingStream:
-    """Wraps a (name, tensor) stream, recording SHA-256 digests and byte counts as it passes."""
+class SyncStream:
+    """Wraps a (name, tensor) stream, counting tensors and bytes as they pass; ``record`` keeps the SHA-256
+    digests of each packed bucket's tensors when ``digest`` (the sync's one hash pass on the sending side)."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, digest: bool):
         self._it = iter(named_tensors)
@@ -67,25 +69,30 @@ class DigestingStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._it:
-            t = t.detach()
-            if self.digest:
-                self.sha256[name] = tensor_sha256(t)
             self.num_tensors += 1
             self.num_bytes += t.numel() * t.element_size()
             yield name, t
 
-    def report(self, mode: str, num_buckets: int) -> SyncReport:
+    def record(self, bucket: Bucket) -> None:
+        """Hash the bucket's tensors (only when ``digest``)."""
+        if self.digest:
+            self.sha256.update(bucket.sha256())
+
+    def report(self, mode: str, num_buckets: int, *, verified: bool = False, message: str = "") -> SyncReport:
+        """The sync's report; ``seconds`` run from the stream's creation to this call."""
         return SyncReport(mode=mode, num_tensors=self.num_tensors, num_bytes=self.num_bytes,
                           num_buckets=num_buckets, seconds=time.perf_counter() - self.started,
-                          expected_sha256=dict(self.sha256))
+                          verified=verified, message=message, expected_sha256=dict(self.sha256))
 
 
-def verify_engines(engines, report: SyncReport) -> SyncReport:
-    """Ask every engine to re-hash the tensors in ``report.expected_sha256``; raise SyncError on mismatch."""
-    for engine in engines:
-        ok, msg = engine.verify_weights(report.expected_sha256)
+def verify_engines(engines, expected_sha256: dict[str, str], pool: ThreadPoolExecutor | None = None) -> str:
+    """Ask every engine (in parallel on ``pool`` when given) to re-hash the tensors in ``expected_sha256``;
+    raise SyncError on a mismatch, else return a one-line summary."""
+    if pool is None:
+        results = [engine.verify_weights(expected_sha256) for engine in engines]
+    else:
+        results = list(pool.map(lambda e: e.verify_weights(expected_sha256), engines))
+    for engine, (ok, msg) in zip(engines, results):
         if not ok:
             raise SyncError(f"weight sync to engine {getattr(engine, 'engine_id', '?')} did not verify: {msg}")
-    report.verified = True
-    report.message = f"verified {len(report.expected_sha256)} tensors on {len(engines)} engine(s)"
-    return report
+    return f"verified {len(expected_sha256)} tensors on {len(engines)} engine(s)"

@@ -1,14 +1,22 @@
 """Pack streamed named tensors into flat byte buckets, and per-tensor SHA-256 digests.
 
-A bucket is one contiguous ``uint8`` tensor holding several tensors back to back plus a list of
-:class:`TensorMeta` (name, shape, dtype, byte range). This is the layout SGLang's
-``load_format="flattened_bucket"`` reconstructs (bytes viewed back as dtype and reshaped), so one
-bucket is one engine request and mixed dtypes are fine. ``iter_buckets`` consumes a generator and
-never holds more than ~``bucket_bytes`` (plus one tensor larger than that, which gets a bucket of its
-own) -- the trainer's full parameters are streamed, not materialised at once.
+A bucket is one contiguous ``uint8`` tensor holding several tensors (each starting at a 16-byte aligned
+offset) plus a list of :class:`TensorMeta` (name, shape, dtype, byte range). This is the layout SGLang's
+``load_format="flattened_bucket"`` reconstructs (bytes viewed back as dtype and reshaped), so one bucket is
+one engine request and mixed dtypes are fine. ``iter_buckets`` consumes a generator and never holds more
+than ~``bucket_bytes`` (plus one tensor larger than that, which gets a bucket of its own) -- the trainer's
+full parameters are streamed, not materialised at once.
 
-``tensor_sha256`` hashes dtype, shape and raw bytes, the same recipe as the engine's
-update-weights checker, so expected digests computed here can be verified engine-side.
+A bucket lives on the device of its first tensor (a CUDA bucket is handed to a colocated engine through
+CUDA IPC); ``shared=True`` puts a CPU bucket in shared memory, where an engine process maps it without a
+copy. Packing copies each tensor once, straight into its slice. Fresh host memory costs a page fault per
+4 KiB page on first touch (measured: packing 0.49 GB into new buffers took 0.6 s, 2.8 s in new shared
+memory, vs 0.04 s for a copy into touched memory), so a bridge that syncs again and again packs its CPU
+buckets into one :class:`StagingBuffer`, allocated once and reused by every bucket of every sync.
+
+``tensor_sha256`` hashes dtype, shape and raw bytes, the same recipe as the engine's update-weights
+checker, so expected digests computed here can be verified engine-side; ``Bucket.sha256`` applies it to
+every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA bucket, none on CPU).
 """
 from __future__ import annotations
 
@@ -17,6 +25,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+ALIGN = 16
+"""Byte alignment of every tensor's start in a bucket (a uint8 slice viewed as fp32/fp64 needs it)."""
 
 
 @dataclass(frozen=True)
@@ -44,33 +55,71 @@ class Bucket:
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """Reconstruct (name, tensor) pairs (views into ``flat``)."""
-        out = []
-        for m in self.metadata:
-            chunk = self.flat[m.start_idx:m.end_idx]
-            out.append((m.name, chunk.view(m.dtype).reshape(m.shape)))
-        return out
+        return _views(self.flat, self.metadata)
+
+    def sha256(self) -> dict[str, str]:
+        """``tensor_sha256`` of every tensor in the bucket, by name (read from the packed bytes)."""
+        host = self.flat.cpu().numpy()
+        return {m.name: _digest(m.dtype, m.shape, host[m.start_idx:m.end_idx]) for m in self.metadata}
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+class StagingBuffer:
+    """One CPU byte buffer (in shared memory with ``shared``) reused by every bucket packed into it: grown to
+    the largest bucket, never shrunk. A bucket packed here is valid until the next one is packed: use one
+    bucket at a time (``iter_buckets`` packs the next only when asked for it). CUDA buckets are not staged
+    (the caching allocator already reuses device memory)."""
+
+    def __init__(self, *, shared: bool):
+        self.shared = shared
+        self._flat: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer (a view)."""
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = torch.empty(nbytes, dtype=torch.uint8)
+            if self.shared:
+                self._flat.share_memory_()
+        return self._flat[:nbytes]
 
 
-def pack(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Pack a list of tensors into one bucket (copies once)."""
+def _views(flat: torch.Tensor, metadata: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
+         staging: StagingBuffer | None = None) -> Bucket:
+    """Pack a list of tensors into one bucket on the first tensor's device (each tensor copied once);
+    ``shared``: a CPU bucket is allocated in shared memory; ``staging``: a CPU bucket goes into that buffer
+    (its ``shared`` applies)."""
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
-    parts, meta, offset = [], [], 0
+    meta, offset = [], 0
     for name, t in named_tensors:
-        b = _as_bytes(t)
-        meta.append(TensorMeta(name=name, shape=tuple(t.shape), dtype=t.dtype,
-                               start_idx=offset, end_idx=offset + b.numel(), numel=b.numel()))
-        parts.append(b)
-        offset += b.numel()
-    return Bucket(flat=torch.cat(parts), metadata=meta)
+        nbytes = t.numel() * t.element_size()
+        meta.append(TensorMeta(name=name, shape=tuple(t.shape), dtype=t.dtype, start_idx=offset,
+                               end_idx=offset + nbytes, numel=nbytes))
+        offset = _aligned(offset + nbytes)
+    device, nbytes = named_tensors[0][1].device, meta[-1].end_idx
+    if staging is not None and device.type == "cpu":
+        flat = staging.take(nbytes)
+    else:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if shared and device.type == "cpu":
+            flat.share_memory_()
+    with torch.no_grad():
+        for (_, t), (_, dst) in zip(named_tensors, _views(flat, meta)):
+            dst.copy_(t.detach())
+    return Bucket(flat=flat, metadata=meta)
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group a stream of tensors into buckets of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+                 shared: bool = False, staging: StagingBuffer | None = None) -> Iterator[Bucket]:
+    """Group a stream of tensors into buckets of at most ``bucket_bytes`` (a bigger tensor goes alone);
+    ``shared`` / ``staging``: where CPU buckets go (see ``pack``)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
@@ -80,22 +129,26 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in one weight sync")
         seen.add(name)
-        nbytes = t.numel() * t.element_size()
+        nbytes = _aligned(t.numel() * t.element_size())
         if pending and size + nbytes > bucket_bytes:
-            yield pack(pending)
+            yield pack(pending, shared=shared, staging=staging)
             pending, size = [], 0
         pending.append((name, t))
         size += nbytes
     if pending:
-        yield pack(pending)
+        yield pack(pending, shared=shared, staging=staging)
+
+
+def _digest(dtype: torch.dtype, shape, raw) -> str:
+    """SHA-256 over dtype string, shape tuple repr and ``raw`` (a contiguous byte buffer, not copied)."""
+    h = hashlib.sha256()
+    h.update(str(dtype).encode())
+    h.update(repr(tuple(shape)).encode())
+    h.update(raw)
+    return h.hexdigest()
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """SHA-256 over dtype string, shape tuple repr and the raw bytes (the engine checker's recipe)."""
     t = t.detach().to("cpu").contiguous()
-    h = hashlib.sha256()
-    h.update(str(t.dtype).encode())
-    h.update(repr(tuple(t.shape)).encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
+    return _digest(t.dtype, t.shape, t.reshape(-1).view(torch.uint8).numpy())

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megaflow.bridge.base import DigestingStream, SyncError, SyncReport, verify_engines
+from megaflow.bridge.base import SyncStream, SyncError, SyncReport, verify_engines
 from megaflow.bridge.buckets import iter_buckets
 
 
@@ -35,8 +35,9 @@ class DiskBridge:
         self.keep = keep
         self._version = 0
 
-    def write_snapshot(self, stream: Iterable[tuple[str, torch.Tensor]]) -> tuple[Path, int]:
-        """Write shards into root/sync-XXXXXX/transformer atomically; returns (dir, num_shards)."""
+    def write_snapshot(self, stream: SyncStream) -> tuple[Path, int]:
+        """Write shards into root/sync-XXXXXX/transformer atomically (each shard's tensors recorded in
+        ``stream``); returns (dir, num_shards)."""
         self._version += 1
         final = self.root / f"sync-{self._version:06d}"
         tmp = self.root / f".sync-{self._version:06d}.tmp"
@@ -45,6 +46,7 @@ class DiskBridge:
         num = 0
         try:
             for num, bucket in enumerate(iter_buckets(stream, self.bucket_bytes), start=1):
+                stream.record(bucket)
                 tensors = {n: t.contiguous() for n, t in bucket.unpack()}
                 save_file(tensors, str(tmp / "transformer" / f"diffusion_pytorch_model-{num:05d}.safetensors"))
             if num == 0:
@@ -65,15 +67,12 @@ class DiskBridge:
             shutil.rmtree(old, ignore_errors=True)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = DigestingStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify)
         path, num_shards = self.write_snapshot(stream)
         for engine in self.engines:
             result = engine.update_weights_from_disk(str(path))
             if not result.ok:
                 raise SyncError(f"engine {getattr(engine, 'engine_id', '?')} failed to load {path.name}: "
                                 f"{result.message}")
-        report = stream.report(self.mode, num_shards)
-        report.message = str(path)
-        if self.verify:
-            verify_engines(self.engines, report)
-        return report
+        message = verify_engines(self.engines, stream.sha256) if self.verify else str(path)
+        return stream.report(self.mode, num_shards, verified=self.verify, message=message)

@@ -12,12 +12,13 @@ against the digests the source sends and report back, so the source's :class:`Sy
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.base import DigestingStream, SyncError, SyncReport
-from megaflow.bridge.buckets import Bucket, iter_buckets
+from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
+from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
 
 
 def _bcast_obj(obj, src: int, group) -> object:
@@ -39,35 +40,32 @@ class DistributedBridge:
         self.device = torch.device(device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = DigestingStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify)
         num_buckets, local_error = 0, ""
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
             _bcast_obj(bucket.metadata, self.src, self.group)
             dist.broadcast(bucket.flat.to(self.device), src=self.src, group=self.group)
+            stream.record(bucket)
             for engine in self.engines:  # a failure is raised after the receivers finished, never midway
                 r = engine.load_bucket(bucket, verify=False)  # one check per sync below
                 if not r.ok and not local_error:
                     local_error = f"engine {getattr(engine, 'engine_id', '?')} bucket {num_buckets}: {r.message}"
         _bcast_obj(None, self.src, self.group)
-        report = stream.report(self.mode, num_buckets)
-        _bcast_obj(report.expected_sha256 if self.verify else None, self.src, self.group)
-        if self.verify and not local_error:
-            for engine in self.engines:
-                ok, msg = engine.verify_weights(report.expected_sha256)
-                if not ok:
-                    local_error = f"engine {getattr(engine, 'engine_id', '?')}: {msg}"
-                    break
+        _bcast_obj(stream.sha256 if self.verify else None, self.src, self.group)
+        if self.verify and self.engines and not local_error:
+            try:
+                verify_engines(self.engines, stream.sha256)
+            except SyncError as e:
+                local_error = str(e)
         results = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(results, None, group=self.group)
         failures = [r[1] for r in results if r is not None and not r[0]] + ([local_error] if local_error else [])
         if failures:
             raise SyncError(f"distributed weight sync did not verify on {len(failures)} host(s): {failures[0]}")
-        if self.verify:
-            report.verified = True
-            report.message = (f"verified on {sum(r is not None for r in results)} receiver(s)"
-                              f"{' and the source' if self.engines else ''}")
-        return report
+        message = (f"verified on {sum(r is not None for r in results)} receiver(s)"
+                   f"{' and the source' if self.engines else ''}") if self.verify else ""
+        return stream.report(self.mode, num_buckets, verified=self.verify, message=message)
 
 
 class DistributedReceiver:
@@ -77,26 +75,30 @@ class DistributedReceiver:
         self.engines = list(engines)
         self.group, self.src = group, src
         self.device = torch.device(device)
+        self._staging = StagingBuffer(shared=True)  # CPU buckets: engine processes map it without a copy
 
     def receive(self) -> tuple[bool, str]:
         ok, msg, n = True, "", 0
-        while True:
-            meta = _bcast_obj(None, self.src, self.group)
-            if meta is None:
-                break
-            flat = torch.empty(meta[-1].end_idx, dtype=torch.uint8, device=self.device)
-            dist.broadcast(flat, src=self.src, group=self.group)
-            n += 1
-            bucket = Bucket(flat=flat.cpu(), metadata=meta)
-            for engine in self.engines:
-                r = engine.load_bucket(bucket, verify=False)  # one check per sync below
-                if not r.ok and ok:
-                    ok, msg = False, f"bucket {n}: {r.message}"
-        expected = _bcast_obj(None, self.src, self.group)
-        if ok and expected is not None:
-            for engine in self.engines:
-                ok, msg = engine.verify_weights(expected)
-                if not ok:
+        with ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="receiver-load") as pool:
+            while True:
+                meta = _bcast_obj(None, self.src, self.group)
+                if meta is None:
                     break
+                nbytes = meta[-1].end_idx
+                flat = (self._staging.take(nbytes) if self.device.type == "cpu"
+                        else torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+                dist.broadcast(flat, src=self.src, group=self.group)
+                n += 1
+                bucket = Bucket(flat=flat, metadata=meta)  # on self.device: a CUDA bucket goes to engines by IPC
+                # every local engine at once; one check per sync below
+                for r in pool.map(lambda e: e.load_bucket(bucket, verify=False), self.engines):
+                    if not r.ok and ok:
+                        ok, msg = False, f"bucket {n}: {r.message}"
+            expected = _bcast_obj(None, self.src, self.group)
+            if ok and expected is not None:
+                try:
+                    msg = verify_engines(self.engines, expected, pool)
+                except SyncError as e:
+                    ok, msg = False, str(e)
         dist.all_gather_object([None] * dist.get_world_size(self.group), (ok, msg), group=self.group)
         return ok, msg

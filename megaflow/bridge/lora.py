@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from megaflow.bridge.base import DigestingStream, SyncError, SyncReport
+from megaflow.bridge.base import SyncStream, SyncError, SyncReport
 
 
 def sync_stream(trainer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,7 +45,7 @@ class LoRABridge:
         self.engines, self.alpha, self.rank, self.verify = list(engines), float(alpha), int(rank), verify
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = DigestingStream(named_tensors, digest=False)
+        stream = SyncStream(named_tensors, digest=False)
         named = list(stream)
         if not named:
             raise ValueError("LoRA sync got no adapter tensors")

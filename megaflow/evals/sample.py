@@ -101,7 +101,7 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
     pipeline_dir = Path(pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise ValueError(f"--pipeline {pipeline_dir}: not a diffusers pipeline directory (no model_index.json)")
-    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), return_model_outputs=False))
+    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir)))
     try:
         return evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
                                resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),

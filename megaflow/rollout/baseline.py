@@ -150,7 +150,7 @@ class DiffusersEngine:
                     sde_mask=r.sde_mask(), sde_type=r.sde_type, noise_level=r.noise_level,
                     log_prob_no_const=r.log_prob_no_const, guidance_scale=r.guidance_scale, do_cfg=r.do_cfg,
                     conditioning={k: v[b] for k, v in chunk_cond.items()}, height=r.height, width=r.width,
-                    model_outputs=result["model_outputs"][b],
+                    model_outputs=result["model_outputs"][b] if r.return_model_outputs else None,
                     image=result["images"][b] if result["images"] is not None else None,
                     engine_id=self.engine_id, timings={"total": seconds}))
         return trajs

@@ -48,7 +48,8 @@ def sde_step_indices(t: Trajectory) -> list[int] | None:
 def noises_from_trajectory(t: Trajectory) -> torch.Tensor:
     """ε [T, ...] with x_{t+1} = μ_t + std_t·ε_t, from the trajectory's latents and engine velocities (0 on ODE steps)."""
     if t.model_outputs is None:
-        raise ValueError(f"trajectory {t.request_id}/{t.index} has no model_outputs (engine debug mode off)")
+        raise ValueError(f"trajectory {t.request_id}/{t.index} has no model_outputs "
+                         "(ask with RolloutRequest.return_model_outputs)")
     config, window = transition_config(t), sde_step_indices(t)
     sigmas, sigma_max = t.sigmas, sigma_max_of(t.sigmas)
     noises = torch.zeros_like(t.latents[1:])

@@ -53,6 +53,9 @@ class RolloutRequest:
     """Prompt length in tokens for every text encoder (SGLang pads each to it); None = the pipeline's default."""
     return_images: bool = True
     """Decode latents to images (needed for rewards; off for pure log-prob checks)."""
+    return_model_outputs: bool = False
+    """Also return the per-step velocities (``Trajectory.model_outputs``): for parity checks; the trainer
+    does not read them, and an SGLang engine computes and ships them only when asked."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Identifier copied into every Trajectory of this request (the group id)."""
 
@@ -124,7 +127,8 @@ class Trajectory:
     width: int | None = None
     """Image width in pixels of the request that produced this sample (None when not recorded)."""
     model_outputs: torch.Tensor | None = None
-    """[T, C, h, w] float32 velocity used at each step (after CFG) when the engine exposes it, else None."""
+    """[T, C, h, w] float32 velocity used at each step (after CFG) when the request asked for it
+    (``RolloutRequest.return_model_outputs``), else None."""
     image: torch.Tensor | None = None
     """[3, H, W] float32 in [0, 1], or None when images were not requested."""
     engine_id: str = ""

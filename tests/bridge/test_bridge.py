@@ -25,7 +25,8 @@ def test_pack_roundtrip_mixed_dtypes():
     named = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.int64)),
              ("c", torch.randn(2, 2).to(torch.bfloat16))]
     b = pack(named)
-    assert b.num_bytes == 48 + 40 + 8
+    assert b.num_bytes == 48 + 40 + 8 + 8  # every tensor starts 16-byte aligned: 8 bytes of padding before c
+    assert [m.start_idx % 16 for m in b.metadata] == [0, 0, 0]
     for (n0, t0), (n1, t1) in zip(named, b.unpack()):
         assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
 
@@ -49,6 +50,16 @@ def test_sha256_sensitive_to_dtype_shape_value():
     assert tensor_sha256(t2) != base
 
 
+def test_bucket_sha256_equals_per_tensor_sha256_and_shared_memory():
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 3).t()),
+             ("d", torch.arange(3, dtype=torch.int64)), ("e", torch.zeros(0))]
+    bucket = pack(named, shared=True)
+    assert bucket.flat.is_shared() and not pack(named).flat.is_shared()
+    assert bucket.sha256() == {n: tensor_sha256(t) for n, t in named}
+    for (n0, t0), (n1, t1) in zip(named, bucket.unpack()):  # a non-contiguous source packs by value
+        assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
+
+
 @pytest.mark.parametrize("bucket_bytes", [1 << 10, 64 << 20])
 def test_colocated_push_updates_and_verifies(bucket_bytes):
     src, dst1, dst2 = tiny_dit(0), tiny_dit(1), tiny_dit(2)
@@ -59,6 +70,51 @@ def test_colocated_push_updates_and_verifies(bucket_bytes):
     for dst in (dst1, dst2):
         for k, v in src.state_dict().items():
             assert torch.equal(v, dst.state_dict()[k]), k
+
+
+class _Rendezvous(ModuleTarget):
+    """A target whose load waits for the other target's load to start: passes only if they run at once."""
+
+    def __init__(self, module, barrier):
+        super().__init__(module)
+        self.barrier = barrier
+
+    def load_bucket(self, bucket, *, verify=True):
+        self.barrier.wait()
+        return super().load_bucket(bucket, verify=verify)
+
+
+def test_colocated_push_loads_engines_in_parallel():
+    import threading
+    src, barrier = tiny_dit(0), threading.Barrier(2, timeout=10)
+    targets = [_Rendezvous(tiny_dit(1), barrier), _Rendezvous(tiny_dit(2), barrier)]
+    report = ColocatedBridge(targets, bucket_bytes=16 << 10).push(src.state_dict().items())
+    assert report.verified and report.num_buckets > 1
+    for t in targets:
+        assert all(torch.equal(v, t.module.state_dict()[k]) for k, v in src.state_dict().items())
+
+
+def test_colocated_reuses_one_staging_buffer_across_syncs():
+    """Every bucket of every sync is packed into the same shared-memory buffer (touched once), and each
+    sync still lands bit for bit."""
+    seen = []
+
+    class Recording(ModuleTarget):
+        def load_bucket(self, bucket, *, verify=True):
+            seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared()))
+            return super().load_bucket(bucket, verify=verify)
+    dst = tiny_dit(2)
+    bridge = ColocatedBridge([Recording(dst)], bucket_bytes=16 << 10)
+    per_sync = []
+    for seed in (0, 1):
+        src = tiny_dit(seed)
+        assert bridge.push(src.state_dict().items()).verified
+        assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
+        per_sync.append(set(seen))
+        seen.clear()
+    # the buffer grows to the largest bucket during the first sync; the second sync allocates nothing
+    assert all(shared for _, shared in per_sync[0] | per_sync[1])
+    assert len(per_sync[1]) == 1 and per_sync[1] <= per_sync[0], per_sync
 
 
 def test_colocated_rejects_unknown_name_without_partial_write():
@@ -89,18 +145,21 @@ def test_verification_catches_lossy_transfer():
 
 @pytest.fixture
 def hash_calls(monkeypatch):
-    """Counts SHA-256 passes: the bridge's (while streaming) and the targets' (re-hash), by tensor name."""
-    import megaflow.bridge.base as base
+    """Counts SHA-256 passes: the bridge's (from each packed bucket) and the targets' (re-hash), by tensor."""
+    import megaflow.bridge.buckets as buckets
     import megaflow.bridge.target as target
     calls = {"bridge": [], "engine": []}
+    real_bucket_sha256, real_tensor_sha256 = buckets.Bucket.sha256, target.tensor_sha256
 
-    def counting(side, real):
-        def fn(t):
-            calls[side].append(tuple(t.shape))
-            return real(t)
-        return fn
-    monkeypatch.setattr(base, "tensor_sha256", counting("bridge", base.tensor_sha256))
-    monkeypatch.setattr(target, "tensor_sha256", counting("engine", target.tensor_sha256))
+    def bucket_sha256(self):
+        calls["bridge"].extend(m.shape for m in self.metadata)
+        return real_bucket_sha256(self)
+
+    def tensor_sha256(t):
+        calls["engine"].append(tuple(t.shape))
+        return real_tensor_sha256(t)
+    monkeypatch.setattr(buckets.Bucket, "sha256", bucket_sha256)
+    monkeypatch.setattr(target, "tensor_sha256", tensor_sha256)
     return calls
 
 

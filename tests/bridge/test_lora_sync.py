@@ -38,7 +38,8 @@ def _trainer(pipeline):
 
 def _engine_vs_trainer(engine, trainer) -> float:
     """Largest |engine velocity - trainer velocity| over every step of one sampled trajectory."""
-    [t] = engine.generate([RolloutRequest(prompt="a red cat", num_outputs=1, seed=5, num_steps=3)])
+    [t] = engine.generate([RolloutRequest(prompt="a red cat", num_outputs=1, seed=5, num_steps=3,
+                                          return_model_outputs=True)])
     steps = t.model_outputs.shape[0]
     cond = {k: t.conditioning[k].unsqueeze(0).expand(steps, *t.conditioning[k].shape)
             for k in ("encoder_hidden_states", "pooled_projections")}

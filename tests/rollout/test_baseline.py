@@ -39,7 +39,8 @@ def _req(**kw) -> RolloutRequest:
 
 def test_trajectory_fields_and_recomputed_log_probs(engine):
     assert isinstance(engine, RolloutEngine)
-    trajs = engine.generate([_req(sde_step_indices=[0, 1])])
+    assert engine.generate([_req()])[0].model_outputs is None  # velocities only on request
+    trajs = engine.generate([_req(sde_step_indices=[0, 1], return_model_outputs=True)])
     assert [t.index for t in trajs] == [0, 1] and [t.seed for t in trajs] == [7, 8]
     t = trajs[0]
     assert t.latents.shape == (4, 16, 4, 4) and t.model_outputs.shape == (3, 16, 4, 4)

@@ -23,7 +23,7 @@ def test_flux_rollout_log_probs_recompute(tiny_pipeline_tool, tmp_path):
     config = sglang_engine.SGLangEngineConfig(model_path=str(path), family="flux", engine_id="flux0")
     with sglang_engine.SGLangEngine(config) as engine:
         requests = [RolloutRequest(prompt=p, num_outputs=2, seed=i, num_steps=4, guidance_scale=3.5,
-                                   sde_step_indices=[0, 1, 2]) for i, p in enumerate(["a red cat", "a blue dog"])]
+                                   sde_step_indices=[0, 1, 2], return_model_outputs=True) for i, p in enumerate(["a red cat", "a blue dog"])]
         trajs = engine.generate(requests)
         with pytest.raises(ValueError, match="FLUX"):
             engine.generate([RolloutRequest(prompt="x", do_cfg=True, guidance_scale=2.0)])

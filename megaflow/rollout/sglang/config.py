@@ -29,8 +29,6 @@ class SGLangEngineConfig:
     """Engine calls submitted concurrently (the worker runs one; the next is queued behind it)."""
     batch_window_ms: float = 5.0
     """How long the dispatcher waits for more requests to merge once one arrived."""
-    return_model_outputs: bool = True
-    """Return the per-step velocity (SGLang rollout debug mode)."""
     log_level: str = "warning"
     """SGLang's log level in the engine processes ('info' shows per-stage timings of every call)."""
     log_dir: str | None = None
@@ -43,7 +41,8 @@ class SGLangEngineConfig:
     max_restarts: int = 3
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
-    """Keep a CPU copy of tensors pushed by update_weights and re-apply it after a restart."""
+    """Keep a host copy of every tensor pushed by update_weights / load_bucket (one copy per sync into
+    tensors reused across syncs) and re-apply it after a restart."""
     device_index: int | None = None
     """Local GPU the worker processes are pinned to: they are started with CUDA_VISIBLE_DEVICES naming only
     that device (the entry at this index of this process's CUDA_VISIBLE_DEVICES when set); None: inherit."""

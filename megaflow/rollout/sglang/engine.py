@@ -44,6 +44,7 @@ from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import co
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
+from megaflow.rollout.sglang.weights import flatten
 from megaflow.rollout.sglang.wire import EngineCallFailed
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -73,7 +74,7 @@ def _sampling_signature(r: RolloutRequest) -> tuple:
     """Requests with equal signatures can share one denoising batch."""
     return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
             tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
-            r.max_sequence_length)
+            r.max_sequence_length, r.return_model_outputs)
 
 
 class SGLangEngine:
@@ -226,8 +227,8 @@ class SGLangEngine:
         if server is None:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         t0 = time.perf_counter()
-        trajectories = server.generate(requests, return_model_outputs=self.config.return_model_outputs,
-                                       log_request=self.config.log_requests, timeout_s=self.config.call_timeout_s)
+        trajectories = server.generate(requests, log_request=self.config.log_requests,
+                                       timeout_s=self.config.call_timeout_s)
         seconds = time.perf_counter() - t0
         for t in trajectories:
             t.engine_id = self.engine_id
@@ -265,7 +266,7 @@ class SGLangEngine:
             if self._disk_source is not None:
                 replays.append(self._server.update_from_disk(self._disk_source))
             if self._replay:
-                replays.append(self._server.update_from_tensors(list(self._replay.items())))
+                replays.append(self._server.update_from_bucket(*flatten(list(self._replay.items()))))
             if self._lora_replay is not None:
                 tensors, alpha, rank = self._lora_replay
                 replays.append(self._server.update_lora_from_tensors(list(tensors.items()), alpha=alpha, rank=rank))
@@ -280,19 +281,13 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
-        """Push DiT tensors (diffusers names) as one flattened bucket; ``verify``: then check each by SHA-256
-        (SGLang skips unknown names and still reports success, so without it such a name goes unnoticed).
-        Tensors travel in the dtype they come in: SGLang casts each into its parameter's own dtype, and a
-        tensor kept in fp32 on both sides (SD3's position table in a bf16 model) must not be rounded on the way."""
-        named = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
-        t0 = time.perf_counter()
-        with self._lock:
-            ok, message = self._server.update_from_tensors(named, verify=verify)
-            if ok and self.config.replay_weights_on_restart:
-                self._replay.update({n: t.clone() for n, t in named})
-        return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
-                                  num_bytes=sum(t.numel() * t.element_size() for _, t in named),
-                                  seconds=time.perf_counter() - t0)
+        """Push DiT tensors (diffusers names) as one flattened bucket (SGLang's ``FlattenedTensorBucket``);
+        ``verify``: then check each by SHA-256 (SGLang skips unknown names and still reports success, so
+        without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
+        into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
+        bf16 model) must not be rounded on the way."""
+        flat, metadata = flatten(list(named_tensors))
+        return self._load(flat, metadata, verify=verify)
 
     def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
                     verify: bool = True) -> WeightUpdateResult:
@@ -313,8 +308,33 @@ class SGLangEngine:
                                   seconds=time.perf_counter() - t0)
 
     def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """One bridge bucket (megaflow.bridge.buckets.Bucket) as one tensor update (verified if ``verify``)."""
-        return self.update_weights(bucket.unpack(), verify=verify)
+        """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
+        sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. For replay after
+        a restart the engine copies the bytes into its own host tensors (reused by the next sync)."""
+        return self._load(bucket.flat, bucket.metadata, verify=verify)
+
+    def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool) -> WeightUpdateResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            ok, message = self._server.update_from_bucket(flat, metadata)
+            views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
+            if ok and verify:
+                ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in views.items()})
+                message = message if ok else f"weights not verified after update: {message}"
+            if ok and self.config.replay_weights_on_restart:
+                self._keep_for_replay(views)
+        return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
+                                  num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
+
+    def _keep_for_replay(self, views: dict[str, torch.Tensor]) -> None:
+        """Copy ``views`` into the replay store: into the tensor kept from the last sync when it matches
+        (touched memory: a plain copy), else into a new host tensor."""
+        for name, t in views.items():
+            kept = self._replay.get(name)
+            if kept is not None and kept.shape == t.shape and kept.dtype == t.dtype:
+                kept.copy_(t)
+            else:
+                self._replay[name] = t.to("cpu", copy=True)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""

@@ -26,18 +26,16 @@ from sglang.multimodal_gen.runtime.entrypoints.post_training.io_struct import (
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromTensorCheckerReqInput,
-    UpdateWeightFromTensorReqInput,
 )
 from sglang.multimodal_gen.runtime.launch_server import launch_server
 from sglang.multimodal_gen.runtime.loader.weight_utils import compute_weights_checksum
 from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
-from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
-from sglang.srt.utils import MultiprocessingSerializer
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 from megaflow.placement import worker_visible_devices
+from megaflow.rollout.sglang import plugin
+from megaflow.rollout.sglang.weights import flatten, update_request
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -57,11 +55,13 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 @contextlib.contextmanager
 def _without_launcher_env(quiet: bool = True):
-    """Hide the launcher's distributed env vars while engine worker processes are spawned; with ``quiet``
-    the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
+    """Hide the launcher's distributed env vars while engine worker processes are spawned and switch on
+    megaflow's SGLang plugin in them (``plugin``: a frozen heap makes SGLang's per-update ``gc.collect``
+    cheap); with ``quiet`` the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
     saved = {k: os.environ.pop(k) for k in list(os.environ)
              if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
-    added = {"TQDM_DISABLE": "1"} if quiet and "TQDM_DISABLE" not in os.environ else {}
+    added = {k: v for k, v in {plugin.ENV_VAR: "1", **({"TQDM_DISABLE": "1"} if quiet else {})}.items()
+             if k not in os.environ}
     os.environ.update(added)
     try:
         yield
@@ -176,10 +176,8 @@ class EngineServer:
         return ob.output, ob.error
 
     # generation
-    def generate(self, requests: list[RolloutRequest], *, return_model_outputs: bool, log_request: bool,
-                 timeout_s: int) -> list[Trajectory]:
-        req = build_request(self.server_args, self.family, requests, return_model_outputs=return_model_outputs,
-                            log_request=log_request)
+    def generate(self, requests: list[RolloutRequest], *, log_request: bool, timeout_s: int) -> list[Trajectory]:
+        req = build_request(self.server_args, self.family, requests, log_request=log_request)
         t0 = time.perf_counter()
         ob = self.client.forward(req, timeout_ms=timeout_s * 1000)
         seconds = time.perf_counter() - t0
@@ -193,26 +191,13 @@ class EngineServer:
 
 
     # weights
-    def update_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, verify: bool = True) -> tuple[bool, str]:
-        """One flattened bucket for the 'transformer' module; the payload is serialized per send
-        (a CPU payload lives in shared memory that the worker can open only once). ``verify``: SHA-256
-        of every tensor here and in the engine afterwards."""
-        bucket = FlattenedTensorBucket(named_tensors=named)
-        payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
-                                   "metadata": bucket.get_metadata()}}
-        serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
-        out, error = self._control(UpdateWeightFromTensorReqInput(
-            serialized_named_tensors=[serialized], load_format="flattened_bucket",
-            target_modules=["transformer"]))
+    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence) -> tuple[bool, str]:
+        """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU)
+        into the DiT. Not verified: SGLang skips unknown names and still reports success (``verify``)."""
+        out, error = self._control(update_request(flat, metadata))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
-        if not verify:
-            return True, f"updated {len(named)} tensors (not verified)"
-        # SGLang skips unknown names and still reports success: verify every tensor by SHA-256.
-        ok, message = self.verify({n: compute_tensor_sha256(t) for n, t in named})
-        if not ok:
-            return False, f"weights not verified after update: {message}"
-        return True, f"updated and verified {len(named)} tensors"
+        return True, f"updated {len(metadata)} tensors (not verified)"
 
     def update_lora_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, alpha: float,
                                  rank: int) -> tuple[bool, str]:
@@ -221,13 +206,8 @@ class EngineServer:
         linears in LoRA layers once, then each update replaces every named layer's adapter (its previous
         merge undone from the kept base snapshot) and merges ``base + alpha / rank * B @ A``. The engine
         keeps the adapter tensors as its ``<module>.lora_A`` / ``.lora_B`` parameters (what ``verify`` hashes)."""
-        bucket = FlattenedTensorBucket(named_tensors=named)
-        payload = {"transformer": {"flattened_tensor": bucket.get_flattened_tensor(),
-                                   "metadata": bucket.get_metadata()}}
-        serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
-        out, error = self._control(UpdateWeightFromTensorReqInput(
-            serialized_named_tensors=[serialized], load_format="flattened_bucket", target_modules=["transformer"],
-            weight_update_mode="lora_merge", lora_alpha=alpha, lora_rank=rank))
+        flat, metadata = flatten(named)
+        out, error = self._control(update_request(flat, metadata, lora=(alpha, rank)))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor(lora_merge) failed: {error or out}"
         return True, str((out or {}).get("message", ""))

@@ -12,10 +12,9 @@ class EngineCallFailed(RuntimeError):
     """The engine answered a call with an error (a bad request, not a crash)."""
 
 
-def build_request(server_args, family: str, requests: list[RolloutRequest], *, return_model_outputs: bool,
-                  log_request: bool):
+def build_request(server_args, family: str, requests: list[RolloutRequest], *, log_request: bool):
     """One SGLang generation request for ``requests``: merged ones become a prompt list with one seed per
-    sample; ``return_model_outputs`` asks for the per-step velocities (rollout debug mode)."""
+    sample; the per-step velocities (SGLang's rollout debug mode) only when a request asks for them."""
     r0 = requests[0]
     seeds = [s for r in requests for s in r.output_seeds()]
     merged = len(requests) > 1
@@ -30,7 +29,8 @@ def build_request(server_args, family: str, requests: list[RolloutRequest], *, r
         rollout_log_prob_no_const=r0.log_prob_no_const or sde_type == "ode",  # SGLang asserts it for ODE
         rollout_sde_step_indices=list(r0.sde_step_indices) if r0.sde_step_indices is not None else None,
         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True,
-        rollout_debug_mode=return_model_outputs, save_output=False, suppress_logs=not log_request)
+        rollout_debug_mode=any(r.return_model_outputs for r in requests), save_output=False,
+        suppress_logs=not log_request)
     if r0.do_cfg:
         kwargs["negative_prompt"] = r0.negative_prompt
     if r0.max_sequence_length is not None:
@@ -90,7 +90,7 @@ def to_trajectories(requests: list[RolloutRequest], ob) -> list[Trajectory]:
                 sigmas=sigmas, log_probs=log_probs[b], sde_mask=r.sde_mask(), sde_type=r.sde_type,
                 noise_level=r.noise_level, log_prob_no_const=r.log_prob_no_const or r.sde_type == "ode",
                 guidance_scale=r.guidance_scale, do_cfg=r.do_cfg, conditioning=cond, height=r.height, width=r.width,
-                model_outputs=model_outputs[b] if model_outputs is not None else None,
+                model_outputs=model_outputs[b] if (r.return_model_outputs and model_outputs is not None) else None,
                 image=images[b].float() if (r.return_images and images is not None) else None))
             b += 1
     return out

@@ -1,0 +1,139 @@
+"""``megaflow bench sync``: weight-sync seconds into SGLang engines vs a plain copy of the same bytes.
+
+Two models, both random-weight SD3 pipelines built offline (``megaflow.models.tiny_pipeline``):
+
+- ``large``: the tiny pipeline with its DiT scaled up (``layers`` joint blocks, ``heads`` x ``head_dim``
+  hidden; the defaults give ~110M parameters, ~0.44 GB fp32);
+- ``tiny``: the tiny pipeline itself (the CPU demo's model, ~1.2 MB DiT).
+
+For each, ``engines`` SGLang engines are started on the pipeline, and the trainer side's full weights
+(the engine's own names, new random values so every sync changes them) are pushed through
+``ColocatedBridge`` -- with ``verify`` off (the transfer: pack into shared memory, engines map and copy
+into their DiT) and on (plus one SHA-256 pass here and one per engine). Each figure is the median of
+``repeats`` timed pushes after ``warmup`` untimed ones. ``copy_s`` is the reference: ``torch`` ``copy_``
+of every tensor into preallocated tensors of the same shapes, in this process (median of ``repeats``).
+``ratio_vs_copy`` = sync seconds / ``copy_s``; ``per_engine_s`` = sync seconds / engines. After the
+timed pushes the engine's SGLang checksum must equal the checksum of the pushed tensors (bit-exact).
+
+Launch from the main thread under an ``if __name__ == "__main__"`` guard (spawned engine workers
+re-import ``__main__``; the CLI has one):
+
+    megaflow bench sync --json
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["bench_sync", "make_large_pipeline"]
+
+
+def make_large_pipeline(out: Path, *, layers: int, heads: int, head_dim: int, seed: int = 0) -> Path:
+    """The tiny SD3 pipeline at ``out`` with its DiT replaced by a ``layers``-block, ``heads * head_dim``
+    wide one (random weights from ``seed``); the text encoders and VAE stay tiny."""
+    from diffusers import SD3Transformer2DModel
+
+    from megaflow.models.tiny_pipeline import make_tiny_pipeline
+
+    make_tiny_pipeline("sd3", out, seed=seed)
+    cfg = SD3Transformer2DModel.load_config(out / "transformer")
+    cfg.update(num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim,
+               caption_projection_dim=heads * head_dim)
+    torch.manual_seed(seed)
+    SD3Transformer2DModel.from_config(cfg).save_pretrained(out / "transformer")
+    return out
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (seconds span 1e-5 .. 10 here)."""
+    return float(f"{x:.4g}")
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
+
+
+def _source_state(pipeline_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The DiT's tensors (engine names, shapes, dtypes) with new random values."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for f in sorted((pipeline_dir / "transformer").glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            state[name] = torch.randn(t.shape, generator=gen).to(t.dtype)
+    return state
+
+
+def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int, bucket_mb: float,
+                 seed: int) -> dict:
+    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig, weights_checksum
+
+    state = _source_state(pipeline_dir, seed)
+    dst = {n: torch.empty_like(t) for n, t in state.items()}
+    copy_s = _median_seconds(lambda: [dst[n].copy_(t) for n, t in state.items()], repeats)
+    t0 = time.perf_counter()
+    started = [SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), engine_id=f"sync-{i}",
+                                               server_kwargs={"sleep_on_idle": True})) for i in range(engines)]
+    start_s = time.perf_counter() - t0
+    out: dict = {"params": sum(t.numel() for t in state.values()),
+                 "bytes": sum(t.numel() * t.element_size() for t in state.values()), "num_tensors": len(state),
+                 "engines": engines, "engine_start_s": round(start_s, 2), "copy_s": _sig(copy_s),
+                 "sync_s": {}, "ratio_vs_copy": {}, "per_engine_s": {}}
+    try:
+        for verify in (False, True):
+            key = "verify" if verify else "no_verify"
+            bridge = ColocatedBridge(started, bucket_bytes=int(bucket_mb * 2**20), verify=verify)
+            reports = []
+            for _ in range(warmup):
+                bridge.push(state.items())
+            seconds = _median_seconds(lambda: reports.append(bridge.push(state.items())), repeats)
+            assert all(r.verified == verify for r in reports), reports
+            out["sync_s"][key] = _sig(seconds)
+            out["ratio_vs_copy"][key] = _sig(seconds / copy_s)
+            out["per_engine_s"][key] = _sig(seconds / engines)
+            out["num_buckets"] = reports[-1].num_buckets
+        expected = weights_checksum(state.items())
+        out["bit_exact"] = all(e.checksum() == expected for e in started)
+    finally:
+        for e in started:
+            e.shutdown()
+    return out
+
+
+def bench_sync(*, layers: int = 6, heads: int = 12, head_dim: int = 64, engines: int = 1, repeats: int = 5,
+               warmup: int = 1, bucket_mb: float = 64.0, seed: int = 0, tiny: bool = True) -> dict:
+    """Sync seconds (verify off / on) and their ratio to a plain copy, for the large DiT and (``tiny``) the
+    tiny one; see the module docstring."""
+    if layers < 1 or heads < 1 or head_dim < 1 or engines < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need layers, heads, head_dim, engines, repeats >= 1 and warmup >= 0, got "
+                         f"{layers}, {heads}, {head_dim}, {engines}, {repeats}, {warmup}")
+    torch.set_num_threads(1)
+    result: dict = {"config": {"layers": layers, "heads": heads, "head_dim": head_dim, "engines": engines,
+                               "repeats": repeats, "warmup": warmup, "bucket_mb": bucket_mb, "seed": seed,
+                               "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                               "load_before": [round(x, 2) for x in os.getloadavg()]}}
+    with tempfile.TemporaryDirectory(prefix="megaflow-bench-sync-") as tmp:
+        large = make_large_pipeline(Path(tmp) / "large-sd3", layers=layers, heads=heads, head_dim=head_dim,
+                                    seed=seed)
+        result["large"] = _bench_model(large, engines=engines, repeats=repeats, warmup=warmup,
+                                       bucket_mb=bucket_mb, seed=seed + 1)
+        if tiny:
+            from megaflow.models.tiny_pipeline import make_tiny_pipeline
+
+            small = make_tiny_pipeline("sd3", Path(tmp) / "tiny-sd3", seed=seed)
+            result["tiny"] = _bench_model(small, engines=engines, repeats=repeats, warmup=warmup,
+                                          bucket_mb=bucket_mb, seed=seed + 1)
+    result["config"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    return result

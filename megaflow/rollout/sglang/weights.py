@@ -1,0 +1,61 @@
+"""Weights over the wire to SGLang: one flattened bucket as one ``UpdateWeightFromTensorReqInput``.
+
+The payload is SGLang's flattened-bucket format for the ``transformer`` module --
+``{"transformer": {"flattened_tensor": flat, "metadata": [FlattenedTensorMetadata, ...]}}`` serialized
+with SGLang's ``MultiprocessingSerializer`` -- which the worker deserializes and cuts back into named
+tensors (views of ``flat``) before copying them into its DiT parameters.
+
+- CPU: ``flat`` must sit in shared memory (moved there if it is not: one copy; the bridge packs buckets
+  there, so none). The payload carries a file-descriptor handle that the worker opens once, so a payload
+  is built per send.
+- CUDA: the payload carries a CUDA IPC handle of ``flat``'s memory (torch's CUDA tensor pickling; the
+  worker waits on the producer's event before reading). The device travels as its GPU UUID (SGLang's
+  ``monkey_patch_torch_reductions``, applied in this process as SGLang's own senders do; it changes how
+  CUDA tensors pickle process-wide) and ``payload_gpu_uuids`` names that GPU, so a worker accepts the
+  payload only when it runs on the same physical GPU (colocated) and then maps the memory with no host
+  round trip. The request is synchronous, which keeps ``flat`` alive until the worker is done with it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from sglang.multimodal_gen.runtime.entrypoints.post_training.io_struct import UpdateWeightFromTensorReqInput
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+TARGET_MODULE = "transformer"
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of ``device``'s physical GPU, as torch reports it (SGLang strips NVML's 'GPU-' prefix)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+    """(flat uint8 tensor, metadata) of named tensors, packed by SGLang's own ``FlattenedTensorBucket``."""
+    bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in named_tensors])
+    return bucket.get_flattened_tensor(), bucket.get_metadata()
+
+
+def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float, int] | None = None
+                   ) -> UpdateWeightFromTensorReqInput:
+    """The request that loads one bucket into the engine's DiT. ``metadata``: objects with SGLang's
+    ``FlattenedTensorMetadata`` fields (name, shape, dtype, start_idx, end_idx, numel: byte offsets).
+    ``lora = (alpha, rank)``: the bucket holds LoRA adapters, merged by SGLang's ``weight_update_mode="lora_merge"``."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
+    if flat.is_cuda:
+        monkey_patch_torch_reductions()
+        uuids = [gpu_uuid(flat.device)]
+    else:
+        flat.share_memory_()  # no-op when it is there already
+        uuids = None
+    meta = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=int(m.start_idx),
+                                    end_idx=int(m.end_idx), numel=int(m.numel)) for m in metadata]
+    payload = {TARGET_MODULE: {"flattened_tensor": flat, "metadata": meta}}
+    mode = {} if lora is None else {"weight_update_mode": "lora_merge", "lora_alpha": lora[0], "lora_rank": lora[1]}
+    return UpdateWeightFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(payload, output_str=True)],
+        payload_gpu_uuids=uuids, load_format="flattened_bucket", target_modules=[TARGET_MODULE], **mode)

@@ -1,0 +1,64 @@
+"""The weight payload megaflow sends SGLang (megaflow.rollout.sglang.weights), checked without an engine:
+the request SGLang's worker receives is deserialized by SGLang's own code (its SafeUnpickler and the
+flattened-bucket reader its WeightsUpdater runs) and must give back every tensor bit for bit, by name,
+dtype and shape. CPU only: the CUDA branch (IPC handle, GPU UUID) needs a GPU and is not run here."""
+import pytest
+import torch
+
+import megaflow  # noqa: F401  (import guards before sglang/megatron)
+from megaflow.bridge.buckets import pack
+
+weights = pytest.importorskip("megaflow.rollout.sglang.weights")
+
+
+def _named():
+    g = torch.Generator().manual_seed(0)
+    return [("transformer_blocks.0.attn.to_q.weight", torch.randn(8, 8, generator=g)),
+            ("pos_embed.pos_embed", torch.randn(1, 4, 8, generator=g)),  # fp32 beside bf16 tensors
+            ("norm_out.linear.bias", torch.randn(5, generator=g).to(torch.bfloat16)),
+            ("proj_out.weight", torch.randn(3, 8, generator=g).to(torch.bfloat16))]
+
+
+def _worker_side(req):
+    """What SGLang's worker does with the request: pick its payload, deserialize, cut the bucket."""
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
+    from sglang.srt.utils import MultiprocessingSerializer
+    assert req.load_format == "flattened_bucket" and req.target_modules == ["transformer"]
+    assert len(req.serialized_named_tensors) == 1
+    payload = MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])
+    assert set(payload) == {"transformer"} and set(payload["transformer"]) == {"flattened_tensor", "metadata"}
+    updater = WeightsUpdater.__new__(WeightsUpdater)  # the reader needs no pipeline
+    return list(updater._materialize_weights_iter(payload["transformer"], "flattened_bucket"))
+
+
+@pytest.mark.parametrize("source", ["bridge_bucket", "flatten"])
+def test_cpu_payload_round_trips_bit_exact(source):
+    named = _named()
+    if source == "bridge_bucket":
+        bucket = pack(named, shared=True)
+        flat, meta = bucket.flat, bucket.metadata
+    else:
+        flat, meta = weights.flatten(named)
+    req = weights.update_request(flat, meta)
+    assert req.payload_gpu_uuids is None and flat.is_shared()
+    got = _worker_side(req)
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, want), (_, t) in zip(named, got):
+        assert t.dtype == want.dtype and t.shape == want.shape
+        assert torch.equal(t.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_cpu_payload_shares_the_bucket_memory():
+    """A bucket already in shared memory travels as a handle to it: the worker's tensors alias its bytes."""
+    bucket = pack(_named(), shared=True)
+    ptr = bucket.flat.untyped_storage().data_ptr()
+    req = weights.update_request(bucket.flat, bucket.metadata)
+    assert bucket.flat.untyped_storage().data_ptr() == ptr  # not moved (no copy on send)
+    got = _worker_side(req)
+    bucket.flat[bucket.metadata[0].start_idx] ^= 0xFF  # a change here is seen through the worker's views
+    assert not torch.equal(got[0][1], _named()[0][1])
+
+
+def test_rejects_a_non_flat_tensor():
+    with pytest.raises(ValueError, match="1-D uint8"):
+        weights.update_request(torch.zeros(4), [])
