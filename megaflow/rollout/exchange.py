@@ -88,7 +88,8 @@ def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutReque
             trajs.append(Trajectory(request_id=r.request_id, index=j, prompt=r.prompt, seed=seed,
                                     sde_type=r.sde_type, noise_level=r.noise_level,
                                     log_prob_no_const=r.log_prob_no_const, guidance_scale=r.guidance_scale,
-                                    do_cfg=r.do_cfg, engine_id=f"host{host}", **fields))
+                                    do_cfg=r.do_cfg, height=r.height, width=r.width, engine_id=f"host{host}",
+                                    **fields))
             i += 1
     if i != share["reward.total"].shape[0]:
         raise ValueError(f"host {host} sent {share['reward.total'].shape[0]} samples for {i} requested")
