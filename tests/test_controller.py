@@ -77,7 +77,8 @@ def test_tp2_iteration_matches_single_process(tmp_path):
 @pytest.mark.engine
 def test_flux_train_loop_and_resume(tmp_path):
     """FLUX.1 through the loop: packed latents, text/image ids and the embedded guidance reach the trainer
-    (its log-probs equal the engine's), syncs verify, every metric is finite; a resume continues the run.
+    (its log-probs equal the engine's), syncs verify, every metric is finite; a resume continues the run; the same
+    with LoRA adapters (only they sync, merged by the engine).
     Learning itself is shown by a recorded run of the whole config (30 iterations), not here."""
     flux = dict(config="configs/cpu_demo_flux.toml")
     m = _train(tmp_path, "flux", "--set", "train.iterations=2", **flux)
@@ -89,3 +90,8 @@ def test_flux_train_loop_and_resume(tmp_path):
     assert m["sync/verified"] == 1.0 and m["train/logp_abs_diff_rollout"] <= 1e-5, m
     lines = (tmp_path / "flux" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2, 3]
+    # FLUX with LoRA (as configs/flux_dev_2x8xh100.toml): only adapters sync, the engine's merge matches the trainer
+    lora = _train(tmp_path, "flux_lora", "--set", "train.iterations=2", "--set", "lora.rank=4", "--set",
+                  "lora.alpha=8.0", **flux)
+    assert lora["sync/verified"] == 1.0 and lora["train/logp_abs_diff_rollout"] <= 1e-5, lora
+    assert 0 < lora["sync/mbytes"] < m["sync/mbytes"] / 4, (lora["sync/mbytes"], m["sync/mbytes"])
