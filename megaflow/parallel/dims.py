@@ -13,7 +13,6 @@ Launch (the env is what torchrun sets; a plain ``python`` call is a 1-process wo
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,27 +92,24 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_process_group(backend: str | None, timeout_s: float) -> None:
-    """torch.distributed from torchrun's env; no env = a 1-process world on a free local port."""
+    """torch.distributed from torchrun's env; no env = a 1-process world on an in-memory store (no port bound,
+    nothing written to os.environ: a process that inits and destroys a world leaves its environment, and so
+    its child processes', as it found them)."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and "MASTER_PORT" not in os.environ:
         raise ValueError(f"WORLD_SIZE={world_size} but MASTER_PORT is not set (launch with torchrun)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(current_device())
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    timeout = timedelta(seconds=timeout_s)
+    if world_size == 1 and "MASTER_PORT" not in os.environ:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def init_distributed(
