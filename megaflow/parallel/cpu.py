@@ -37,7 +37,9 @@ from typing import Callable
 
 import torch
 
-from megaflow.parallel.patching import MCORE_VERSION, set_attrs, torch_view_patch, installed_mcore_version
+from megaflow.parallel.patching import (
+    MCORE_VERSION, apply_table, check_known, installed_mcore_version, remove_applied, set_attrs, torch_view_patch,
+)
 
 
 def _cpu_device():
@@ -324,21 +326,14 @@ def apply_cpu_shims(skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
 
     Call only on machines without CUDA (``init_distributed`` does that for you).
     """
-    unknown = set(skip) - SHIMS.keys()
-    if unknown:
-        raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; known: {sorted(SHIMS)}")
+    check_known(SHIMS, skip, "CPU shim(s)")
     check_mcore_version()
-    for name, shim in SHIMS.items():
-        if name not in skip and name not in _APPLIED:
-            _APPLIED[name] = shim.apply()
-    return sorted(_APPLIED)
+    return apply_table(SHIMS, _APPLIED, skip)
 
 
 def remove_cpu_shims(names: set[str] | None = None) -> None:
     """Undo the given applied shims (default: all), restoring megatron's own code."""
-    for name in reversed(list(_APPLIED)):
-        if names is None or name in names:
-            _APPLIED.pop(name)()
+    remove_applied(_APPLIED, names)
 
 
 def applied_cpu_shims() -> list[str]:

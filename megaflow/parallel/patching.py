@@ -131,3 +131,26 @@ def set_attrs(patches: list[tuple[object, str, object]]) -> Callable[[], None]:
 
 
 _MISSING = object()
+
+
+def check_known(table: dict, names, what: str) -> None:
+    """ValueError naming the entries of ``names`` that ``table`` does not have (``what``: the table's name)."""
+    unknown = set(names) - table.keys()
+    if unknown:
+        raise ValueError(f"unknown {what} {sorted(unknown)}; known: {sorted(table)}")
+
+
+def apply_table(table: dict, applied: dict[str, Callable[[], None]], skip) -> list[str]:
+    """Apply every entry of ``table`` (name -> object with ``apply() -> undo``) not in ``skip`` and not yet in
+    ``applied`` (which records each undo); returns the names now applied."""
+    for name, entry in table.items():
+        if name not in skip and name not in applied:
+            applied[name] = entry.apply()
+    return sorted(applied)
+
+
+def remove_applied(applied: dict[str, Callable[[], None]], names: set[str] | None = None) -> None:
+    """Undo the given entries of ``applied`` (default: all), newest first."""
+    for name in reversed(list(applied)):
+        if names is None or name in names:
+            applied.pop(name)()

@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
-from megaflow.parallel.patching import MCORE_VERSION, set_attrs, torch_view_patch, installed_mcore_version
+from megaflow.parallel.patching import (
+    MCORE_VERSION, apply_table, check_known, installed_mcore_version, remove_applied, set_attrs, torch_view_patch,
+)
 
 
 def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -163,24 +165,17 @@ def apply_perf_patches(skip: set[str] | frozenset[str] = frozenset()) -> list[st
 
     On a megatron-core other than the verified one, applies none (with a warning): nothing
     depends on them, and they replace megatron internals that may have changed."""
-    unknown = set(skip) - PERF_PATCHES.keys()
-    if unknown:
-        raise ValueError(f"unknown perf patch(es) {sorted(unknown)}; known: {sorted(PERF_PATCHES)}")
+    check_known(PERF_PATCHES, skip, "perf patch(es)")
     if installed_mcore_version() != MCORE_VERSION:
         warnings.warn(f"megaflow perf patches skipped: verified on megatron-core=={MCORE_VERSION}, "
                       f"found {installed_mcore_version()}")
         return sorted(_PERF_APPLIED)
-    for name, patch in PERF_PATCHES.items():
-        if name not in skip and name not in _PERF_APPLIED:
-            _PERF_APPLIED[name] = patch.apply()
-    return sorted(_PERF_APPLIED)
+    return apply_table(PERF_PATCHES, _PERF_APPLIED, skip)
 
 
 def remove_perf_patches(names: set[str] | None = None) -> None:
     """Undo the given applied performance patches (default: all)."""
-    for name in reversed(list(_PERF_APPLIED)):
-        if names is None or name in names:
-            _PERF_APPLIED.pop(name)()
+    remove_applied(_PERF_APPLIED, names)
 
 
 def applied_perf_patches() -> list[str]:
