@@ -145,11 +145,10 @@ class DiffusersEngine:
             for b, (ri, j, seed) in enumerate(chunk):
                 r = requests[ri]
                 trajs[ri].append(Trajectory(
-                    request_id=r.request_id, index=j, prompt=r.prompt, seed=seed,
+                    **r.trajectory_fields(), index=j, seed=seed,
                     latents=result["latents"][b], sigmas=result["sigmas"], log_probs=result["log_probs"][b],
-                    sde_mask=r.sde_mask(), sde_type=r.sde_type, noise_level=r.noise_level,
-                    log_prob_no_const=r.log_prob_no_const, guidance_scale=r.guidance_scale, do_cfg=r.do_cfg,
-                    conditioning={k: v[b] for k, v in chunk_cond.items()}, height=r.height, width=r.width,
+                    sde_mask=r.sde_mask(), log_prob_no_const=r.log_prob_no_const,
+                    conditioning={k: v[b] for k, v in chunk_cond.items()},
                     model_outputs=result["model_outputs"][b] if r.return_model_outputs else None,
                     image=result["images"][b] if result["images"] is not None else None,
                     engine_id=self.engine_id, timings={"total": seconds}))

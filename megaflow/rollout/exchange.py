@@ -85,11 +85,8 @@ def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutReque
         for j, seed in enumerate(r.output_seeds()):
             fields = {k: ({kk: vv[i] for kk, vv in v.items()} if isinstance(v, dict) else v[i])
                       for k, v in tensors.items()}
-            trajs.append(Trajectory(request_id=r.request_id, index=j, prompt=r.prompt, seed=seed,
-                                    sde_type=r.sde_type, noise_level=r.noise_level,
-                                    log_prob_no_const=r.log_prob_no_const, guidance_scale=r.guidance_scale,
-                                    do_cfg=r.do_cfg, height=r.height, width=r.width, engine_id=f"host{host}",
-                                    **fields))
+            trajs.append(Trajectory(**r.trajectory_fields(), index=j, seed=seed,
+                                    log_prob_no_const=r.log_prob_no_const, engine_id=f"host{host}", **fields))
             i += 1
     if i != share["reward.total"].shape[0]:
         raise ValueError(f"host {host} sent {share['reward.total'].shape[0]} samples for {i} requested")

@@ -79,6 +79,12 @@ class RolloutRequest:
             raise ValueError("sde_type='cps' with log-prob constants is NaN at the last step (sigma'=0): "
                              "set log_prob_no_const=True or keep the last step out of sde_step_indices")
 
+    def trajectory_fields(self) -> dict:
+        """What every Trajectory of this request copies from it (the group id, the prompt, the sampling settings and
+        the image size); an engine adds the sampled tensors, the output index and seed, and its log-prob convention."""
+        return dict(request_id=self.request_id, prompt=self.prompt, sde_type=self.sde_type, noise_level=self.noise_level,
+                    guidance_scale=self.guidance_scale, do_cfg=self.do_cfg, height=self.height, width=self.width)
+
     def output_seeds(self) -> list[int]:
         """The seed of every output, in order."""
         return list(self.seeds) if self.seeds is not None else [self.seed + i for i in range(self.num_outputs)]

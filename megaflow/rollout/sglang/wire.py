@@ -86,10 +86,8 @@ def to_trajectories(requests: list[RolloutRequest], ob) -> list[Trajectory]:
                 if isinstance(env.guidance, torch.Tensor):
                     cond.update(_rows({"guidance": env.guidance}, batch, b))
             out.append(Trajectory(
-                request_id=r.request_id, index=j, prompt=r.prompt, seed=seed, latents=latents[b],
-                sigmas=sigmas, log_probs=log_probs[b], sde_mask=r.sde_mask(), sde_type=r.sde_type,
-                noise_level=r.noise_level, log_prob_no_const=r.log_prob_no_const or r.sde_type == "ode",
-                guidance_scale=r.guidance_scale, do_cfg=r.do_cfg, conditioning=cond, height=r.height, width=r.width,
+                **r.trajectory_fields(), index=j, seed=seed, latents=latents[b], sigmas=sigmas, log_probs=log_probs[b],
+                sde_mask=r.sde_mask(), log_prob_no_const=r.log_prob_no_const or r.sde_type == "ode", conditioning=cond,
                 model_outputs=model_outputs[b] if (r.return_model_outputs and model_outputs is not None) else None,
                 image=images[b].float() if (r.return_images and images is not None) else None))
             b += 1
