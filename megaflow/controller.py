@@ -1,13 +1,17 @@
 """The FlowGRPO loop: generate -> reward -> advantages -> train -> sync, every phase a named call.
 
-The engine hosts (``rollout.engine_hosts``, megaflow.placement) sample and score their share of the
-groups; every rank receives the whole scored batch (megaflow.rollout.hosted), computes the same
-advantages, takes part in the megatron step and in the weight sync to every host (megaflow.bridge.placed).
-Rank 0 (the driver) owns the run dir, the metrics and evaluation. Launch:
+The engine hosts (megaflow.placement) sample and score their share of the groups; every trainer rank
+receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages, takes part in
+the megatron step and in the weight sync to every host (megaflow.bridge.placed). Rank 0 (the driver)
+owns the run dir, the metrics and evaluation. With ``rollout.placement = "disaggregated"`` the last
+``rollout.engine_ranks`` ranks only sample: they follow the driver's commands (megaflow.rollout.dedicated)
+and never enter the loop below. Launch:
 
     megaflow train -c configs/cpu_demo.toml                       # 1 process
     torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
     NNODES=2 NODE_RANK=<0|1> bash scripts/launch.sh -c ... --set rollout.engine_hosts='"node"'
+    NPROC=2 bash scripts/launch.sh -c ... --set rollout.placement='"disaggregated"' --set rollout.engine_ranks=1 \
+        --set bridge.mode='"distributed"'
 """
 from __future__ import annotations
 
@@ -130,15 +134,16 @@ def _fault_midway(stream, iteration: int):
         yield item
 
 
-def _share(obj, rank0: bool):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _share(obj, rank0: bool, group):
+    """``obj`` of rank 0 on every launched rank (``group``: the run's ``everyone`` group)."""
+    if group.size == 1:
         return obj
     box = [obj if rank0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, group=group.pg, group_src=0)
     return box[0]
 
 
-def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool):
+def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool, group):
     """Rank 0 claims the run dir (lock, history checks); every rank gets the outcome or the same error."""
     from megaflow.rundir import RunDir
     claimed, error = None, None
@@ -148,7 +153,7 @@ def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool):
         except ValueError as e:
             error = str(e)
     shared = _share((error, claimed.resume_iteration if claimed else 0,
-                     str(claimed.resume_from) if claimed and claimed.resume_from else None), rank0)
+                     str(claimed.resume_from) if claimed and claimed.resume_from else None), rank0, group)
     if shared[0] is not None:
         raise ValueError(shared[0])
     return claimed, shared[1], Path(shared[2]) if shared[2] else None
@@ -168,26 +173,38 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
     from megaflow.colocate import Phases
     from megaflow.interrupt import Interrupted, StopRequests
     from megaflow.parallel import ParallelDims, init_distributed
+    from megaflow.parallel.groups import run_groups
     from megaflow.placement import placement_from_env
     from megaflow.rundir import run_dir_of
 
     torch.set_num_threads(cfg.run.num_threads)
     run_dir = run_dir_of(cfg)
-    p = cfg.parallel
-    init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed,
-                     timeout_s=p.timeout_s)
-    placement = placement_from_env(cfg.rollout.engine_hosts, cfg.rollout.num_engines)
+    p, r = cfg.parallel, cfg.rollout
+    placement = placement_from_env(r.engine_hosts, r.num_engines, placement=r.placement, engine_ranks=r.engine_ranks)
+    if not placement.is_trainer and torch.cuda.is_available():
+        from megaflow.parallel import current_device
+        torch.cuda.set_device(current_device())  # the weight receiver's device (engines pin their own)
+    if placement.is_trainer:
+        init_distributed(ParallelDims(tp=p.tp, pp=p.pp, cp=p.cp, sp=p.sp, vpp=p.vpp or None), seed=cfg.run.seed,
+                         timeout_s=p.timeout_s, trainers=placement.num_trainers)
+    groups = run_groups(placement, weights=cfg.bridge.mode == "distributed", timeout_s=p.timeout_s)
     rank0 = placement.is_driver
-    stop = StopRequests()
-    owned, start, resume_from = _claim_run_dir(cfg, resume, rank0)
+    stop = StopRequests()  # on an engine-only rank a signal waits for the driver's stop
+    owned, start, resume_from = _claim_run_dir(cfg, resume, rank0, groups.everyone)
     hosted, reporter, done = None, None, False
     try:
         pipeline_dir = None
         if rank0:
             save_config(cfg, run_dir)
             pipeline_dir = runtime.resolve_pipeline(cfg, run_dir)
-        pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0))
+        pipeline_dir = Path(_share(str(pipeline_dir) if rank0 else None, rank0, groups.everyone))
         cfg = runtime.with_pipeline_defaults(cfg, pipeline_dir)
+        if not placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
+            from megaflow.rollout.dedicated import Commands, serve
+            hosted = runtime.build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
+            serve(hosted, runtime.build_sync(cfg, hosted, groups, run_dir, pipeline_dir), Commands(groups.control))
+            done = True
+            return {}
         dconfig = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
         trainer, ref = runtime.build_trainer(cfg, pipeline_dir)
         history: list[dict] = []
@@ -199,9 +216,9 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             if rank0:
                 print(f"[megaflow] resuming after iteration {start} from {resume_from} "
                       f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
-        hosted = runtime.build_rollout(cfg, placement, pipeline_dir, verbose=verbose)
-        rollout = hosted.local  # this rank's engines (evaluation runs on the driver's)
-        sync = runtime.build_sync(cfg, hosted, run_dir, pipeline_dir)
+        hosted = runtime.build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
+        rollout = hosted.sampler  # the driver's evaluation engines (its own, or the engine-only ranks')
+        sync = runtime.build_sync(cfg, hosted, groups, run_dir, pipeline_dir)
         prompts = runtime.prompt_stream(cfg, consumed)
         settings = grpo_settings(cfg)
         phases = Phases(hosted.engines, enabled=cfg.bridge.mode == "colocated")
@@ -247,11 +264,13 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             if owned is not None:
                 owned.first_iteration_done()
             if signum:
+                hosted.release()
                 raise Interrupted(signum, it, str(checkpoint_dir(run_dir, it)))
             if evaluate is not None and rank0 and not last:
                 evaluate(rollout, it)
         if evaluate is not None and rank0:
             evaluate(rollout, "after")
+        hosted.release()
         if rank0:
             rewards = [r["reward/total"] for r in history if "reward/total" in r]
             print(f"[megaflow] done: reward {rewards[0]:.4f} (iteration 1) -> {rewards[-1]:.4f} "

@@ -9,6 +9,7 @@ with one line: ``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -53,7 +54,9 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
 
     t0 = time.perf_counter()
     rss = PeakRSS()
-    cfg = with_unused_name(with_pipeline_defaults(cfg, Path(cfg.model.pretrained)))
+    cfg = with_pipeline_defaults(cfg, Path(cfg.model.pretrained))
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # a launch's ranks must agree: there the name is as given
+        cfg = with_unused_name(cfg)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     results: dict[str, dict] = {}
     e = cfg.eval
@@ -72,6 +75,9 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
 
     metrics = run(cfg, evaluate=evaluate, verbose=verbose)
     wall = time.perf_counter() - t0
+    if not results:  # not the driver: evaluation and the summary are rank 0's
+        rss.stop()
+        return {}
     before, after = results["before"], results["after"]
     rows = [r for r in previous_rows(run_dir / "metrics.jsonl", cfg.train.iterations) if "reward/total" in r]
     r = cfg.rollout
@@ -83,6 +89,8 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
         "partial_before": before["partial_mean"], "partial_after": after["partial_mean"],
         "num_eval_prompts": before["num"], "wall_s": wall, "peak_rss_gb": rss.stop(),
         "iterations": cfg.train.iterations,
+        "launch": {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "placement": r.placement,
+                   "engine_ranks": r.engine_ranks, "engine_hosts": r.engine_hosts, "bridge": cfg.bridge.mode},
         "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size + 2 * (e.num + e.num_seen),
         "reward_first": rows[0]["reward/total"] if rows else None, "reward_last": rows[-1]["reward/total"] if rows else None,
         "eval_before": brief(before), "eval_after": brief(after), "last_metrics": metrics,

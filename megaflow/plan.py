@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaflow.config.schema import MegaflowConfig
-from megaflow.placement import engine_host_ranks
+from megaflow.placement import launch_layout
 from megaflow.plan_model import (
     BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, STAGE_EXTRA,
     VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
@@ -45,11 +45,13 @@ class RankPlan:
         return sum(self.items.values())
 
 
-def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> dict[int, int]:
-    """rank -> number of rollout engines it hosts (megaflow.placement, ``rollout.engine_hosts``), for a launch
-    of ``world`` ranks with ``per_node`` (at most) per node."""
-    hosts = engine_host_ranks(cfg.rollout.engine_hosts, world, min(world, per_node))
-    return {r: cfg.rollout.num_engines for r in hosts}
+def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> tuple[dict[int, int], int]:
+    """(rank -> number of rollout engines it hosts, number of trainer ranks) of a launch of ``world`` ranks
+    with ``per_node`` (at most) per node (megaflow.placement: ``rollout.placement``, ``engine_hosts``,
+    ``engine_ranks``)."""
+    r = cfg.rollout
+    hosts, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, world, min(world, per_node))
+    return {rank: r.num_engines for rank in hosts}, trainers
 
 
 def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
@@ -142,23 +144,26 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
     d, enc, vae_factor = pipeline_dims(cfg)
     p = cfg.parallel
     size = p.tp * p.pp * p.cp
-    if gpus % size:
-        raise ValueError(f"--gpus {gpus} is not a multiple of parallel.tp * pp * cp = {size}")
+    placement, trainers = engine_placement(cfg, gpus)
+    if trainers % size:
+        raise ValueError(f"--gpus {gpus} leaves {trainers} trainer GPU(s), not a multiple of parallel.tp * pp * cp "
+                         f"= {size}")
     if d.num_blocks % (p.pp * (p.vpp or 1)):
         raise ValueError(f"parallel.pp = {p.pp} does not divide the {d.num_blocks} blocks of {d.source}")
     pack = 2 if d.family == "flux" else d.patch
     image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
     text = cfg.rollout.max_sequence_length + (77 if d.family == "sd3" else 0) if cfg.rollout.max_sequence_length \
         else DEFAULT_TEXT_TOKENS[d.family]
-    placement = engine_placement(cfg, gpus)
     groups: dict[tuple, RankPlan] = {}
     for rank in range(gpus):
-        stage = (rank // (gpus // p.pp)) if p.pp > 1 else 0
-        key = (stage, placement.get(rank, 0))
+        trains = rank < trainers  # disaggregated: the last ranks only sample
+        stage = (rank // (trainers // p.pp)) if p.pp > 1 and trains else 0
+        key = (trains, stage, placement.get(rank, 0))
         if key not in groups:
-            items, info = trainer_items(cfg, d, world=gpus, stage=stage, image=image, text=text)
-            if key[1]:
-                items.update({n: v * key[1] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
+            items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
+                else ({}, {})
+            if key[2]:
+                items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
             groups[key] = RankPlan(ranks=[], items=items, info=info)
         groups[key].ranks.append(rank)
     limit = gpu_mem_gib * GIB

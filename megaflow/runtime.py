@@ -101,19 +101,19 @@ def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, ve
             for engine_id in placement.engine_ids()]
 
 
-def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, *, verbose: bool = False):
-    """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, and the gloo
-    rollout group over every rank (timeout ``parallel.timeout_s``; collective: every rank calls it)."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
+def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False):
+    """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, the gloo
+    group over every launched rank, and on a disaggregated driver the commands to the engine-only ranks
+    (``groups``: megaflow.parallel.groups.RunGroups)."""
     from megaflow.rollout.balancer import Balancer
+    from megaflow.rollout.dedicated import Commands
     from megaflow.rollout.hosted import HostedRollout
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
     engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose)
     local = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if engines else None
     scorer = build_scorer(cfg) if engines else None
-    return HostedRollout(placement, engines=engines, local=local, scorer=scorer, group=group, seed=cfg.run.seed)
+    commands = Commands(groups.control) if groups.control is not None and placement.is_driver else None
+    return HostedRollout(placement, engines=engines, local=local, scorer=scorer, group=groups.everyone,
+                         seed=cfg.run.seed, commands=commands)
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
@@ -135,32 +135,25 @@ def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir
     raise ValueError(f"bridge.mode = {b.mode!r} has no local bridge (see build_sync)")
 
 
-def build_sync(cfg: MegaflowConfig, rollout, run_dir: Path, pipeline_dir: Path):
-    """The PlacedSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed creates the
-    weight group over rank 0 and the engine hosts (NCCL with device tensors on GPU, else gloo; timeout
-    ``parallel.timeout_s``; collective: every rank calls it)."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
+def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir: Path):
+    """The PlacedSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed streams over
+    ``groups.weights`` (rank 0 and the engine hosts: NCCL with device tensors on GPU, else gloo)."""
     from megaflow.bridge.placed import PlacedSync
     from megaflow.placement import DRIVER
     p, b = rollout.placement, cfg.bridge
     targets = [rollout.local] if rollout.local is not None else []
     if b.mode != "distributed":
         bridge = build_bridge(cfg, targets, run_dir, pipeline_dir) if targets else None
-        return PlacedSync(p, group=rollout.group, bridge=bridge)
+        return PlacedSync(p, group=groups.everyone, bridge=bridge)
     from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
     from megaflow.parallel import current_device
-    cuda = torch.cuda.is_available()
-    group = dist.new_group(sorted({DRIVER, *p.hosts}), backend="nccl" if cuda else "gloo",
-                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    device = current_device() if cuda else torch.device("cpu")
+    device = current_device() if torch.cuda.is_available() else torch.device("cpu")
     if p.is_driver:
-        return PlacedSync(p, group=rollout.group, bridge=DistributedBridge(
-            group=group, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify, device=device,
-            engines=targets))
-    receiver = DistributedReceiver(targets, group=group, src=DRIVER, device=device) if p.is_host else None
-    return PlacedSync(p, group=rollout.group, receiver=receiver)
+        return PlacedSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
+            group=groups.weights, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify,
+            device=device, engines=targets))
+    receiver = DistributedReceiver(targets, group=groups.weights, src=DRIVER, device=device) if p.is_host else None
+    return PlacedSync(p, group=groups.everyone, receiver=receiver)
 
 
 def build_scorer(cfg: MegaflowConfig):

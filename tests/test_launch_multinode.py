@@ -1,10 +1,13 @@
-"""scripts/launch.sh with NNODES=2, run as two launches on this host (NODE_RANK 0 and 1, NPROC=1 each):
-the CPU demo trains with rollout.engine_hosts = "node", i.e. one engine on each "node".
-Needs: CPU, 2 torchrun launches with 1 trainer rank and 1 SGLang engine each; ~1.5 min per bridge mode.
+"""scripts/launch.sh with NNODES=2, run as two launches on this host (NODE_RANK 0 and 1, NPROC=1 each).
+Colocated (per bridge mode): the CPU demo trains with rollout.engine_hosts = "node", i.e. one engine on
+each "node" beside its trainer rank. Disaggregated: node 0 only trains, node 1 only samples
+(rollout.placement = "disaggregated", rollout.engine_ranks = 1, the distributed bridge).
+Needs: CPU, 2 torchrun launches with 1 process each; ~1.5 min per case.
 
-Asserted from the run's metrics.jsonl and logs: every iteration's groups were sampled on both hosts
-(rollout/host0 and rollout/host1 images > 0, summing to the batch), every sync (the initial one and one
-per iteration) verified on both hosts, both engines wrote their logs, the reward is finite. No process
+Asserted from the run's metrics.jsonl and logs: every iteration's groups were sampled on the engine hosts
+(colocated: both, rollout/host0 and rollout/host1 images > 0, summing to the batch; disaggregated: all on
+host 1), every sync (the initial one and one per iteration) verified on every engine host, every engine
+wrote its log, the reward is finite. No process
 started by the launches outlives the test (their descendants are recorded while they run and checked,
 then stopped by PID if any were left)."""
 from __future__ import annotations
@@ -35,11 +38,19 @@ def _descendants(procs: list[subprocess.Popen], seen: dict) -> None:
             pass
 
 
-def _launch_two_nodes(run_root: Path, mode: str, timeout_s: float = 540) -> list[tuple[int, str]]:
+PLACEMENTS = {  # case -> --set overrides
+    "colocated": ["rollout.engine_hosts=node", "bridge.mode=colocated"],
+    "distributed": ["rollout.engine_hosts=node", "bridge.mode=distributed"],
+    "disaggregated": ["rollout.placement=disaggregated", "rollout.engine_ranks=1", "bridge.mode=distributed"],
+}
+
+
+def _launch_two_nodes(run_root: Path, case: str, timeout_s: float = 540) -> list[tuple[int, str]]:
     port = free_port()
+    overrides = [a for o in PLACEMENTS[case] for a in ("--set", o)]
     args = ["bash", str(REPO / "scripts" / "launch.sh"), "-c", str(REPO / "configs" / "cpu_demo.toml"),
-            "--set", f"train.iterations={ITERATIONS}", "--set", "rollout.engine_hosts=node",
-            "--set", f"bridge.mode={mode}", "--set", f'run.output_dir="{run_root}"', "--set", "logging.sample_every=0"]
+            "--set", f"train.iterations={ITERATIONS}", *overrides,
+            "--set", f'run.output_dir="{run_root}"', "--set", "logging.sample_every=0"]
     env = {**os.environ, "NNODES": "2", "NPROC": "1", "MASTER_PORT": str(port),
            "VENV": str(Path(sys.executable).parents[1]), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     procs, seen = [], {}
@@ -68,20 +79,21 @@ def _launch_two_nodes(run_root: Path, mode: str, timeout_s: float = 540) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "distributed"])
-def test_two_node_launch_trains_with_engines_on_both_nodes(tmp_path, mode):
-    results = _launch_two_nodes(tmp_path / "runs", mode)
+@pytest.mark.parametrize("case", list(PLACEMENTS))
+def test_two_node_launch_trains_with_engines_on_the_engine_nodes(tmp_path, case):
+    results = _launch_two_nodes(tmp_path / "runs", case)
     for n, (rc, tail) in enumerate(results):
         assert rc == 0, f"node {n} exited {rc}:\n{tail}"
     run_dir = tmp_path / "runs" / "cpu_demo"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS + 1))
+    hosts = [1] if case == "disaggregated" else [0, 1]
     for r in rows:
-        assert r["sync/verified"] == 1.0 and r["sync/hosts"] == 2.0 and r["sync/hosts_verified"] == 2.0, r
+        assert r["sync/verified"] == 1.0 and r["sync/hosts"] == len(hosts) == r["sync/hosts_verified"], r
     batch = 4 * 4  # cpu_demo: prompts_per_iter x group_size
     for r in rows[1:]:
-        assert r["rollout/host0/images"] > 0 and r["rollout/host1/images"] > 0, r
-        assert r["rollout/host0/images"] + r["rollout/host1/images"] == batch
+        assert all(r[f"rollout/host{h}/images"] > 0 for h in hosts), r
+        assert sum(r.get(f"rollout/host{h}/images", 0.0) for h in (0, 1)) == batch, r
         assert math.isfinite(r["reward/total"])
-    for engine in ("engine0", "engine1"):
+    for engine in [f"engine{i}" for i in range(len(hosts))]:
         assert (run_dir / "logs" / f"{engine}.log").stat().st_size > 0

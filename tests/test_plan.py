@@ -82,6 +82,14 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
     text = format_plan(full)
     assert "DOES NOT FIT" in text and "fits: no" in text
+    # disaggregated: a second node of 8 engine-only GPUs; the trainer GPUs carry no engine, those carry no trainer
+    dis = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"',
+                                                              "rollout.engine_ranks=8", 'bridge.mode="distributed"']),
+               gpus=16, gpu_mem_gib=80)
+    trainers, engines = dis["groups"]
+    assert trainers.ranks == list(range(8)) and engines.ranks == list(range(8, 16)) and dis["fits"]
+    assert trainers.total == pytest.approx(others.total)  # the colocated rank without engines
+    assert set(engines.items) == {k for k in rank0.items if k.startswith("engine")}
     tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
     assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
     with pytest.raises(ValueError, match="not a multiple"):

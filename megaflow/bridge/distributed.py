@@ -2,7 +2,7 @@
 
 The trainer's source rank (usually global rank 0, holding the gathered full tensors) and one
 receiving rank per engine host form ``group`` (a dedicated group: gloo on CPU, NCCL with device
-tensors on GPU; ``megaflow.bridge.placed`` builds it); engines on the source rank itself get every
+tensors on GPU; ``megaflow.parallel.groups.run_groups`` builds it; ``src`` is a launch rank); engines on the source rank itself get every
 bucket too. For each bucket the source broadcasts the metadata (a pickled list) and then the flat
 byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and each receiver loads it into its local
 engines through the colocated path. A ``None`` metadata message ends the sync; receivers then verify
@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
+from megaflow.parallel.groups import Group, as_group
 
 
-def _bcast_obj(obj, src: int, group) -> object:
+def _bcast_obj(obj, src: int, group: Group) -> object:
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, group=group.pg, group_src=group.rank_of(src))
     return box[0]
 
 
@@ -35,7 +36,7 @@ class DistributedBridge:
 
     def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20, verify: bool = True,
                  device: torch.device | str = "cpu", engines: Sequence = ()):
-        self.group, self.src, self.engines = group, src, list(engines)
+        self.group, self.src, self.engines = as_group(group), src, list(engines)
         self.bucket_bytes, self.verify = int(bucket_bytes), verify
         self.device = torch.device(device)
 
@@ -45,7 +46,7 @@ class DistributedBridge:
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
             _bcast_obj(bucket.metadata, self.src, self.group)
-            dist.broadcast(bucket.flat.to(self.device), src=self.src, group=self.group)
+            dist.broadcast(bucket.flat.to(self.device), group=self.group.pg, group_src=self.group.rank_of(self.src))
             stream.record(bucket)
             for engine in self.engines:  # a failure is raised after the receivers finished, never midway
                 r = engine.load_bucket(bucket, verify=False)  # one check per sync below
@@ -58,8 +59,8 @@ class DistributedBridge:
                 verify_engines(self.engines, stream.sha256)
             except SyncError as e:
                 local_error = str(e)
-        results = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(results, None, group=self.group)
+        results = [None] * self.group.size
+        dist.all_gather_object(results, None, group=self.group.pg)
         failures = [r[1] for r in results if r is not None and not r[0]] + ([local_error] if local_error else [])
         if failures:
             raise SyncError(f"distributed weight sync did not verify on {len(failures)} host(s): {failures[0]}")
@@ -73,7 +74,7 @@ class DistributedReceiver:
 
     def __init__(self, engines: Sequence, *, group=None, src: int = 0, device: torch.device | str = "cpu"):
         self.engines = list(engines)
-        self.group, self.src = group, src
+        self.group, self.src = as_group(group), src
         self.device = torch.device(device)
         self._staging = StagingBuffer(shared=True)  # CPU buckets: engine processes map it without a copy
 
@@ -87,7 +88,7 @@ class DistributedReceiver:
                 nbytes = meta[-1].end_idx
                 flat = (self._staging.take(nbytes) if self.device.type == "cpu"
                         else torch.empty(nbytes, dtype=torch.uint8, device=self.device))
-                dist.broadcast(flat, src=self.src, group=self.group)
+                dist.broadcast(flat, group=self.group.pg, group_src=self.group.rank_of(self.src))
                 n += 1
                 bucket = Bucket(flat=flat, metadata=meta)  # on self.device: a CUDA bucket goes to engines by IPC
                 # every local engine at once; one check per sync below
@@ -100,5 +101,5 @@ class DistributedReceiver:
                     msg = verify_engines(self.engines, expected, pool)
                 except SyncError as e:
                     ok, msg = False, str(e)
-        dist.all_gather_object([None] * dist.get_world_size(self.group), (ok, msg), group=self.group)
+        dist.all_gather_object([None] * self.group.size, (ok, msg), group=self.group.pg)
         return ok, msg

@@ -11,6 +11,9 @@ rank does with the stream depends on ``bridge.mode`` and the placement (megaflow
   (:class:`~megaflow.bridge.distributed.DistributedBridge`), loading its own engines too; each other
   host receives in a thread while its main thread takes part in the gather, and verifies.
 
+Engine-only ranks (rollout.placement = disaggregated) take part as receivers: the driver's ``commands``
+tell them a sync begins (megaflow.rollout.dedicated), and the stream they push is empty.
+
 Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
 result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
 ``sync/hosts_verified``) and every rank raises the same :class:`SyncError` if any host failed, so no
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
+from megaflow.parallel.groups import as_group
 from megaflow.placement import Placement
 
 
@@ -38,10 +42,11 @@ class PlacedSync:
     """This rank's side of every sync: ``bridge`` (a WeightBridge pushing from this rank), ``receiver`` (a
     DistributedReceiver) or neither (the rank only takes part in the gather)."""
 
-    def __init__(self, placement: Placement, *, group, bridge=None, receiver=None):
+    def __init__(self, placement: Placement, *, group, bridge=None, receiver=None, commands=None):
         if bridge is not None and receiver is not None:
             raise ValueError("a rank either pushes or receives weights, not both")
-        self.placement, self.group, self.bridge, self.receiver = placement, group, bridge, receiver
+        self.placement, self.group, self.bridge, self.receiver = placement, as_group(group), bridge, receiver
+        self.commands = commands  # the driver's channel to engine-only ranks (megaflow.rollout.dedicated)
 
     def _local(self, named_tensors: Iterable) -> tuple[bool, str, float, float, bool]:
         """(ok, message, bytes, tensors, verified) of this rank's part."""
@@ -64,12 +69,14 @@ class PlacedSync:
         """Sync every engine host; the merged metrics (the same on every rank). SyncError on every rank if a
         host's engines rejected or did not verify the weights."""
         t0 = time.perf_counter()
+        if self.commands is not None:
+            self.commands.send("sync")
         ok, msg, nbytes, ntensors, verified = self._local(named_tensors)
         p = self.placement
         row = torch.tensor([float(p.is_host), float(ok), time.perf_counter() - t0, nbytes, ntensors,
                             float(verified)], dtype=torch.float64)
-        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(rows, row, group=self.group)
+        rows = [torch.empty_like(row) for _ in range(self.group.size)]
+        dist.all_gather(rows, row, group=self.group.pg)
         table = torch.stack(rows)
         failed = [r for r in range(len(rows)) if not table[r, 1]]
         if failed:

@@ -29,7 +29,7 @@ from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.shapes import CATEGORIES
-from megaflow.placement import engine_host_ranks
+from megaflow.placement import launch_layout
 
 # Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
@@ -113,17 +113,21 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp = {p.cp}: the DiT models have no context parallelism yet "
                           "(megaflow.models.common.model); use parallel.cp = 1")
+    r = cfg.rollout
     world = os.environ.get("WORLD_SIZE", "1")
-    size = p.tp * p.pp * p.cp
-    if launch and world.isdigit() and int(world) % size:
-        raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide the {world} launched process(es) "
-                          f"(WORLD_SIZE); launch with torchrun --nproc-per-node {size} (or a multiple)")
     local = os.environ.get("LOCAL_WORLD_SIZE", world)
-    if launch and world.isdigit() and local.isdigit():
-        try:
-            engine_host_ranks(cfg.rollout.engine_hosts, int(world), int(local))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    if not launch or not world.isdigit() or not local.isdigit():
+        return
+    try:
+        _, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, int(world), int(local))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    size = p.tp * p.pp * p.cp
+    if trainers % size:
+        what = (f"the {world} launched process(es) (WORLD_SIZE)" if trainers == int(world) else
+                f"the {trainers} trainer rank(s) ({world} launched minus rollout.engine_ranks = {r.engine_ranks})")
+        raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide {what}; launch a multiple of {size} "
+                          "trainer processes")
 
 
 def _check_recompute(cfg: MegaflowConfig) -> None:
@@ -236,6 +240,19 @@ def _check_rollout(cfg: MegaflowConfig) -> None:
 
 def _check_bridge(cfg: MegaflowConfig) -> None:
     b, r = cfg.bridge, cfg.rollout
+    if r.placement == "colocated" and r.engine_ranks:
+        raise ConfigError(f"rollout.engine_ranks = {r.engine_ranks} is read only with rollout.placement = "
+                          "'disaggregated' (colocated: every rank trains; rollout.engine_hosts picks engine hosts)")
+    if r.placement == "disaggregated":
+        if r.engine_ranks < 1:
+            raise ConfigError("rollout.placement = 'disaggregated' needs rollout.engine_ranks >= 1 (how many of the "
+                              "launched ranks only sample)")
+        if r.engine_hosts != "rank0":
+            raise ConfigError(f"rollout.engine_hosts = {r.engine_hosts!r} is read only with rollout.placement = "
+                              "'colocated' (disaggregated: every engine-only rank hosts engines)")
+        if b.mode != "distributed":
+            raise ConfigError(f"rollout.placement = 'disaggregated' with bridge.mode = {b.mode!r}: engine-only ranks "
+                              "hold no trainer weights; use bridge.mode = 'distributed'")
     if b.mode == "disk" and r.engine_hosts != "rank0":
         raise ConfigError(f"bridge.mode = 'disk' writes the weights on rank 0 only; with rollout.engine_hosts = "
                           f"{r.engine_hosts!r} use bridge.mode = 'colocated' or 'distributed'")

@@ -82,11 +82,21 @@ class ParallelConfig:
 class RolloutConfig:
     num_engines: int = opt(1, "SGLang diffusion engines per engine host (rollout.engine_hosts), run as "
                            "data-parallel replicas.", ge=1)
-    engine_hosts: str = opt("rank0", "Which ranks start engines, each pinned to the rank's local GPU (on CPU nothing "
-                            "is pinned): rank0 (global rank 0 only), node (local rank 0 of every node) or rank "
-                            "(every rank). Prompt groups are split over the hosts (seeded, group-atomic, fewest "
-                            "samples per engine first); each host samples and scores its share and every rank "
-                            "receives every trajectory and reward as tensors.", choices=("rank0", "node", "rank"))
+    placement: str = opt("colocated", "Where engines run. colocated: every launched rank trains and "
+                         "rollout.engine_hosts picks which trainer ranks also host engines (sharing their GPU). "
+                         "disaggregated: the last rollout.engine_ranks launched ranks only sample and score (each "
+                         "hosts rollout.num_engines engines on its own GPU); the others train and are megatron's "
+                         "whole world; weights reach them with bridge.mode = 'distributed'.",
+                         choices=("colocated", "disaggregated"))
+    engine_ranks: int = opt(0, "With placement = disaggregated: how many launched ranks (the last ones, e.g. "
+                            "the whole last node) only sample; must leave at least one trainer rank. 0 with "
+                            "colocated.", ge=0)
+    engine_hosts: str = opt("rank0", "With placement = colocated: which ranks start engines, each pinned to the "
+                            "rank's local GPU (on CPU nothing is pinned): rank0 (global rank 0 only), node (local "
+                            "rank 0 of every node) or rank (every rank). With either placement, prompt groups are "
+                            "split over the hosts (seeded, group-atomic, fewest samples per engine first); each "
+                            "host samples and scores its share and every rank receives every trajectory and "
+                            "reward as tensors.", choices=("rank0", "node", "rank"))
     group_size: int = opt(4, "Samples per prompt (the GRPO group); one request per group.", ge=2)
     prompts_per_iter: int = opt(4, "Prompt groups sampled per training iteration.", ge=1)
     num_steps: int = opt(10, "Denoising steps per rollout.", ge=1)

@@ -92,28 +92,28 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init_process_group(backend: str | None, timeout_s: float) -> None:
-    """torch.distributed from torchrun's env; no env = a 1-process world on an in-memory store (no port bound,
-    nothing written to os.environ: a process that inits and destroys a world leaves its environment, and so
-    its child processes', as it found them)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and "MASTER_PORT" not in os.environ:
-        raise ValueError(f"WORLD_SIZE={world_size} but MASTER_PORT is not set (launch with torchrun)")
+def _init_process_group(backend: str | None, timeout_s: float, trainers: int | None) -> None:
+    """torch.distributed's default group over launch ranks ``0 .. trainers-1`` (None: every launched rank), on
+    the launch's store (megaflow.parallel.groups.launch_store: torchrun's, or an in-memory one for a 1-process
+    run without torchrun env: no port bound, nothing written to os.environ)."""
+    from megaflow.parallel.groups import forget_launch, launch_store
+
+    forget_launch()  # a store cached by an earlier world of this process is stale
+    store, rank, world_size = launch_store(timeout_s)
+    size = world_size if trainers is None else trainers
+    if not 0 <= rank < size:
+        raise ValueError(f"launch rank {rank} is not one of the {size} trainer ranks")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(current_device())
-    timeout = timedelta(seconds=timeout_s)
-    if world_size == 1 and "MASTER_PORT" not in os.environ:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("megaflow/trainers", store), rank=rank,
+                            world_size=size, timeout=timedelta(seconds=timeout_s))
 
 
 def init_distributed(
-    dims: ParallelDims, *, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0
+    dims: ParallelDims, *, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0,
+    trainers: int | None = None,
 ) -> None:
     """Initialise torch.distributed (if needed), megatron parallel_state and its RNG tracker.
 
@@ -121,13 +121,15 @@ def init_distributed(
     RNG tracker (``model_parallel_cuda_manual_seed``) and torch's default generator (on CPU the
     tracker's states live in that same generator). Calling it again, e.g. with other dims, rebuilds
     parallel_state on the existing process group. ValueError if the world does not fit ``dims``.
+    ``trainers``: the default group (megatron's world) is launch ranks ``0 .. trainers-1`` only (the other
+    launched ranks only sample: rollout.placement = disaggregated); None = every launched rank.
     """
     from megaflow.parallel import cpu
 
     if not torch.cuda.is_available():
         cpu.apply_cpu_shims()
     if not dist.is_initialized():
-        _init_process_group(backend, timeout_s)
+        _init_process_group(backend, timeout_s, trainers)
     dims.dp_for(dist.get_world_size())  # validate before megatron asserts
 
     from megatron.core import parallel_state, tensor_parallel
@@ -152,3 +154,5 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    from megaflow.parallel.groups import forget_launch
+    forget_launch()

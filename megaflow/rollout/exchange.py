@@ -18,14 +18,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megaflow.parallel.groups import as_group
 from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 _TRAJ, _COMPONENT = "traj.", "reward.component."
 
 
-def pack_share(trajs: Sequence[Trajectory], scores: RewardScores, sample_seconds: float) -> dict[str, torch.Tensor]:
-    """Named tensors of ``trajs`` (in order), their ``scores`` and the host's sampling wall time."""
+def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
+               sample_seconds: float) -> dict[str, torch.Tensor]:
+    """Named tensors of ``trajs`` (in order), their ``scores`` (None: unscored samples) and the host's sampling
+    wall time."""
     out: dict[str, torch.Tensor] = {}
     for f in dataclasses.fields(Trajectory):
         first = getattr(trajs[0], f.name)
@@ -34,12 +37,14 @@ def pack_share(trajs: Sequence[Trajectory], scores: RewardScores, sample_seconds
         elif isinstance(first, dict) and first and all(isinstance(v, torch.Tensor) for v in first.values()):
             for key in first:
                 out[f"{_TRAJ}{f.name}.{key}"] = torch.stack([getattr(t, f.name)[key] for t in trajs])
+    out["time.sample_s"] = torch.tensor([sample_seconds], dtype=torch.float64)
+    if scores is None:
+        return out
     labels = list(scores.components)
     out["reward.total"] = scores.total
     out.update({_COMPONENT + label: scores.components[label] for label in labels})
     out["reward.seconds"] = torch.tensor([scores.seconds[label] for label in labels], dtype=torch.float64)
     out["reward.weights"] = torch.tensor([scores.weights[label] for label in labels], dtype=torch.float64)
-    out["time.sample_s"] = torch.tensor([sample_seconds], dtype=torch.float64)
     return out
 
 
@@ -51,17 +56,19 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def broadcast_share(share: dict[str, torch.Tensor] | None, src: int, group) -> dict[str, torch.Tensor]:
-    """``share`` from global rank ``src`` on every rank of ``group`` (``share`` is read on ``src`` only):
-    one header broadcast, then one flat uint8 tensor. CPU tensors (a gloo group)."""
+    """``share`` from launch rank ``src`` on every rank of ``group`` (a megaflow.parallel.groups.Group or a
+    registered gloo group; ``share`` is read on ``src`` only): one header broadcast, then one flat uint8
+    tensor. CPU tensors."""
+    g = as_group(group)
     header = [[(n, tuple(t.shape), str(t.dtype)) for n, t in share.items()] if share is not None else None]
-    dist.broadcast_object_list(header, src=src, group=group)
+    dist.broadcast_object_list(header, group=g.pg, group_src=g.rank_of(src))
     spec = [(name, shape, _dtype(dtype)) for name, shape, dtype in header[0]]
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in spec]
     if share is not None:
         flat = torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in share.values()])
     else:
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
-    dist.broadcast(flat, src=src, group=group)
+    dist.broadcast(flat, group=g.pg, group_src=g.rank_of(src))
     out, offset = {}, 0
     for (name, shape, dtype), size in zip(spec, sizes):
         out[name] = flat[offset:offset + size].clone().view(dtype).reshape(shape)  # own, aligned storage
@@ -70,8 +77,9 @@ def broadcast_share(share: dict[str, torch.Tensor] | None, src: int, group) -> d
 
 
 def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutRequest],
-                 host: int) -> tuple[list[Trajectory], RewardScores]:
-    """The trajectories (request order, then output index) and scores ``share`` carries for ``requests``."""
+                 host: int) -> tuple[list[Trajectory], RewardScores | None]:
+    """The trajectories (request order, then output index) and scores (None for an unscored share) ``share``
+    carries for ``requests``."""
     tensors: dict[str, dict[str, torch.Tensor] | torch.Tensor] = {}
     for name, value in share.items():
         if name.startswith(_TRAJ):
@@ -88,8 +96,11 @@ def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutReque
             trajs.append(Trajectory(**r.trajectory_fields(), index=j, seed=seed,
                                     log_prob_no_const=r.log_prob_no_const, engine_id=f"host{host}", **fields))
             i += 1
-    if i != share["reward.total"].shape[0]:
-        raise ValueError(f"host {host} sent {share['reward.total'].shape[0]} samples for {i} requested")
+    sent = next(v for k, v in share.items() if k.startswith(_TRAJ)).shape[0]
+    if i != sent:
+        raise ValueError(f"host {host} sent {sent} samples for {i} requested")
+    if "reward.total" not in share:
+        return trajs, None
     labels = [n[len(_COMPONENT):] for n in share if n.startswith(_COMPONENT)]
     scores = RewardScores(total=share["reward.total"], components={k: share[_COMPONENT + k] for k in labels},
                           weights=dict(zip(labels, share["reward.weights"].tolist())),

@@ -22,6 +22,7 @@ from concurrent.futures import as_completed
 
 import torch
 
+from megaflow.parallel.groups import as_group
 from megaflow.placement import Placement
 from megaflow.rewards.scorer import RewardScores
 from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
@@ -64,13 +65,30 @@ def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
 
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
-    that hosts none), its scorer, and the gloo ``group`` spanning every rank."""
+    that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
+    disaggregated run, ``commands`` (megaflow.rollout.dedicated.Commands) reach the engine-only ranks."""
 
-    def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int):
+    def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
+                 commands=None):
         if placement.is_host != bool(engines):
             raise ValueError(f"rank {placement.rank}: is_host={placement.is_host} but {len(engines)} engine(s)")
         self.placement, self.engines, self.local, self.scorer = placement, list(engines), local, scorer
-        self.group, self.seed = group, seed
+        self.group, self.seed, self.commands = as_group(group), seed, commands
+
+    @property
+    def sampler(self):
+        """What the driver samples evaluation images with: its own engines, or the engine-only ranks'."""
+        if self.local is None and self.commands is not None:
+            from megaflow.rollout.dedicated import RemoteEngines
+            return RemoteEngines(self.commands, self.placement.engine_only)
+        return self.local
+
+    def release(self) -> None:
+        """The run is over (or interrupted and saved): the driver lets the engine-only ranks go (a no-op
+        elsewhere). Only at a point where every rank has left its last collective."""
+        if self.commands is not None:
+            self.commands.send("stop")
+            self.commands = None
 
     def collect(self, requests: Sequence[RolloutRequest],
                 iteration: int) -> tuple[list[Trajectory], RewardScores, dict[str, float]]:
@@ -78,6 +96,8 @@ class HostedRollout:
         per-host counts (``rollout/host<rank>/images``, ``rollout/host<rank>/sample_s``)."""
         p = self.placement
         t0 = time.perf_counter()
+        if self.commands is not None:
+            self.commands.send("collect", requests=list(requests), iteration=iteration)
         plan = plan_groups(requests, p.hosts, p.engines_per_host, self.seed * 1_000_003 + iteration * 10_007 + 3)
         mine = [r for r, h in zip(requests, plan) if h == p.rank]
         share, timings = None, {}

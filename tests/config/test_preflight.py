@@ -182,3 +182,24 @@ def test_engine_placement_is_checked_across_fields(monkeypatch):
     with pytest.raises(ConfigError, match="bridge.mode = 'disk' writes the weights on rank 0 only"):
         pf.preflight(load_config(None, ['rollout.engine_hosts="rank"', 'bridge.mode="disk"']), "show")
     pf.preflight(load_config(None, ['rollout.engine_hosts="rank"', 'bridge.mode="distributed"']), "show")
+
+
+def test_disaggregated_placement_is_checked_across_fields(monkeypatch):
+    dis = ['rollout.placement="disaggregated"', 'rollout.engine_ranks=2', 'bridge.mode="distributed"']
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    pf.preflight(load_config(None, [*dis, "parallel.tp=2"]), "train")  # 2 trainer ranks fit TP=2
+    with pytest.raises(ConfigError, match="does not divide the 1 trainer rank"):
+        pf.preflight(load_config(None, [*dis[:1], 'rollout.engine_ranks=3', dis[2], "parallel.tp=2"]), "train")
+    with pytest.raises(ConfigError, match="needs 1 <= engine_ranks < the 4 launched"):
+        pf.preflight(load_config(None, [*dis[:1], 'rollout.engine_ranks=4', dis[2]]), "train")
+    with pytest.raises(ConfigError, match="use bridge.mode = 'distributed'"):
+        pf.preflight(load_config(None, dis[:2]), "show")
+    with pytest.raises(ConfigError, match="needs rollout.engine_ranks >= 1"):
+        pf.preflight(load_config(None, [dis[0], dis[2]]), "show")
+    with pytest.raises(ConfigError, match="rollout.engine_ranks = 2 is read only"):
+        pf.preflight(load_config(None, dis[1:]), "show")
+    with pytest.raises(ConfigError, match="rollout.engine_hosts = 'rank' is read only"):
+        pf.preflight(load_config(None, [*dis, 'rollout.engine_hosts="rank"']), "show")
+    with pytest.raises(ConfigError, match="runs only with bridge.mode = 'colocated'"):
+        pf.preflight(load_config(None, [*dis, "lora.rank=4"]), "show")

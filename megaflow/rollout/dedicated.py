@@ -1,0 +1,105 @@
+"""Engine-only ranks (``rollout.placement = "disaggregated"``): the driver's commands, and what those ranks do.
+
+An engine-only rank trains nothing, so it cannot follow the loop by itself: the driver (launch rank 0)
+tells it, over the gloo ``control`` group (the driver and the engine-only ranks,
+megaflow.parallel.groups), what the trainer ranks are about to do:
+
+* ``sync``: receive the weights (the distributed bridge) and report, as a trainer rank would;
+* ``collect``: sample and score this host's share of the iteration's groups (megaflow.rollout.hosted), the
+  requests sent along, so the engine ranks need no prompt stream, checkpoint or resume position;
+* ``generate``: sample requests for the driver alone (evaluation), split over the engine-only hosts and
+  sent back to the driver as tensors on the control group;
+* ``stop``: the run ended (or was interrupted and saved): shut the engines down and exit.
+
+The driver sends a command before each phase: :class:`~megaflow.rollout.hosted.HostedRollout` before a
+collect and when released, :class:`~megaflow.bridge.placed.PlacedSync` before a sync, and
+:class:`RemoteEngines` (the driver's evaluation engines) before a generate, so the loop itself has no
+placement branches. A signal on an engine-only rank is deferred: the driver decides when the run ends.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
+from megaflow.rollout.types import RolloutRequest, Trajectory
+
+OPS = ("sync", "collect", "generate", "stop")
+
+
+class Commands:
+    """The control group's broadcast from the driver (its group rank 0): ``send`` there, ``receive`` elsewhere."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, op: str, **payload) -> None:
+        if op not in OPS:
+            raise ValueError(f"unknown engine-rank command {op!r}")
+        dist.broadcast_object_list([(op, payload)], group=self.group.pg, group_src=0)
+
+    def receive(self) -> tuple[str, dict]:
+        box = [None]
+        dist.broadcast_object_list(box, group=self.group.pg, group_src=0)
+        return box[0]
+
+
+def _plan(requests: Sequence[RolloutRequest], hosts: Sequence[int]) -> list[int]:
+    """The engine-only host of each ``generate`` request: round robin by samples (deterministic)."""
+    from megaflow.rollout.hosted import plan_groups
+    return plan_groups(requests, hosts, 1, seed=0)
+
+
+def exchange_generated(commands: Commands, hosts: Sequence[int], requests: Sequence[RolloutRequest], rank: int,
+                       local=None) -> list[Trajectory]:
+    """One ``generate``: every engine-only host samples its share with ``local`` and broadcasts it on the
+    control group; every member gets every trajectory in request order."""
+    plan = _plan(requests, hosts)
+    out: dict[int, list[Trajectory]] = {}
+    for host in hosts:
+        theirs = [i for i, h in enumerate(plan) if h == host]
+        if not theirs:
+            continue
+        share = None
+        if host == rank:
+            t0 = time.perf_counter()
+            trajs = local.generate([requests[i] for i in theirs])
+            share = pack_share(trajs, None, time.perf_counter() - t0)
+        trajs, _ = unpack_share(broadcast_share(share, host, commands.group), [requests[i] for i in theirs], host)
+        for i in theirs:
+            out[i], trajs = trajs[:requests[i].num_outputs], trajs[requests[i].num_outputs:]
+    return [t for i in range(len(requests)) for t in out[i]]
+
+
+class RemoteEngines:
+    """The driver's engines when it hosts none: ``generate`` runs on the engine-only ranks."""
+
+    def __init__(self, commands: Commands, hosts: Sequence[int]):
+        self.commands, self.hosts = commands, tuple(hosts)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+        requests = list(requests)
+        self.commands.send("generate", requests=requests)
+        return exchange_generated(self.commands, self.hosts, requests, rank=0)
+
+
+def serve(hosted, sync, commands: Commands) -> int:
+    """An engine-only rank's life: follow the driver's commands until ``stop``; returns the number of
+    collects served. ``hosted``: this rank's HostedRollout; ``sync``: its PlacedSync (a receiver)."""
+    collects = 0
+    while True:
+        op, payload = commands.receive()
+        if op == "sync":
+            sync.push(iter(()))
+        elif op == "collect":
+            hosted.collect(payload["requests"], payload["iteration"])
+            collects += 1
+        elif op == "generate":
+            exchange_generated(commands, hosted.placement.hosts, payload["requests"], hosted.placement.rank,
+                               hosted.local)
+        elif op == "stop":
+            return collects
+        else:
+            raise ValueError(f"engine rank {hosted.placement.rank}: unknown command {op!r} from the driver")
