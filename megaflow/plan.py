@@ -1,10 +1,11 @@
 """``megaflow plan``: GPU memory per rank of a run, before anything starts (standard library only).
 
 For every rank: the trainer's weights (model.dtype), grads (megatron DDP's fp32 grad buffer; under LoRA of the
-adapters only), optimizer states (Adam moments, plus fp32 main params with bf16 weights; the distributed optimizer shards them over
-the data-parallel ranks), activations of one micro-batch (x2 with CFG, x in-flight micro-batches on a
-pipeline stage) with and without ``train.recompute``, the frozen KL reference (weights only; none under LoRA,
-where the reference is the base with the adapters off) and a runtime
+adapters only), optimizer states (Adam moments, plus fp32 main params with bf16 weights; the distributed
+optimizer shards them over the data-parallel ranks), activations of one micro-batch (x2 with CFG, x in-flight
+micro-batches on a pipeline stage) with and without ``train.recompute`` (under LoRA the frozen linears keep no
+input), one optimizer step's microbatches (every micro-batch's inputs, on the GPU together), the frozen KL
+reference (weights only; none under LoRA, where the reference is the base with the adapters off) and a runtime
 allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
 encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. The model
 numbers are ``megaflow.plan_model``'s. Estimates, not measurements: the figures to compare with a run are
@@ -19,7 +20,7 @@ from pathlib import Path
 from megaflow.config.schema import MegaflowConfig
 from megaflow.placement import launch_layout
 from megaflow.plan_model import (
-    BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, STAGE_EXTRA,
+    BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, LORA_STAGE_EXTRA, STAGE_EXTRA,
     VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
     embed_params,
     final_params, lora_params, total_params,
@@ -92,6 +93,30 @@ def _stage_blocks(d: DiTDims, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def trained_steps(cfg: MegaflowConfig) -> int:
+    """Denoising steps trained per sample: the SDE window's size, else the first int(num_steps x
+    timestep_fraction) steps (config.preflight's rule; CPS never trains its last step)."""
+    r = cfg.rollout
+    if r.sde_window_size:
+        return r.sde_window_size
+    steps = sorted(set(r.sde_window)) if r.sde_window else list(range(int(r.num_steps * cfg.algo.timestep_fraction)))
+    return len([t for t in steps if not (r.sde_type == "cps" and t == r.num_steps - 1)])
+
+
+def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, text: int) -> float:
+    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.grpo_batches.microbatches_for):
+    this DP rank's share of the step's (sample, step) items, padded to whole micro-batches, each holding x_t
+    (twice under CFG) and x_{t+1} in fp32 and the text conditioning in rollout.precision (negative and positive
+    under CFG). Every sample counted as kept (filtered groups only lower it)."""
+    r, t = cfg.rollout, cfg.train
+    items = -(-r.prompts_per_iter * r.group_size // t.num_minibatches) * trained_steps(cfg)
+    per_rank = -(-(-(-items // dp)) // t.micro_batch_size) * t.micro_batch_size
+    cfg_copies = 2 if r.guidance_scale > 1.0 and d.family == "sd3" else 1
+    latent = image * d.in_channels * d.patch * d.patch * 4 * (cfg_copies + 1)
+    cond = (text * d.joint_dim + d.pooled_dim) * _BYTES[r.precision] * cfg_copies
+    return per_rank * (latent + cond)
+
+
 def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, image: int,
                   text: int) -> tuple[dict, dict]:
     """(counted items, info) of the trainer on one rank of pipeline stage ``stage`` (module docstring)."""
@@ -103,22 +128,29 @@ def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, im
     wb = _BYTES[cfg.model.dtype]
     batch = t.micro_batch_size * (2 if cfg.rollout.guidance_scale > 1.0 and d.family == "sd3" else 1)
     in_flight = pp - stage if pp > 1 else 1
-    full = [block_activation_units(d, i, image, text, tp, p.sp) for i in blocks]
+    lora = cfg.lora
+    # Frozen base: torch's F.linear (megaflow's local linears at TP=1) and Transformer Engine's linears (spec
+    # auto/te on GPU) keep no input of a frozen weight; megatron's own linear function (spec local at TP>1)
+    # keeps its input whatever the weight, so there the full-parameter coefficients stay.
+    frozen = bool(lora.rank) and (tp == 1 or cfg.model.spec in ("auto", "te"))
+    targets = tuple(lora.targets) if frozen else None
+    extra = LORA_STAGE_EXTRA if frozen else STAGE_EXTRA
+    full = [block_activation_units(d, i, image, text, tp, p.sp, targets) for i in blocks]
     stream = (image + text) / (tp if p.sp else 1)
     recomputed = len(full) if t.recompute == "full" and not t.recompute_num_layers else \
         (min(t.recompute_num_layers, len(full)) if t.recompute == "full" else 0)
     kept = sum(full[recomputed:]) + recomputed * BLOCK_INPUTS * stream + (max(full[:recomputed]) if recomputed else 0)
     act_unit = batch * d.hidden * wb
-    lora = cfg.lora
     trained = sum(lora_params(d, i, lora.rank, lora.targets) for i in blocks) / tp if lora.rank else local
     items = {
         "weights": local * wb + (buffer_bytes(d) if stage == 0 else 0),
         **({"LoRA adapters": trained * wb} if lora.rank else {}),
         "grads (fp32 buffer)": trained * 4,
         "optimizer (Adam, /dp)": trained * (8 + (4 if wb == 2 else 0)) / dp,
-        "activations": (kept + STAGE_EXTRA * stream) * act_unit * in_flight,
+        "activations": (kept + extra * stream) * act_unit * in_flight,
+        "GRPO microbatches (1 step)": microbatch_bytes(cfg, d, dp=dp, image=image, text=text),
     }
-    info = {"activations without recompute": (sum(full) + STAGE_EXTRA * stream) * act_unit * in_flight} \
+    info = {"activations without recompute": (sum(full) + extra * stream) * act_unit * in_flight} \
         if recomputed else {}
     if cfg.algo.kl_beta > 0 and not lora.rank:  # under LoRA the reference is the base, adapters off
         items["KL reference"] = local * wb + (buffer_bytes(d) if stage == 0 else 0)

@@ -41,6 +41,18 @@ DUAL_EXTRA = (2.0, 6.0)    # SD3.5 second image attention: modulated input, resi
 QK_NORM_EXTRA = (0.0, 6.0)  # q/k RMSNorm of a stream: normed q and k, their fp32 statistics
 CONTEXT_PRE_ONLY = (2.0, 5.0)  # SD3's last block: context only normed, modulated and projected to q/k/v
 SINGLE = (3.0, 17.0)       # FLUX single block on the joint sequence: LN, modulated, residual | qkv+mlp, GELU, q/k, cat
+# Under LoRA (base frozen) autograd keeps no input of a frozen linear (torch's F.linear and Transformer Engine's
+# linears save the input only for the weight's grad) and no operand that only an adaLN modulation's grad needs
+# (shift/scale/gate come from the frozen adaLN): a stream keeps its norm inputs, q/k/v, the attention output and
+# the GELU input, plus the input of every targeted linear (its adapter's A reads it). Fitted to autograd's saved
+# bytes of the tiny SD3.5-like and FLUX models with adapters on linear_qkv (tests/test_plan.py); each further
+# target adds its linear's input, as measured: linear_proj the attention output (1, TP-split), linear_fc1 the
+# modulated input (1, replicated), linear_fc2 the 4h GELU output (4, TP-split).
+LORA_STREAM = (3.0, 5.5)   # one stream with adapters on linear_qkv (its modulated input is the replicated 1)
+LORA_TARGET_INPUT = {"linear_qkv": (1.0, 0.0), "linear_proj": (0.0, 1.0), "linear_fc1": (1.0, 0.0),
+                     "linear_fc2": (0.0, 4.0)}
+LORA_SINGLE = (2.0, 10.0)  # FLUX single block under LoRA (measured the same for every target set)
+LORA_STAGE_EXTRA = 1.0     # embeddings and final layer frozen: only the loss operands remain
 BLOCK_INPUTS = 1.0         # with recompute a block keeps only its inputs (the token streams)
 STAGE_EXTRA = 4.0          # embeddings, final layer and loss operands per token, once per stage
 INFERENCE_LIVE = 12.0      # engine forward: live tensors of one block (streams, q/k/v, attention, 4h MLP x 2)
@@ -151,15 +163,29 @@ def total_params(d: DiTDims) -> int:
     return embed_params(d) + final_params(d) + sum(sum(block_params(d, i)) for i in range(d.num_blocks))
 
 
-def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: int, sp: bool) -> float:
-    """Saved activations of block ``index`` in training per sample, in (activation dtype x hidden) units."""
+def lora_stream(targets) -> tuple[float, float]:
+    """(replicated, TP-split) saved units of one stream when only LoRA adapters on ``targets`` train."""
+    rep, split = LORA_STREAM
+    rep -= 0.0 if "linear_qkv" in targets else LORA_TARGET_INPUT["linear_qkv"][0]
+    for t in ("linear_proj", "linear_fc1", "linear_fc2"):
+        if t in targets:
+            rep, split = rep + LORA_TARGET_INPUT[t][0], split + LORA_TARGET_INPUT[t][1]
+    return rep, split
+
+
+def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: int, sp: bool,
+                           lora_targets=None) -> float:
+    """Saved activations of block ``index`` in training per sample, in (activation dtype x hidden) units.
+    ``lora_targets``: the base is frozen and only adapters on these linears train (``LORA_STREAM``); None:
+    every weight trains."""
     def part(coef, tokens):
         rep, split = coef
         return tokens * (rep / (tp if sp else 1) + split / tp)
     if d.family == "flux" and index >= d.blocks:
-        return part(SINGLE, image + text)
+        return part(SINGLE if lora_targets is None else LORA_SINGLE, image + text)
     last = d.family == "sd3" and index == d.blocks - 1
-    units = part(STREAM, image) + part(CONTEXT_PRE_ONLY if last else STREAM, text)
+    stream = STREAM if lora_targets is None else lora_stream(lora_targets)
+    units = part(stream, image) + part(CONTEXT_PRE_ONLY if last else stream, text)
     if d.qk_norm:
         units += part(QK_NORM_EXTRA, image + text)
     if d.family == "sd3" and index < d.dual_blocks:

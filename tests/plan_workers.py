@@ -40,3 +40,26 @@ def measure_rank(case_path: str) -> dict:
     _, saved = saved_tensor_bytes(lambda: eng.model[0](**family.model_inputs(cfg, mbs[0])), exclude=params)
     destroy_distributed()
     return {"saved": saved, "peak_rss": peak, "params": sum(p.numel() for p in params)}
+
+
+def measure_saved_rank(case_path: str) -> int:
+    """Autograd's saved bytes of one forward (no recompute) of the tiny model with LoRA adapters on
+    ``case["targets"]`` (base frozen), local layers at TP=1."""
+    from megaflow.models.common.lora import LoRASettings
+    from megaflow.models.registry import get_family
+    from megaflow.testing.memory import saved_tensor_bytes
+    from megaflow.trainer.engine import TrainEngine, adam_config, rectified_flow_microbatch
+
+    case = torch.load(case_path, weights_only=False)
+    init_distributed(ParallelDims(), seed=0)
+    family = get_family(case["family"])
+    cfg = family.config_from_diffusers(case["dcfg"])
+    b = case["batches"][0]
+    mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])
+    mb.update({k: b[k] for k in ("txt_ids", "img_ids", "guidance") if k in b})
+    eng = TrainEngine(cfg, family=case["family"], spec="local", optimizer_config=adam_config(lr=1e-4, distributed=True),
+                      lora=LoRASettings(rank=4, alpha=8.0, targets=tuple(case["targets"])))
+    params = [p for c in eng.chunks for p in c.parameters()]
+    _, saved = saved_tensor_bytes(lambda: eng.model[0](**family.model_inputs(cfg, mb)), exclude=params)
+    destroy_distributed()
+    return saved
