@@ -202,7 +202,10 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
         if not placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
             from megaflow.rollout.dedicated import Commands, serve
             hosted = runtime.build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
-            serve(hosted, runtime.build_sync(cfg, hosted, groups, run_dir, pipeline_dir), Commands(groups.control))
+            sync = runtime.build_sync(cfg, hosted, groups, run_dir, pipeline_dir)
+            end = serve(hosted, sync, Commands(groups.control))
+            if end["interrupted"]:
+                raise Interrupted(*end["interrupted"])  # exit as the trainer ranks do
             done = True
             return {}
         dconfig = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
@@ -264,8 +267,9 @@ def run(cfg: MegaflowConfig, *, evaluate: Callable[[object, str | int], None] | 
             if owned is not None:
                 owned.first_iteration_done()
             if signum:
-                hosted.release()
-                raise Interrupted(signum, it, str(checkpoint_dir(run_dir, it)))
+                interrupted = (signum, it, str(checkpoint_dir(run_dir, it)))
+                hosted.release(interrupted)
+                raise Interrupted(*interrupted)
             if evaluate is not None and rank0 and not last:
                 evaluate(rollout, it)
         if evaluate is not None and rank0:

@@ -1,11 +1,17 @@
 """Ctrl-C / SIGTERM during a run: the first signal asks the run to stop after the current iteration (its
 checkpoint is saved and the engines shut down, then :class:`Interrupted` is raised); a second one abandons
-at once (KeyboardInterrupt, engines still shut down by the controller's ``finally``). The CLI turns either
-into one line and exit code 130 (SIGINT) or 143 (SIGTERM)."""
+at once (KeyboardInterrupt, engines still shut down by the controller's ``finally``); a repeat within
+``DUPLICATE_S`` seconds counts as the same request (Ctrl-C reaches torchrun's workers twice: from the
+terminal and forwarded by torchrun). The CLI turns either into one line and exit code 130 (SIGINT) or 143
+(SIGTERM); under torchrun the launcher's own exit code is its own (1 after a signal).
+"""
 from __future__ import annotations
 
 import signal
 import threading
+import time
+
+DUPLICATE_S = 2.0
 
 
 class Interrupted(RuntimeError):
@@ -19,7 +25,7 @@ class StopRequests:
     """Installs the handlers (main thread only; elsewhere it never requests a stop)."""
 
     def __init__(self):
-        self.signum = 0
+        self.signum, self._first = 0, 0.0
         self._saved: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
@@ -27,8 +33,10 @@ class StopRequests:
 
     def _handle(self, signum, frame) -> None:
         if self.signum:
+            if time.monotonic() - self._first < DUPLICATE_S:
+                return  # the same stop again: a launcher (torchrun) passes a terminal's Ctrl-C on to its workers
             raise KeyboardInterrupt  # second signal: abandon now
-        self.signum = signum
+        self.signum, self._first = signum, time.monotonic()
         print(f"\n[megaflow] {signal.Signals(signum).name}: stopping after this iteration (again to abandon)",
               flush=True)
 

@@ -1,7 +1,7 @@
 """Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
 step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
 ``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
-and TP=2. Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
+and TP=2, and with a disaggregated placement (an engine-only rank). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
 write leaves the previous checkpoint usable, and no engine worker outlives a killed driver.
 
 Reference: the same config run once without interruption. Tolerance: none (torch.equal).
@@ -154,26 +154,29 @@ def _sigint_after_first_iteration(launch: Launch, run_dir: Path) -> None:
         time.sleep(0.05)
 
 
-def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool) -> Path:
+def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool, extra: tuple = (),
+                      nproc: int = 0) -> Path:
     config = _write_config(tmp, "crashed", tp)
     run_dir = tmp / "runs" / "crashed"
-    resume = False
+    resume, nproc = False, nproc or tp
     if sigint_first:
-        launch = Launch(config, nproc=tp, resume=False)
+        launch = Launch(config, nproc=nproc, resume=False, extra=extra)
         _sigint_after_first_iteration(launch, run_dir)
         rc, _, err = launch.wait()
         lines = [x for x in err.splitlines() if x.startswith("megaflow:")]
-        assert rc == 130 and lines and "stopped by SIGINT" in lines[-1], (rc, err[-2000:])
+        # every rank stops with a checkpoint (torchrun then exits 1, having been signalled itself)
+        assert rc == (130 if nproc == 1 else 1), (rc, err[-2000:])
+        assert [x for x in lines if "stopped by SIGINT" in x] == lines and len(lines) == nproc, err[-2000:]
         launch.assert_no_orphans()
         resume = True
     for fault in faults:
-        launch = Launch(config, nproc=tp, resume=resume, fault=fault)
+        launch = Launch(config, nproc=nproc, resume=resume, fault=fault, extra=extra)
         rc, _, err = launch.wait()
         assert rc != 0, f"fault {fault} did not stop the run:\n{err[-2000:]}"
         launch.assert_no_orphans()
         assert list_checkpoints(run_dir), f"no usable checkpoint after fault {fault}"
         resume = True
-    launch = Launch(config, nproc=tp, resume=True)
+    launch = Launch(config, nproc=nproc, resume=True, extra=extra)
     rc, out, err = launch.wait()
     assert rc == 0, err[-3000:]
     return run_dir
@@ -213,6 +216,18 @@ def test_kill9_resume_is_exact_tp2(tmp_path):
     reference = _reference(tmp_path, tp=2)
     # rank 1 killed after iteration 3's optimizer step; rank 0 killed inside iteration 4's checkpoint write
     crashed = _crash_and_resume(tmp_path, 2, ["train@3:1", "checkpoint@4:0"], sigint_first=False)
+    _assert_same_run(reference, crashed)
+
+
+@pytest.mark.dist
+def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path):
+    # 1 trainer rank + 1 engine-only rank: SIGINT stops both after a checkpoint (exit 130 on every rank);
+    # then the driver is killed midway through iteration 3's weight sync (the engine rank goes with it);
+    # the resumed run ends with the single-process run's weights
+    reference = _reference(tmp_path, tp=1)
+    extra = ("--set", "rollout.placement=disaggregated", "--set", "rollout.engine_ranks=1",
+             "--set", "bridge.mode=distributed")
+    crashed = _crash_and_resume(tmp_path, 1, ["sync@3:0"], sigint_first=True, extra=extra, nproc=2)
     _assert_same_run(reference, crashed)
 
 

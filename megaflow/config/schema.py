@@ -75,7 +75,9 @@ class ParallelConfig:
     timeout_s: float = opt(1800.0, "Timeout in seconds of every collective: the default process group "
                            "(init_process_group) and the rollout and weight-sync groups megaflow creates. Ranks "
                            "waiting for other hosts' rollouts wait on the gloo rollout group under it, so it must "
-                           "exceed the longest rollout.", gt=0.0)
+                           "exceed the longest rollout; engine-only ranks (rollout.placement = disaggregated) wait "
+                           "for the driver's next command under it, so it must also exceed a training step plus a "
+                           "checkpoint write.", gt=0.0)
 
 
 @dataclass(kw_only=True)

@@ -85,21 +85,20 @@ class RemoteEngines:
         return exchange_generated(self.commands, self.hosts, requests, rank=0)
 
 
-def serve(hosted, sync, commands: Commands) -> int:
-    """An engine-only rank's life: follow the driver's commands until ``stop``; returns the number of
-    collects served. ``hosted``: this rank's HostedRollout; ``sync``: its PlacedSync (a receiver)."""
-    collects = 0
+def serve(hosted, sync, commands: Commands) -> dict:
+    """An engine-only rank's life: follow the driver's commands until ``stop``; returns the stop's payload
+    (``interrupted``: the driver's Interrupted arguments when a signal ended the run). ``hosted``: this
+    rank's HostedRollout; ``sync``: its PlacedSync (a receiver)."""
     while True:
         op, payload = commands.receive()
         if op == "sync":
             sync.push(iter(()))
         elif op == "collect":
             hosted.collect(payload["requests"], payload["iteration"])
-            collects += 1
         elif op == "generate":
             exchange_generated(commands, hosted.placement.hosts, payload["requests"], hosted.placement.rank,
                                hosted.local)
         elif op == "stop":
-            return collects
+            return payload
         else:
             raise ValueError(f"engine rank {hosted.placement.rank}: unknown command {op!r} from the driver")

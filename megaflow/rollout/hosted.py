@@ -83,11 +83,12 @@ class HostedRollout:
             return RemoteEngines(self.commands, self.placement.engine_only)
         return self.local
 
-    def release(self) -> None:
-        """The run is over (or interrupted and saved): the driver lets the engine-only ranks go (a no-op
-        elsewhere). Only at a point where every rank has left its last collective."""
+    def release(self, interrupted: tuple | None = None) -> None:
+        """The run is over, or ``interrupted`` (the Interrupted arguments: signal, iteration, checkpoint) and
+        saved: the driver lets the engine-only ranks go (a no-op elsewhere). Only at a point where every rank
+        has left its last collective."""
         if self.commands is not None:
-            self.commands.send("stop")
+            self.commands.send("stop", interrupted=interrupted)
             self.commands = None
 
     def collect(self, requests: Sequence[RolloutRequest],
