@@ -172,7 +172,7 @@ def _cmd_bench_rollout(args: argparse.Namespace) -> int:
             from megaflow.models.tiny_pipeline import make_tiny_pipeline
             pipeline = str(make_tiny_pipeline("sd3", Path(tmp) / "tiny-sd3", seed=0))
         result = bench_rollout(pipeline, engines=engines, groups=args.groups, group_size=args.group_size,
-                               steps=args.steps, res=args.res, repeats=args.repeats)
+                               steps=args.steps, res=args.res, repeats=args.repeats, baseline_threads=args.threads)
     _emit(result, args)
     return 0
 
@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_br.add_argument("--steps", type=int, default=4)
     p_br.add_argument("--res", type=int, default=64)
     p_br.add_argument("--repeats", type=int, default=5)
+    p_br.add_argument("--threads", type=int, default=1,
+                      help="Torch threads of the baseline loop and of each engine worker (equal on both sides).")
     p_bs = bench_sub.add_parser("sync", help="Weight-sync seconds into SGLang engines (verify off / on) vs a plain "
                                 "copy of the same bytes: a scaled-up random SD3 DiT and the tiny one.")
     p_bs.add_argument("--layers", type=int, default=6, help="Joint blocks of the large DiT.")

@@ -133,8 +133,10 @@ def bench_rollout(pipeline_dir: str, *, engines: Sequence[int] = (1, 2), groups:
     the baseline's rate next to the largest engine count, ``ratio_per_engine_count`` compares each count
     with the baseline timed beside it; ``ratio_median`` is ``ratio`` from median call times (robust to
     load spikes on a shared machine). ``engine_kwargs`` go to ``SGLangEngineConfig`` (ignored when
-    ``engine_factory`` is given). ``baseline_threads``: torch threads of this process (the baseline);
-    engine workers take theirs from OMP_NUM_THREADS.
+    ``engine_factory`` is given). ``baseline_threads``: torch threads of this process (the baseline) and,
+    unless ``engine_kwargs`` sets ``num_threads``, of each engine worker process, so both sides compute with
+    equal threads (left to SGLang, a worker takes ``cpu_count`` threads: on a small shared host that
+    oversubscribes the cores and the engine loses by up to 10x for that reason alone).
     """
     if not engines or any(n < 1 for n in engines):
         raise ValueError(f"engines must be a non-empty list of counts >= 1, got {list(engines)}")
@@ -142,13 +144,14 @@ def bench_rollout(pipeline_dir: str, *, engines: Sequence[int] = (1, 2), groups:
         raise ValueError(f"need groups, group_size, repeats >= 1 and warmup >= 0, got "
                          f"{groups}, {group_size}, {repeats}, {warmup}")
     torch.set_num_threads(baseline_threads)
-    factory = engine_factory or sglang_factory(**(engine_kwargs or {}))
+    engine_kwargs = {"num_threads": baseline_threads, **(engine_kwargs or {})}
+    factory = engine_factory or sglang_factory(**engine_kwargs)
     requests = make_requests(groups=groups, group_size=group_size, steps=steps, res=res, sde_type=sde_type,
                              seed=seed)
     result: dict = {
         "config": {"pipeline_dir": str(pipeline_dir), "groups": groups, "group_size": group_size, "steps": steps,
                    "res": res, "sde_type": sde_type, "warmup": warmup, "repeats": repeats,
-                   "engine_kwargs": engine_kwargs or {}, "baseline_threads": baseline_threads,
+                   "engine_kwargs": engine_kwargs, "baseline_threads": baseline_threads,
                    "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "engines": list(engines), "images_per_s": {}, "engine_start_s": {}, "runs": {}}
     base = None

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -31,7 +32,10 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def engine(tiny_sd3_dir):
     torch.set_num_threads(1)
-    eng = sglang_engine.SGLangEngine(sglang_engine.SGLangEngineConfig(model_path=str(tiny_sd3_dir)))
+    with pytest.MonkeyPatch.context() as env:  # the config's num_threads must win over the inherited variable
+        env.setenv("OMP_NUM_THREADS", "2")
+        eng = sglang_engine.SGLangEngine(sglang_engine.SGLangEngineConfig(model_path=str(tiny_sd3_dir),
+                                                                          num_threads=1))
     yield eng
     eng.shutdown()
 
@@ -56,6 +60,40 @@ def _recompute_log_probs(t):
                                   config=config_for_step(config, i, window))
         out.append(res.log_prob[0])
     return torch.stack(out)
+
+
+def _thread_cpu_seconds(engine) -> dict[tuple[int, int], float]:
+    procs = [psutil.Process(pid) for pid in engine.health().worker_pids]
+    return {(p.pid, t.id): t.user_time + t.system_time for p in procs for t in p.threads()}
+
+
+def test_worker_threads_env_is_set_while_spawning_and_restored(monkeypatch):
+    from megaflow.rollout.sglang.server import _worker_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with _worker_threads(3):
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ["OMP_NUM_THREADS"] == "7"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with _worker_threads(2):
+        assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert "OMP_NUM_THREADS" not in os.environ
+    with _worker_threads(None):
+        assert "OMP_NUM_THREADS" not in os.environ
+    with pytest.raises(ValueError, match="num_threads"):
+        sglang_engine.SGLangEngineConfig(model_path="x", num_threads=0)
+
+
+def test_workers_compute_on_the_configured_threads(engine):
+    """``num_threads=1`` reaches the workers (started under OMP_NUM_THREADS=2, see the fixture): one thread
+    does all the compute of a call (with 2 intra-op threads a second one takes about half; the workers' own
+    environment cannot be read back: SGLang's process title overwrites it). This process's OMP_NUM_THREADS is
+    left as it was."""
+    before = _thread_cpu_seconds(engine)
+    engine.generate([RolloutRequest(prompt="a red cat", num_outputs=8, seed=1, num_steps=8)])
+    used = sorted(t - before.get(k, 0.0) for k, t in _thread_cpu_seconds(engine).items())
+    assert used[-1] > 0 and used[-2] < 0.2 * used[-1], f"per-thread CPU seconds of the call: {used[-4:]}"
+    assert os.environ.get("OMP_NUM_THREADS") != "2"
 
 
 def test_trajectory_layout(engine):

@@ -112,7 +112,7 @@ class SGLangEngine:
 
     def _start_server(self) -> EngineServer:
         return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file,
-                                  device_index=self.config.device_index)
+                                  device_index=self.config.device_index, num_threads=self.config.num_threads)
 
     def _server_kwargs(self) -> dict:
         c = self.config

@@ -73,6 +73,25 @@ def _without_launcher_env(quiet: bool = True):
 
 
 @contextlib.contextmanager
+def _worker_threads(num_threads: int | None):
+    """While workers are spawned, OMP_NUM_THREADS is ``num_threads``: each worker's torch intra-op pool
+    (SGLang's worker keeps an explicit OMP_NUM_THREADS instead of its ``cpu_count // num_gpus`` default);
+    None: leave the environment alone. This process's own thread pool is already sized and stays as is."""
+    if num_threads is None:
+        yield
+        return
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+@contextlib.contextmanager
 def _pinned_device(device_index: int | None):
     """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
     (:func:`megaflow.placement.worker_visible_devices`); None: leave the environment alone."""
@@ -144,17 +163,19 @@ class EngineServer:
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
 
     @classmethod
-    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None,
-              device_index: int | None = None) -> EngineServer:
+    def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None, device_index: int | None = None,
+              num_threads: int | None = None) -> EngineServer:
         """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
-        pinned); their output goes to ``log_file`` if given, as does what sglang logs in this process while
-        they start (server args, start messages)."""
+        pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``_worker_threads``);
+        their output goes to ``log_file`` if given, as does what sglang logs in this process while they start
+        (server args, start messages)."""
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
         # must not wipe the host's logging setup, so it is restored afterwards.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
         try:
-            with _without_launcher_env(), _pinned_device(device_index), _worker_output(log_file):
+            with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
+                  _worker_output(log_file)):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
                 processes = launch_server(server_args, launch_http_server=False)
