@@ -142,7 +142,7 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     trainers, engines = dis["groups"]
     assert trainers.ranks == list(range(8)) and engines.ranks == list(range(8, 16)) and dis["fits"]
     assert trainers.total == pytest.approx(others.total)  # the colocated rank without engines
-    assert set(engines.items) == {k for k in rank0.items if k.startswith("engine")}
+    assert set(engines.items) == {"runtime", *(k for k in rank0.items if k.startswith("engine"))}
     tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
     assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
     with pytest.raises(ValueError, match="not a multiple"):
