@@ -4,9 +4,10 @@ The trainer streams ``(engine_name, full_tensor)`` pairs (already gathered over 
 the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_params`). A bridge
 packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
 (same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
-engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result once per sync: every
-tensor is hashed once here, from its packed bucket, and once by each engine at the end (engines load
-buckets with ``verify=False``, no per-bucket hashing). Without ``verify`` nothing is hashed at all. The
+engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
+once here, from its packed bucket, and once by each engine (engines load buckets with ``verify=False``; the
+bridge asks them to re-hash: colocated right after each bucket lands, pipelined with the packing and hashing
+of the next one; distributed and disk at the end of the sync). Without ``verify`` nothing is hashed. The
 three paths are three implementations of this one interface, chosen by ``bridge.mode``.
 """
 from __future__ import annotations
@@ -73,10 +74,14 @@ class SyncStream:
             self.num_bytes += t.numel() * t.element_size()
             yield name, t
 
-    def record(self, bucket: Bucket) -> None:
-        """Hash the bucket's tensors (only when ``digest``)."""
-        if self.digest:
-            self.sha256.update(bucket.sha256())
+    def record(self, bucket: Bucket) -> dict[str, str]:
+        """Hash the bucket's tensors (only when ``digest``; else nothing, and ``{}`` is returned); returns this
+        bucket's digests, also kept in ``sha256`` for the whole sync."""
+        if not self.digest:
+            return {}
+        digests = bucket.sha256()
+        self.sha256.update(digests)
+        return digests
 
     def report(self, mode: str, num_buckets: int, *, verified: bool = False, message: str = "") -> SyncReport:
         """The sync's report; ``seconds`` run from the stream's creation to this call."""

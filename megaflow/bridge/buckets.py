@@ -12,7 +12,12 @@ CUDA IPC); ``shared=True`` puts a CPU bucket in shared memory, where an engine p
 copy. Packing copies each tensor once, straight into its slice. Fresh host memory costs a page fault per
 4 KiB page on first touch (measured: packing 0.49 GB into new buffers took 0.6 s, 2.8 s in new shared
 memory, vs 0.04 s for a copy into touched memory), so a bridge that syncs again and again packs its CPU
-buckets into one :class:`StagingBuffer`, allocated once and reused by every bucket of every sync.
+buckets into one :class:`StagingBuffer`, allocated once and reused by every bucket of every sync, or into
+:class:`StagingSlots`: one shared-memory buffer per bucket position, reused by the bucket at that position
+in every sync while its layout stays the same. A slotted bucket (``Bucket.slot`` set) keeps its bytes until
+the next sync overwrites them in place with the same tensors' new values, so an engine can keep views of it
+(its replay store) and map it once (its worker keeps the mapping, see ``megaflow.rollout.sglang.plugin``),
+and the next bucket can be packed while engines still load this one.
 
 ``tensor_sha256`` hashes dtype, shape and raw bytes, the same recipe as the engine's update-weights
 checker, so expected digests computed here can be verified engine-side; ``Bucket.sha256`` applies it to
@@ -21,6 +26,7 @@ every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -48,6 +54,10 @@ class Bucket:
 
     flat: torch.Tensor
     metadata: list[TensorMeta]
+    slot: str | None = None
+    """Set when ``flat`` is a :class:`StagingSlots` slot: a key naming that memory, which holds these tensors'
+    latest pushed values until a later sync overwrites them in place (a layout change gets new memory under
+    the same key). None: the memory may be reused for other tensors once the bucket is loaded."""
 
     @property
     def num_bytes(self) -> int:
@@ -82,6 +92,26 @@ class StagingBuffer:
         return self._flat[:nbytes]
 
 
+class StagingSlots:
+    """Shared-memory buffers, one per bucket position in a sync: the bucket at position ``index`` is packed into
+    buffer ``index`` as long as its layout (names, shapes, dtypes, offsets) equals that buffer's previous one,
+    else into a new buffer (the old one stays alive for whoever still holds views of it).
+    Extra memory: the full set of synced tensors (in place of a single bucket for ``StagingBuffer``)."""
+
+    def __init__(self):
+        self._token = uuid.uuid4().hex[:12]
+        self._slots: dict[int, tuple[tuple, torch.Tensor]] = {}  # position -> (layout, flat)
+
+    def take(self, index: int, meta: list[TensorMeta]) -> tuple[torch.Tensor, str]:
+        """(flat, key) for the bucket at position ``index`` with metadata ``meta``; the key names the position
+        (a new buffer at a position replaces the old one under the same key)."""
+        layout = tuple((m.name, m.shape, m.dtype, m.start_idx, m.end_idx) for m in meta)
+        kept = self._slots.get(index)
+        if kept is None or kept[0] != layout:
+            kept = self._slots[index] = (layout, torch.empty(meta[-1].end_idx, dtype=torch.uint8).share_memory_())
+        return kept[1], f"{self._token}:{index}"
+
+
 def _views(flat: torch.Tensor, metadata: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
 
@@ -91,10 +121,10 @@ def _aligned(n: int) -> int:
 
 
 def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
-         staging: StagingBuffer | None = None) -> Bucket:
+         staging: StagingBuffer | StagingSlots | None = None, index: int = 0) -> Bucket:
     """Pack a list of tensors into one bucket on the first tensor's device (each tensor copied once);
     ``shared``: a CPU bucket is allocated in shared memory; ``staging``: a CPU bucket goes into that buffer
-    (its ``shared`` applies)."""
+    (its ``shared`` applies), or into slot ``index`` of ``StagingSlots``."""
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     meta, offset = [], 0
@@ -104,7 +134,10 @@ def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
                                end_idx=offset + nbytes, numel=nbytes))
         offset = _aligned(offset + nbytes)
     device, nbytes = named_tensors[0][1].device, meta[-1].end_idx
-    if staging is not None and device.type == "cpu":
+    slot = None
+    if isinstance(staging, StagingSlots) and device.type == "cpu":
+        flat, slot = staging.take(index, meta)
+    elif staging is not None and device.type == "cpu":
         flat = staging.take(nbytes)
     else:
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -113,17 +146,17 @@ def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
     with torch.no_grad():
         for (_, t), (_, dst) in zip(named_tensors, _views(flat, meta)):
             dst.copy_(t.detach())
-    return Bucket(flat=flat, metadata=meta)
+    return Bucket(flat=flat, metadata=meta, slot=slot)
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-                 shared: bool = False, staging: StagingBuffer | None = None) -> Iterator[Bucket]:
+                 shared: bool = False, staging: StagingBuffer | StagingSlots | None = None) -> Iterator[Bucket]:
     """Group a stream of tensors into buckets of at most ``bucket_bytes`` (a bigger tensor goes alone);
     ``shared`` / ``staging``: where CPU buckets go (see ``pack``)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size = index = 0
     seen: set[str] = set()
     for name, t in named_tensors:
         if name in seen:
@@ -131,12 +164,12 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         seen.add(name)
         nbytes = _aligned(t.numel() * t.element_size())
         if pending and size + nbytes > bucket_bytes:
-            yield pack(pending, shared=shared, staging=staging)
-            pending, size = [], 0
+            yield pack(pending, shared=shared, staging=staging, index=index)
+            pending, size, index = [], 0, index + 1
         pending.append((name, t))
         size += nbytes
     if pending:
-        yield pack(pending, shared=shared, staging=staging)
+        yield pack(pending, shared=shared, staging=staging, index=index)
 
 
 def _digest(dtype: torch.dtype, shape, raw) -> str:

@@ -94,14 +94,14 @@ def test_colocated_push_loads_engines_in_parallel():
         assert all(torch.equal(v, t.module.state_dict()[k]) for k, v in src.state_dict().items())
 
 
-def test_colocated_reuses_one_staging_buffer_across_syncs():
-    """Every bucket of every sync is packed into the same shared-memory buffer (touched once), and each
-    sync still lands bit for bit."""
+def test_colocated_reuses_its_staging_slots_across_syncs():
+    """Each bucket position of a sync has its own shared-memory slot (touched once), reused by the bucket at
+    that position in every later sync with the same layout; each sync still lands bit for bit."""
     seen = []
 
     class Recording(ModuleTarget):
         def load_bucket(self, bucket, *, verify=True):
-            seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared()))
+            seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared(), bucket.slot))
             return super().load_bucket(bucket, verify=verify)
     dst = tiny_dit(2)
     bridge = ColocatedBridge([Recording(dst)], bucket_bytes=16 << 10)
@@ -110,11 +110,48 @@ def test_colocated_reuses_one_staging_buffer_across_syncs():
         src = tiny_dit(seed)
         assert bridge.push(src.state_dict().items()).verified
         assert all(torch.equal(v, dst.state_dict()[k]) for k, v in src.state_dict().items())
-        per_sync.append(set(seen))
+        per_sync.append(list(seen))
         seen.clear()
-    # the buffer grows to the largest bucket during the first sync; the second sync allocates nothing
-    assert all(shared for _, shared in per_sync[0] | per_sync[1])
-    assert len(per_sync[1]) == 1 and per_sync[1] <= per_sync[0], per_sync
+    assert per_sync[0] == per_sync[1], per_sync  # the second sync allocates nothing
+    assert len(per_sync[0]) > 1 and len({ptr for ptr, _, _ in per_sync[0]}) == len(per_sync[0])
+    assert all(shared and slot for _, shared, slot in per_sync[0])
+    assert len({slot for _, _, slot in per_sync[0]}) == len(per_sync[0])
+
+
+def test_staging_slot_gets_new_memory_when_its_layout_changes():
+    """A slot is overwritten in place only by the same layout; another layout gets new memory under the same
+    key, so views of the old bucket (an engine's replay store) keep the old bytes."""
+    from megaflow.bridge.buckets import StagingSlots
+    slots = StagingSlots()
+    a = pack([("a", torch.ones(4))], staging=slots)
+    a_view = a.unpack()[0][1]
+    a2 = pack([("a", torch.full((4,), 2.0))], staging=slots)
+    assert a2.flat.data_ptr() == a.flat.data_ptr() and a2.slot == a.slot and torch.equal(a_view, torch.full((4,), 2.0))
+    b = pack([("b", torch.zeros(8))], staging=slots)
+    assert b.flat.data_ptr() != a.flat.data_ptr() and b.slot == a.slot
+    assert torch.equal(a_view, torch.full((4,), 2.0))
+    assert pack([("c", torch.zeros(2))], staging=slots, index=1).slot != a.slot
+    assert pack([("c", torch.zeros(2))]).slot is None
+
+
+def test_colocated_verifies_each_bucket_as_it_lands():
+    """With verify, every engine re-hashes each bucket's tensors right after loading it (so a tensor clobbered
+    by a later bucket's load goes unnoticed -- here the first bucket's is caught); the sync still loads every
+    bucket, then fails."""
+    src, dst = tiny_dit(0), tiny_dit(1)
+    loads = []
+
+    class CorruptFirst(ModuleTarget):
+        def load_bucket(self, bucket, *, verify=True):
+            loads.append(bucket)
+            r = super().load_bucket(bucket, verify=verify)
+            if len(loads) == 1:
+                with torch.no_grad():
+                    self._targets()[bucket.metadata[0].name].add_(1.0)
+            return r
+    with pytest.raises(SyncError, match="did not verify"):
+        ColocatedBridge([CorruptFirst(dst)], bucket_bytes=4 << 10).push(src.state_dict().items())
+    assert len(loads) > 1 and sum(len(b.metadata) for b in loads) == len(src.state_dict())
 
 
 def test_colocated_rejects_unknown_name_without_partial_write():

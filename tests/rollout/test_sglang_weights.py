@@ -62,3 +62,43 @@ def test_cpu_payload_shares_the_bucket_memory():
 def test_rejects_a_non_flat_tensor():
     with pytest.raises(ValueError, match="1-D uint8"):
         weights.update_request(torch.zeros(4), [])
+
+
+def test_slot_payload_names_its_key_and_the_plugin_keeps_its_mapping():
+    """A bucket from a staging slot carries the slot's key (SGLang's reader ignores the extra entry); the
+    plugin's hook on that reader keeps the worker's tensor under the key, replacing what it kept there."""
+    from megaflow.bridge.buckets import StagingSlots
+    from megaflow.rollout.sglang import plugin
+    from sglang.srt.utils import MultiprocessingSerializer
+    slots = StagingSlots()
+    bucket = pack(_named(), staging=slots)
+    assert bucket.slot and bucket.flat.is_shared()
+    req = weights.update_request(bucket.flat, bucket.metadata, keep=bucket.slot)
+    module_payload = MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])["transformer"]
+    assert module_payload[weights.KEEP_KEY] == bucket.slot
+    got = _worker_side_of(module_payload)
+    assert [n for n, _ in got] == [n for n, _ in _named()]
+    try:
+        assert plugin.keep_mapping(got, None, module_payload, "flattened_bucket") is None  # result unchanged
+        assert plugin._kept[bucket.slot] is module_payload["flattened_tensor"]
+        plugin.keep_mapping(got, None, {"flattened_tensor": torch.zeros(1), "metadata": []}, "flattened_bucket")
+        assert list(plugin._kept) == [bucket.slot]  # no key: nothing kept
+    finally:
+        plugin._kept.clear()
+    assert weights.KEEP_KEY not in MultiprocessingSerializer.deserialize(
+        weights.update_request(bucket.flat, bucket.metadata).serialized_named_tensors[0])["transformer"]
+
+
+def _worker_side_of(module_payload):
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
+    updater = WeightsUpdater.__new__(WeightsUpdater)
+    return list(updater._materialize_weights_iter(module_payload, "flattened_bucket"))
+
+
+def test_plugin_tensor_hash_matches_sglangs():
+    """The plugin's replacement for SGLang's checker hash gives the same digests (hashed in place)."""
+    from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
+
+    from megaflow.rollout.sglang import plugin
+    for _, t in _named() + [("strided", torch.randn(6, 4)[:, 1]), ("int", torch.arange(5))]:
+        assert plugin.tensor_sha256(t) == compute_tensor_sha256(t)

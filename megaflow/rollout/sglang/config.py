@@ -41,8 +41,9 @@ class SGLangEngineConfig:
     max_restarts: int = 3
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
-    """Keep a host copy of every tensor pushed by update_weights / load_bucket (one copy per sync into
-    tensors reused across syncs) and re-apply it after a restart."""
+    """Keep every tensor pushed by update_weights / load_bucket and re-apply it after a restart: a bucket from
+    a bridge's staging slot (the colocated bridge on CPU) is kept as a view of the slot, no copy; anything else
+    as a host copy (one copy per sync into tensors reused across syncs). See ``megaflow.rollout.sglang.replay``."""
     num_threads: int | None = None
     """Torch intra-op threads of each worker process: passed as ``OMP_NUM_THREADS`` to the workers while they
     are spawned (SGLang keeps an explicit OMP_NUM_THREADS). None: the workers inherit this process's

@@ -44,6 +44,7 @@ from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import co
 from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
+from megaflow.rollout.sglang.replay import ReplayStore
 from megaflow.rollout.sglang.weights import flatten
 from megaflow.rollout.sglang.wire import EngineCallFailed
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -88,9 +89,7 @@ class SGLangEngine:
         self._num_restarts = 0
         self._released = False
         self._closed = False
-        self._replay: dict[str, torch.Tensor] = {}
-        self._lora_replay: tuple[dict[str, torch.Tensor], float, int] | None = None
-        self._disk_source: str | None = None
+        self._replay = ReplayStore()
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._slots = threading.Semaphore(config.num_inflight_calls)
         self._pool = ThreadPoolExecutor(config.num_inflight_calls, thread_name_prefix=f"{self.engine_id}-call")
@@ -262,15 +261,7 @@ class SGLangEngine:
                 old.stop()  # kills its workers and closes the client: blocked calls fail and retry
             t0 = time.perf_counter()
             self._server = self._start_server()
-            replays = []
-            if self._disk_source is not None:
-                replays.append(self._server.update_from_disk(self._disk_source))
-            if self._replay:
-                replays.append(self._server.update_from_bucket(*flatten(list(self._replay.items()))))
-            if self._lora_replay is not None:
-                tensors, alpha, rank = self._lora_replay
-                replays.append(self._server.update_lora_from_tensors(list(tensors.items()), alpha=alpha, rank=rank))
-            failed = [message for ok, message in replays if not ok]
+            failed = [message for ok, message in self._replay.apply(self._server) if not ok]
             if failed:  # never sample with stale weights
                 raise EngineCrashed(f"engine {self.engine_id}: weights not restored after restart: {failed}")
             self._num_restarts += 1
@@ -302,7 +293,7 @@ class SGLangEngine:
             if ok and verify:
                 ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in named})
             if ok and self.config.replay_weights_on_restart:
-                self._lora_replay = (dict((n, t.clone()) for n, t in named), alpha, rank)
+                self._replay.keep_lora(named, alpha, rank)
         return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
                                   num_bytes=sum(t.numel() * t.element_size() for _, t in named),
                                   seconds=time.perf_counter() - t0)
@@ -310,31 +301,23 @@ class SGLangEngine:
     def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
         """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
         sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. For replay after
-        a restart the engine copies the bytes into its own host tensors (reused by the next sync)."""
-        return self._load(bucket.flat, bucket.metadata, verify=verify)
+        a restart the engine keeps views of a staging slot's bucket (``bucket.slot``; its workers keep the slot
+        mapped), else copies the bytes into its own host tensors (reused by the next sync); see ``replay``."""
+        return self._load(bucket.flat, bucket.metadata, verify=verify, slot=getattr(bucket, "slot", None))
 
-    def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool) -> WeightUpdateResult:
+    def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool, slot: str | None = None
+              ) -> WeightUpdateResult:
         t0 = time.perf_counter()
         with self._lock:
-            ok, message = self._server.update_from_bucket(flat, metadata)
+            ok, message = self._server.update_from_bucket(flat, metadata, keep=slot)
             views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
             if ok and verify:
                 ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in views.items()})
                 message = message if ok else f"weights not verified after update: {message}"
             if ok and self.config.replay_weights_on_restart:
-                self._keep_for_replay(views)
+                self._replay.keep(views, alias=slot is not None)
         return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
                                   num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
-
-    def _keep_for_replay(self, views: dict[str, torch.Tensor]) -> None:
-        """Copy ``views`` into the replay store: into the tensor kept from the last sync when it matches
-        (touched memory: a plain copy), else into a new host tensor."""
-        for name, t in views.items():
-            kept = self._replay.get(name)
-            if kept is not None and kept.shape == t.shape and kept.dtype == t.dtype:
-                kept.copy_(t)
-            else:
-                self._replay[name] = t.to("cpu", copy=True)
 
     def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""
@@ -347,7 +330,7 @@ class SGLangEngine:
         with self._lock:
             ok, message = self._server.update_from_disk(str(path))
             if ok:
-                self._disk_source, self._replay = str(path), {}
+                self._replay.reset_to_disk(path)
         return WeightUpdateResult(ok=ok, message=message, seconds=time.perf_counter() - t0)
 
     def checksum(self) -> str:

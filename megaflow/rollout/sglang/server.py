@@ -212,10 +212,12 @@ class EngineServer:
 
 
     # weights
-    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence) -> tuple[bool, str]:
-        """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU)
-        into the DiT. Not verified: SGLang skips unknown names and still reports success (``verify``)."""
-        out, error = self._control(update_request(flat, metadata))
+    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence, *,
+                           keep: str | None = None) -> tuple[bool, str]:
+        """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU;
+        ``keep``: a staging slot's key) into the DiT. Not verified: SGLang skips unknown names and still
+        reports success (``verify``)."""
+        out, error = self._control(update_request(flat, metadata, keep=keep))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
         return True, f"updated {len(metadata)} tensors (not verified)"

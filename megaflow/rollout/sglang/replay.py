@@ -1,0 +1,59 @@
+"""What an ``SGLangEngine`` re-applies after its workers restart: the last disk source, the tensors pushed
+since, and the last LoRA adapters.
+
+A tensor pushed from a bridge's staging slot (``Bucket.slot`` set, see ``megaflow.bridge.buckets``) is kept
+as a view of the slot, not copied: the slot holds that tensor's latest pushed value (later syncs overwrite it
+in place) and the view keeps the memory alive if the bridge moves on to new memory. Any other tensor is
+copied into a host tensor of this store (reused by the next push of the same name and shape: a plain copy
+into touched memory). A restart in the middle of a sync replays what the slots hold at that moment; the
+sync's remaining buckets then load over it, and a failed sync is reported as such.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaflow.rollout.sglang.weights import flatten
+
+
+class ReplayStore:
+    """The engine's weights to re-apply after a restart."""
+
+    def __init__(self):
+        self.disk_source: str | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()  # names whose tensor is this store's own copy (safe to copy into)
+        self.lora: tuple[dict[str, torch.Tensor], float, int] | None = None
+
+    def keep(self, views: dict[str, torch.Tensor], *, alias: bool) -> None:
+        """Keep ``views`` (the tensors just loaded): as they are with ``alias`` (views of a staging slot), else
+        copied into this store's own host tensors."""
+        for name, t in views.items():
+            if alias:
+                self.tensors[name] = t
+                self._owned.discard(name)
+                continue
+            kept = self.tensors.get(name)
+            if name in self._owned and kept.shape == t.shape and kept.dtype == t.dtype:
+                kept.copy_(t)
+            else:
+                self.tensors[name] = t.to("cpu", copy=True)
+                self._owned.add(name)
+
+    def keep_lora(self, named: list[tuple[str, torch.Tensor]], alpha: float, rank: int) -> None:
+        self.lora = (dict((n, t.clone()) for n, t in named), alpha, rank)
+
+    def reset_to_disk(self, path: str) -> None:
+        """The engine reloaded from ``path``: replay that, and no tensor pushed before it."""
+        self.disk_source, self.tensors, self._owned = str(path), {}, set()
+
+    def apply(self, server) -> list[tuple[bool, str]]:
+        """Re-apply everything kept to a freshly started ``EngineServer``; one (ok, message) per step."""
+        results = []
+        if self.disk_source is not None:
+            results.append(server.update_from_disk(self.disk_source))
+        if self.tensors:
+            results.append(server.update_from_bucket(*flatten(list(self.tensors.items()))))
+        if self.lora is not None:
+            tensors, alpha, rank = self.lora
+            results.append(server.update_lora_from_tensors(list(tensors.items()), alpha=alpha, rank=rank))
+        return results
