@@ -47,7 +47,8 @@ class Commands:
 
 
 def _plan(requests: Sequence[RolloutRequest], hosts: Sequence[int]) -> list[int]:
-    """The engine-only host of each ``generate`` request: round robin by samples (deterministic)."""
+    """The engine-only host of each ``generate`` request: fewest samples first, ties by a fixed seed (the same
+    plan on the driver and every engine rank)."""
     from megaflow.rollout.hosted import plan_groups
     return plan_groups(requests, hosts, 1, seed=0)
 
