@@ -73,40 +73,36 @@ def _without_launcher_env(quiet: bool = True):
 
 
 @contextlib.contextmanager
+def _env_var(name: str, value: str | None):
+    """While workers are spawned, environment variable ``name`` is ``value`` (then restored, or removed if it
+    was unset); None: leave it alone."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def _worker_threads(num_threads: int | None):
     """While workers are spawned, OMP_NUM_THREADS is ``num_threads``: each worker's torch intra-op pool
     (SGLang's worker keeps an explicit OMP_NUM_THREADS instead of its ``cpu_count // num_gpus`` default);
     None: leave the environment alone. This process's own thread pool is already sized and stays as is."""
-    if num_threads is None:
-        yield
-        return
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    return _env_var("OMP_NUM_THREADS", None if num_threads is None else str(num_threads))
 
 
-@contextlib.contextmanager
 def _pinned_device(device_index: int | None):
     """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
     (:func:`megaflow.placement.worker_visible_devices`); None: leave the environment alone."""
-    if device_index is None:
-        yield
-        return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = worker_visible_devices(device_index, saved)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    visible = None if device_index is None else worker_visible_devices(device_index,
+                                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _env_var("CUDA_VISIBLE_DEVICES", visible)
 
 
 @contextlib.contextmanager
