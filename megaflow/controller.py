@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megaflow import faults
 from megaflow.checkpoints import checkpoint_dir
@@ -136,11 +135,7 @@ def _fault_midway(stream, iteration: int):
 
 def _share(obj, rank0: bool, group):
     """``obj`` of rank 0 on every launched rank (``group``: the run's ``everyone`` group)."""
-    if group.size == 1:
-        return obj
-    box = [obj if rank0 else None]
-    dist.broadcast_object_list(box, group=group.pg, group_src=0)
-    return box[0]
+    return obj if group.size == 1 else group.broadcast_object(obj if rank0 else None, 0)
 
 
 def _claim_run_dir(cfg: MegaflowConfig, resume: bool, rank0: bool, group):

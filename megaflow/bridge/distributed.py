@@ -19,13 +19,7 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
-from megaflow.parallel.groups import Group, as_group
-
-
-def _bcast_obj(obj, src: int, group: Group) -> object:
-    box = [obj]
-    dist.broadcast_object_list(box, group=group.pg, group_src=group.rank_of(src))
-    return box[0]
+from megaflow.parallel.groups import as_group
 
 
 class DistributedBridge:
@@ -45,15 +39,15 @@ class DistributedBridge:
         num_buckets, local_error = 0, ""
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
-            _bcast_obj(bucket.metadata, self.src, self.group)
+            self.group.broadcast_object(bucket.metadata, self.src)
             dist.broadcast(bucket.flat.to(self.device), group=self.group.pg, group_src=self.group.rank_of(self.src))
             stream.record(bucket)
             for engine in self.engines:  # a failure is raised after the receivers finished, never midway
                 r = engine.load_bucket(bucket, verify=False)  # one check per sync below
                 if not r.ok and not local_error:
                     local_error = f"engine {getattr(engine, 'engine_id', '?')} bucket {num_buckets}: {r.message}"
-        _bcast_obj(None, self.src, self.group)
-        _bcast_obj(stream.sha256 if self.verify else None, self.src, self.group)
+        self.group.broadcast_object(None, self.src)
+        self.group.broadcast_object(stream.sha256 if self.verify else None, self.src)
         if self.verify and self.engines and not local_error:
             try:
                 verify_engines(self.engines, stream.sha256)
@@ -82,7 +76,7 @@ class DistributedReceiver:
         ok, msg, n = True, "", 0
         with ThreadPoolExecutor(max(1, len(self.engines)), thread_name_prefix="receiver-load") as pool:
             while True:
-                meta = _bcast_obj(None, self.src, self.group)
+                meta = self.group.broadcast_object(None, self.src)
                 if meta is None:
                     break
                 nbytes = meta[-1].end_idx
@@ -95,7 +89,7 @@ class DistributedReceiver:
                 for r in pool.map(lambda e: e.load_bucket(bucket, verify=False), self.engines):
                     if not r.ok and ok:
                         ok, msg = False, f"bucket {n}: {r.message}"
-            expected = _bcast_obj(None, self.src, self.group)
+            expected = self.group.broadcast_object(None, self.src)
             if ok and expected is not None:
                 try:
                     msg = verify_engines(self.engines, expected, pool)

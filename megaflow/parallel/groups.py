@@ -65,6 +65,12 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
+    def broadcast_object(self, obj, src: int):
+        """``obj`` of launch rank ``src`` (read there only) on every member (pickled)."""
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.pg, group_src=self.rank_of(src))
+        return box[0]
+
 
 def new_group(name: str, ranks, *, timeout_s: float, backend: str = "gloo") -> Group | None:
     """A ``backend`` group over launch ``ranks`` named ``name`` (unique per launch), created by its members

@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch.distributed as dist
-
+from megaflow.placement import DRIVER
 from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -38,12 +37,10 @@ class Commands:
     def send(self, op: str, **payload) -> None:
         if op not in OPS:
             raise ValueError(f"unknown engine-rank command {op!r}")
-        dist.broadcast_object_list([(op, payload)], group=self.group.pg, group_src=0)
+        self.group.broadcast_object((op, payload), DRIVER)
 
     def receive(self) -> tuple[str, dict]:
-        box = [None]
-        dist.broadcast_object_list(box, group=self.group.pg, group_src=0)
-        return box[0]
+        return self.group.broadcast_object(None, DRIVER)
 
 
 def _plan(requests: Sequence[RolloutRequest], hosts: Sequence[int]) -> list[int]:

@@ -60,9 +60,9 @@ def broadcast_share(share: dict[str, torch.Tensor] | None, src: int, group) -> d
     registered gloo group; ``share`` is read on ``src`` only): one header broadcast, then one flat uint8
     tensor. CPU tensors."""
     g = as_group(group)
-    header = [[(n, tuple(t.shape), str(t.dtype)) for n, t in share.items()] if share is not None else None]
-    dist.broadcast_object_list(header, group=g.pg, group_src=g.rank_of(src))
-    spec = [(name, shape, _dtype(dtype)) for name, shape, dtype in header[0]]
+    header = g.broadcast_object([(n, tuple(t.shape), str(t.dtype)) for n, t in share.items()]
+                                if share is not None else None, src)
+    spec = [(name, shape, _dtype(dtype)) for name, shape, dtype in header]
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in spec]
     if share is not None:
         flat = torch.cat([t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in share.values()])
