@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megaflow.config import ConfigError, MegaflowConfig, dump_config, load_config
 from megaflow.config.preflight import preflight
-from megaflow.interrupt import Interrupted
+from megaflow.run.interrupt import Interrupted
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -34,8 +34,8 @@ def _load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
 
 def _apply_device(cfg: MegaflowConfig) -> MegaflowConfig:
     """Apply ``run.device`` to this process and the engine workers it starts
-    (megaflow.parallel.dims.select_device) before anything touches CUDA."""
-    from megaflow.parallel.dims import select_device
+    (megaflow.parallel.distributed.select_device) before anything touches CUDA."""
+    from megaflow.parallel.distributed import select_device
     select_device(cfg.run.device)
     return cfg
 
@@ -59,7 +59,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megaflow.plan import format_plan, plan
+    from megaflow.plan.memory import format_plan, plan
     cfg = preflight(load_config(args.config, args.overrides), "show", files=False)
     p = cfg.parallel
     gpus = args.gpus or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
@@ -76,11 +76,11 @@ def _print_json(result: dict, as_json: bool) -> None:
 
 
 def _cmd_eval_shapes(args: argparse.Namespace) -> int:
-    from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth, evaluate_images
+    from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
         from megaflow.config.files import check_pipeline
         check_pipeline(args.pipeline, "--pipeline")
-        from megaflow.evals.sample import brief, evaluate_pipeline
+        from megaflow.shapeeval.evaluate import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
                                          num_steps=args.steps, resolution=args.resolution, out_dir=out_dir))
@@ -108,14 +108,14 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megaflow.rundir import check_run_dir
+    from megaflow.run.rundir import check_run_dir
     cfg = _load_checked(args, "train")
     if os.environ.get("RANK", "0") == "0":
         check_run_dir(cfg, resume=args.resume)
     _apply_device(cfg)
     import logging
 
-    from megaflow.controller import run
+    from megaflow.run.loop import run
     _setup_logging(logging.INFO, args.verbose)
     metrics = run(cfg, resume=args.resume, verbose=args.verbose)
     if args.json and os.environ.get("RANK", "0") == "0":
@@ -126,7 +126,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
     cfg = _run_config(args, "demo")
-    from megaflow.demo import run_demo
+    from megaflow.run.demo import run_demo
     _setup_logging(logging.WARNING, args.verbose)
     run_demo(cfg, verbose=args.verbose)
     return 0
@@ -142,7 +142,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megaflow.export import export_run
+    from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration)
     _print_json(result, args.json)
     return 0
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")
     p_bs.add_argument("--bucket-mb", type=float, default=64.0, help="Bucket size, MiB.")
     p_bs.add_argument("--no-tiny", action="store_true", help="Skip the tiny model.")
-    p_bl = bench_sub.add_parser("learn", help="P6: the demo's RL recipe through a plain diffusers + torch loop vs "
+    p_bl = bench_sub.add_parser("learn", help="The demo's RL recipe through a plain diffusers + torch loop vs "
                                 "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")
     _add_config_args(p_bl, default="configs/shapes_demo.toml")
     p_bl.add_argument("--side", choices=("baseline", "megaflow", "both"), default="both")

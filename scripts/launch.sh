@@ -9,7 +9,7 @@
 #   # disaggregated: node 0 trains (8 ranks), node 1 only samples (8 engine ranks, one engine per GPU):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 NPROC=8 bash scripts/launch.sh -c configs/sd3_medium.toml \
 #       --set rollout.placement=disaggregated --set rollout.engine_ranks=8 --set bridge.mode=distributed
-#   # two "nodes" on one CPU host (as tests/test_launch_multinode.py does; run both, NODE_RANK 0 and 1):
+#   # two "nodes" on one CPU host (as tests/run/test_launch_multinode.py does; run both, NODE_RANK 0 and 1):
 #   NNODES=2 NODE_RANK=0 NPROC=1 MASTER_PORT=29611 bash scripts/launch.sh -c configs/cpu_demo.toml \
 #       --set rollout.engine_hosts=node
 #

@@ -45,7 +45,7 @@ def _family_for(diffusers_config: dict):
 
 
 def _check_shapes(state: dict, fam, diffusers_config: dict) -> None:
-    from megaflow.export import check_diffusers_state, diffusers_shapes
+    from megaflow.run.export import check_diffusers_state, diffusers_shapes
 
     try:
         check_diffusers_state(state, diffusers_shapes(fam, diffusers_config))
@@ -63,7 +63,7 @@ def _new_tmp(dst: Path) -> Path:
 
 
 def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
-    from megaflow.parallel import ParallelDims
+    from megaflow.parallel.dims import ParallelDims
     from megaflow.testing.dist import RankError, run_multiprocess
     from megaflow.trainer import checkpoint
 
@@ -94,7 +94,7 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
 
 
 def to_diffusers(src: Path, dst: Path) -> None:
-    from megaflow.export import checkpoint_transformer, save_transformer_weights
+    from megaflow.run.export import checkpoint_transformer, save_transformer_weights
 
     try:
         _, dconfig, state = checkpoint_transformer(src)

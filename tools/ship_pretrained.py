@@ -43,7 +43,7 @@ def main() -> None:
     meta = read_meta(args.out)
     rows = _history(meta["pretrain"])
     ev = json.loads(args.eval.read_text())
-    from megaflow.plots import line_plot
+    from megaflow.report.plots import line_plot
     line_plot({"held-out accuracy (EMA, 100 prompts)": [(r["total_minutes"], r["accuracy"]) for r in rows],
                "held-out partial score": [(r["total_minutes"], r["partial"]) for r in rows]},
               args.out / "pretrain_curve.png", title="megaflow pretrain: held-out ShapeEval", xlabel="minutes")

@@ -1,8 +1,8 @@
-"""``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow (P6).
+"""``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow.
 
 Both sides start from the same pipeline and run the same iterations on the same prompts
-(``runtime.prompt_stream``), request seeds and SDE windows (``controller.make_requests``), reward and
-group advantages (``controller.generate_and_score``), trained steps (``controller.train_steps``) and
+(``run.build.prompt_stream``), request seeds and SDE windows (``run.flowgrpo.make_requests``), reward and
+group advantages (``run.flowgrpo.generate_and_score``), trained steps (``run.flowgrpo.train_steps``) and
 optimizer-step plan (``grpo_batches.plan_updates``, same seed):
 
 - baseline: ``DiffusersEngine`` rollouts (one batched diffusers loop) and a plain torch FlowGRPO step on
@@ -10,7 +10,7 @@ optimizer-step plan (``grpo_batches.plan_updates``, same seed):
   ``algo.loss.flow_grpo_loss`` with every (sample, step) item of an optimizer step weighted 1/N,
   ``torch.optim.AdamW`` with megatron's weight-decay groups (none on biases and 1-D params) and
   ``clip_grad_norm_``); the engine samples with the trained module itself, so there is no weight sync;
-- megaflow: ``controller.run`` (SGLang engine, megatron-core trainer, verified weight sync).
+- megaflow: ``run.loop.run`` (SGLang engine, megatron-core trainer, verified weight sync).
 
 Held-out ShapeEval (``[eval]``: ODE, fixed prompts and seeds) before and after on each side's own engine;
 with ``eval_every`` a smaller held-out set (``eval_num`` prompts) every N iterations gives a learning
@@ -33,6 +33,7 @@ import torch
 from megaflow.algo.loss import flow_grpo_loss
 from megaflow.config import MegaflowConfig
 from megaflow.flow.step import sigma_max_of, transition_log_prob, transition_mean_std
+from megaflow.seeds import MINIBATCHES, iteration_seed
 
 SIDES = ("baseline", "megaflow")
 
@@ -139,7 +140,7 @@ class _Tracker:
         self._t0, self._eval_s, self.rl_s = 0.0, 0.0, 0.0
 
     def _eval(self, engine, num: int, num_seen: int, out_dir=None) -> dict:
-        from megaflow.evals.sample import evaluate_engine
+        from megaflow.shapeeval.evaluate import evaluate_engine
         e, r = self.cfg.eval, self.cfg.rollout
         return evaluate_engine(engine, num=num, num_seen=num_seen, seed=e.seed, num_steps=e.num_steps or r.num_steps,
                                resolution=r.height, max_sequence_length=r.max_sequence_length or None, out_dir=out_dir)
@@ -192,16 +193,16 @@ def time_to_gain(curve: list[dict], gain: float) -> float | None:
 # ------------------------------------------------------------------ the two sides
 def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 100, target_gain: float = 0.05) -> dict:
     """The plain loop (module doc); returns the side's summary plus setup_s and param_delta_l2."""
-    from megaflow import runtime
-    from megaflow.controller import generate_and_score, grpo_settings, make_requests, train_steps
     from megaflow.rollout.baseline import DiffusersEngine, DiffusersEngineConfig
+    from megaflow.run.build import build_scorer, prompt_stream, resolve_pipeline, with_pipeline_defaults
+    from megaflow.run.flowgrpo import generate_and_score, grpo_settings, make_requests, train_steps
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.run.num_threads)
     torch.manual_seed(cfg.run.seed)
     run_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-learn-baseline"
-    pipeline_dir = runtime.resolve_pipeline(cfg, run_dir)
-    cfg = runtime.with_pipeline_defaults(cfg, pipeline_dir)
+    pipeline_dir = resolve_pipeline(cfg, run_dir)
+    cfg = with_pipeline_defaults(cfg, pipeline_dir)
     if cfg.algo.mismatch != "none":
         raise ValueError("bench learn: the plain loop samples with the trained module itself; use algo.mismatch = none")
     settings = grpo_settings(cfg)
@@ -210,7 +211,7 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     ref = copy.deepcopy(dit).requires_grad_(False) if settings.loss.kl_beta > 0 else None
     opt = plain_optimizer(dit, cfg.train)
     initial = {k: v.detach().clone() for k, v in dit.named_parameters()}
-    scorer, prompts = runtime.build_scorer(cfg), runtime.prompt_stream(cfg)
+    scorer, prompts = build_scorer(cfg), prompt_stream(cfg)
     tracker = _Tracker(cfg, run_dir, eval_every=eval_every, eval_num=eval_num)
     setup_s = time.perf_counter() - t0
     try:
@@ -220,7 +221,7 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
             trajs, adv, keep, metrics = generate_and_score(engine, scorer, make_requests(cfg, prompts, it), cfg)
             tracker.rewards.append(metrics["reward/total"])
             stats = plain_update(dit, opt, trajs, adv, keep, train_steps(cfg, settings.transition, it), settings,
-                                 grad_clip=cfg.train.grad_clip, seed=cfg.run.seed * 1_000_003 + it * 10_007 + 2,
+                                 grad_clip=cfg.train.grad_clip, seed=iteration_seed(cfg.run.seed, it, MINIBATCHES),
                                  ref=ref, num_train_timesteps=engine.pipe.scheduler.config.num_train_timesteps)
             print(f"[bench learn] baseline iteration {it}/{cfg.train.iterations}: reward {metrics['reward/total']:.4f} "
                   f"loss {stats.get('loss', float('nan')):.4g} ({time.perf_counter() - t1:.1f} s)", flush=True)
@@ -234,15 +235,17 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
 
 
 def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 100, target_gain: float = 0.05) -> dict:
-    """``controller.run`` with evaluation hooks (intermediate evals run before the next iteration's rollouts)."""
-    from megaflow import controller, runtime
-    from megaflow.rundir import with_unused_name
+    """``megaflow.run.loop.run`` with evaluation hooks (intermediate evals run before the next iteration's
+    rollouts)."""
+    from megaflow.run.build import resolve_pipeline, with_pipeline_defaults
+    from megaflow.run.loop import run
+    from megaflow.run.rundir import with_unused_name
 
     t0 = time.perf_counter()
     cfg = with_unused_name(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run,
                                                                             name=f"{cfg.run.name}-learn-megaflow")))
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    tracker = _Tracker(runtime.with_pipeline_defaults(cfg, runtime.resolve_pipeline(cfg, run_dir)), run_dir,
+    tracker = _Tracker(with_pipeline_defaults(cfg, resolve_pipeline(cfg, run_dir)), run_dir,
                        eval_every=eval_every, eval_num=eval_num)
     setup = {}
 
@@ -255,7 +258,7 @@ def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
         else:
             tracker.checkpoint(rollout, when)
 
-    controller.run(cfg, evaluate=evaluate)
+    run(cfg, evaluate=evaluate)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     tracker.rewards = [r["reward/total"] for r in rows if r.get("iteration", 0) > 0 and "reward/total" in r]
     return {**tracker.summary(target_gain), "setup_s": setup.get("s")}

@@ -2,7 +2,7 @@
 diffusers, on CPU at TP=1 with identical weights and batches.
 
 A step = forward + backward + optimizer update (Adam, lr 1e-4, grad clip 1.0) over ``microbatches``
-microbatches of ``batch`` samples (rectified-flow loss). megatron side: ``TrainEngine.train_step``
+microbatches of ``batch`` samples (rectified-flow loss). megatron side: ``Trainer.train_step``
 (megatron schedule, DDP grad buffers, finalize_model_grads, megatron optimizer) with megaflow's
 fast paths (``trainer.engine.FastPaths``, listed in ``fast_paths``); diffusers side:
 ``SD3Transformer2DModel`` + ``torch.AdamW`` (foreach) + ``clip_grad_norm_``. With ``plain=True``
@@ -95,9 +95,10 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
     ``config_overrides`` are diffusers SD3 config keys (e.g. num_layers=4, attention_head_dim=64)."""
     import megaflow  # noqa: F401  (import guards before megatron)
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.parallel.perf_patches import apply_perf_patches, remove_perf_patches
-    from megaflow.trainer.engine import FastPaths, TrainEngine, adam_config, rectified_flow_microbatch
+    from megaflow.trainer.runner import FastPaths, Trainer, adam_config, rectified_flow_microbatch
 
     torch.set_num_threads(threads)
     dcfg = {**_default_config(), **config_overrides}
@@ -108,7 +109,7 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
     init_state = {k: v.clone() for k, v in ref.state_dict().items()}
 
     def engine(fast_paths=None):
-        eng = TrainEngine(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
+        eng = Trainer(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
                           optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
         eng.load_diffusers_state_dict(init_state)
         return eng

@@ -1,5 +1,5 @@
 """Weight-update bridge: trainer shards -> full tensors -> engine names -> buckets -> engines, verified."""
-from megaflow.bridge.base import SyncError, SyncReport, WeightBridge
+from megaflow.bridge.base import SyncError, SyncReport, WeightBridge, WeightUpdateResult
 from megaflow.bridge.buckets import Bucket, iter_buckets, pack, tensor_sha256
 
-__all__ = ["Bucket", "SyncError", "SyncReport", "WeightBridge", "iter_buckets", "pack", "tensor_sha256"]
+__all__ = ["Bucket", "SyncError", "SyncReport", "WeightBridge", "WeightUpdateResult", "iter_buckets", "pack", "tensor_sha256"]

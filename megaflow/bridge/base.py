@@ -23,6 +23,18 @@ import torch
 from megaflow.bridge.buckets import Bucket
 
 
+@dataclass(kw_only=True)
+class WeightUpdateResult:
+    """Outcome of one weight update into one engine (or any other target the bridge loads)."""
+
+    ok: bool
+    """The engine accepted every tensor (an engine must not report ok for names it skipped)."""
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
 class SyncError(RuntimeError):
     """A weight sync did not verify (the engine holds different weights than were sent)."""
 

@@ -1,7 +1,7 @@
 """Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
 
 Every rank calls ``PlacedSync.push(engine_named_params(trainer))`` (the gather is collective). What a
-rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.placement):
+rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement):
 
 * colocated / disk: each engine host pushes the full tensors it gathered itself into its own engines
   (the TP/PP gather gives every rank full tensors) through its local bridge; engines of one host are
@@ -12,7 +12,7 @@ rank does with the stream depends on ``bridge.mode`` and the placement (megaflow
   host receives in a thread while its main thread takes part in the gather, and verifies.
 
 Engine-only ranks (rollout.placement = disaggregated) take part as receivers: the driver's ``commands``
-tell them a sync begins (megaflow.rollout.dedicated), and the stream they push is empty.
+tell them a sync begins (megaflow.rollout.engine_ranks), and the stream they push is empty.
 
 Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
 result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
 from megaflow.parallel.groups import as_group
-from megaflow.placement import Placement
+from megaflow.parallel.placement import Placement
 
 
 def _drain(stream: Iterable) -> None:
@@ -46,7 +46,7 @@ class PlacedSync:
         if bridge is not None and receiver is not None:
             raise ValueError("a rank either pushes or receives weights, not both")
         self.placement, self.group, self.bridge, self.receiver = placement, as_group(group), bridge, receiver
-        self.commands = commands  # the driver's channel to engine-only ranks (megaflow.rollout.dedicated)
+        self.commands = commands  # the driver's channel to engine-only ranks (megaflow.rollout.engine_ranks)
 
     def _local(self, named_tensors: Iterable) -> tuple[bool, str, float, float, bool]:
         """(ok, message, bytes, tensors, verified) of this rank's part."""

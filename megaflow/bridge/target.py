@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from megaflow.bridge.base import WeightUpdateResult
 from megaflow.bridge.buckets import Bucket, tensor_sha256
-from megaflow.rollout.engine import WeightUpdateResult
 
 
 class ModuleTarget:

@@ -4,7 +4,7 @@
 overrides (values parsed as TOML literals, bare words as strings) and validates everything
 before any work starts: an unknown key, a wrong type or an out-of-range value raises
 :class:`ConfigError` with one line naming the key and the value. ``save_config`` writes the
-resolved config (TOML) into the run directory atomically.
+resolved config (TOML) into the run directory atomically; ``run_dir_of`` says where that directory is.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megaflow.config.schema import MegaflowConfig
+from megaflow.parallel.dims import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -90,11 +91,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 def validate(cfg: MegaflowConfig) -> MegaflowConfig:
     """Cross-field checks that single-field ranges cannot express."""
-    p, r = cfg.parallel, cfg.rollout
-    if p.sp and p.tp == 1:
-        raise ConfigError(f"parallel.sp = true requires parallel.tp > 1 (got tp = {p.tp})")
-    if p.vpp and p.pp == 1:
-        raise ConfigError(f"parallel.vpp = {p.vpp} requires parallel.pp > 1")
+    r = cfg.rollout
+    try:
+        ParallelDims.of(cfg.parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     bad = [i for i in r.sde_window if not isinstance(i, int) or not 0 <= i < r.num_steps]
     if bad:
         raise ConfigError(f"rollout.sde_window: step indices {bad} not in [0, {r.num_steps})")
@@ -150,6 +151,15 @@ def dump_config(cfg: MegaflowConfig) -> str:
             lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, sec.name), f.name))}")
         lines.append("")
     return "\n".join(lines)
+
+
+def run_dir_of(cfg: MegaflowConfig) -> Path:
+    """``<run.output_dir>/<run.name>``; ValueError when the name is not a single path component."""
+    name = cfg.run.name
+    if not name or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+        raise ValueError(f"run.name = {name!r}: must be one path component (no '/', not empty, not starting "
+                         "with '.'); the run directory is <run.output_dir>/<run.name>")
+    return Path(cfg.run.output_dir) / name
 
 
 def save_config(cfg: MegaflowConfig, run_dir: str | Path) -> Path:

@@ -15,8 +15,9 @@ second (``tests/config/test_malformed_inputs.py``).
   often shown on a login node for a torchrun job); with ``files=False`` also without the files it names;
 * ``"pretrain"``: ``megaflow pretrain`` (run, parallel and model.spec checks, ``pretrain.init_from``).
 
-Some checks repeat ones the loop makes later (``controller.sde_window`` / ``grpo_settings``; kept there
-as they are, with the same messages; a test holds both to the same verdicts).
+A rule that the run applies again later has one home below the config, which both call: the SDE window
+(megaflow.flow.window), the parallel layout (megaflow.parallel.dims.ParallelDims), the engine placement
+(megaflow.parallel.placement) and the run directory's name (megaflow.config.load.run_dir_of).
 """
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ import re
 from pathlib import Path
 
 from megaflow.config.files import check_pipeline, check_text_file
-from megaflow.config.load import ConfigError
+from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.shapes import CATEGORIES
-from megaflow.placement import launch_layout
+from megaflow.flow.window import check_sde_window
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.placement import launch_layout
 
 # Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
@@ -90,7 +93,6 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
 
 
 def _check_run(cfg: MegaflowConfig) -> None:
-    from megaflow.rundir import run_dir_of
     try:
         run_dir_of(cfg)
     except ValueError as e:
@@ -122,12 +124,12 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
         _, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, int(world), int(local))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    size = p.tp * p.pp * p.cp
-    if trainers % size:
-        what = (f"the {world} launched process(es) (WORLD_SIZE)" if trainers == int(world) else
-                f"the {trainers} trainer rank(s) ({world} launched minus rollout.engine_ranks = {r.engine_ranks})")
-        raise ConfigError(f"parallel.tp * pp * cp = {size} does not divide {what}; launch a multiple of {size} "
-                          "trainer processes")
+    what = (f"the {world} launched process(es) (WORLD_SIZE)" if trainers == int(world) else
+            f"the {trainers} trainer rank(s) ({world} launched minus rollout.engine_ranks = {r.engine_ranks})")
+    try:
+        ParallelDims.of(p).dp_for(trainers, ranks=what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_recompute(cfg: MegaflowConfig) -> None:
@@ -144,13 +146,10 @@ def _positive_int(conf: dict, key: str) -> int | None:
 
 def _check_layout(cfg: MegaflowConfig, heads: int | None, layers: int | None, where: str) -> None:
     """Megatron splits attention heads over TP ranks and blocks evenly over PP (x VPP) stages."""
-    p = cfg.parallel
-    if heads is not None and heads % p.tp:
-        raise ConfigError(f"parallel.tp = {p.tp} does not divide the {heads} attention heads of {where}")
-    stages = p.pp * (p.vpp or 1)
-    if layers is not None and layers % stages:
-        raise ConfigError(f"parallel.pp = {p.pp}{f' x vpp = {p.vpp}' if p.vpp else ''} does not divide the "
-                          f"{layers} blocks of {where}")
+    try:
+        ParallelDims.of(cfg.parallel).check_model(heads, layers, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_pretrain(cfg: MegaflowConfig) -> None:
@@ -196,28 +195,15 @@ def _check_rewards(cfg: MegaflowConfig) -> None:
 
 
 def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
-    """The fixed SDE window (None = all steps, or a window drawn each iteration); the window checks of
-    ``controller.sde_window`` / ``grpo_settings`` with their messages."""
-    r, n = cfg.rollout, cfg.rollout.num_steps
-    if r.sde_window_size == 0:
-        if r.sde_window_range:
-            raise ConfigError(f"rollout.sde_window_range = {r.sde_window_range} needs rollout.sde_window_size > 0")
-        return list(r.sde_window) or None
-    if r.sde_window:
-        raise ConfigError(f"rollout.sde_window = {r.sde_window} and rollout.sde_window_size = {r.sde_window_size}: "
-                          "set one of them (a fixed window or one drawn every iteration)")
-    if r.sde_window_range and len(r.sde_window_range) != 2:
-        raise ConfigError(f"rollout.sde_window_range = {r.sde_window_range}: expected [lo, hi]")
-    lo, hi = r.sde_window_range or (0, n)
-    where = f"rollout.sde_window_size = {r.sde_window_size} / sde_window_range = {[lo, hi]}"
-    if not 0 <= lo < hi <= n:
-        raise ConfigError(f"{where}: the range must satisfy 0 <= lo < hi <= num_steps={n}")
-    if not 1 <= r.sde_window_size <= hi - lo:
-        raise ConfigError(f"{where}: window_size must be in [1, {hi - lo}]")
-    if r.sde_type == "cps" and r.sde_window_size == 1 and hi == n:
-        raise ConfigError("rollout.sde_window_size = 1 with cps can draw the last step alone (deterministic, "
-                          "nothing to train): use a size >= 2 or sde_window_range ending before num_steps")
-    return None
+    """The fixed SDE window (None = all steps, or a window drawn each iteration); the window's rules are
+    megaflow.flow.window's."""
+    r = cfg.rollout
+    try:
+        drawn = check_sde_window(num_steps=r.num_steps, window=r.sde_window, window_size=r.sde_window_size,
+                                 window_range=r.sde_window_range, sde_type=r.sde_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return (list(r.sde_window) or None) if drawn is None else None
 
 
 def _check_rollout(cfg: MegaflowConfig) -> None:

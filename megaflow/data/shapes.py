@@ -20,7 +20,7 @@ composite      2 coloured groups, counts, relation         "two red circles left
 Train and held-out eval prompt sets are a deterministic, seeded split (``split_prompts``): held-out
 prompts are new combinations of words seen in training; the two smallest categories cannot be
 split and are reported apart as seen during training (``SEEN_CATEGORIES``). Rendering lives in ``shape_render``, checking in
-``megaflow.evals.shapes``.
+``megaflow.shapeeval.score``.
 """
 from __future__ import annotations
 

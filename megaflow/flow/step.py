@@ -248,20 +248,3 @@ def config_for_step(config: TransitionConfig, step_index: int,
     if config.kind == "ode" or sde_step_indices is None or step_index in sde_step_indices:
         return config
     return TransitionConfig(kind="ode", noise_level=config.noise_level, no_const=config.no_const)
-
-
-def sample_sde_window(num_steps: int, window_size: int, *, window_range: tuple[int, int] | None = None,
-                      generator: torch.Generator | None = None) -> list[int]:
-    """FlowGRPO-Fast window: ``window_size`` consecutive step indices starting uniformly in
-    ``[lo, hi − window_size]`` of ``window_range = (lo, hi)`` (default ``(0, num_steps)``).
-
-    Same distribution as flow_grpo's ``random.randint(lo, hi - size)`` start; the result is meant for
-    ``rollout_sde_step_indices`` and for selecting the steps to train.
-    """
-    lo, hi = window_range if window_range is not None else (0, num_steps)
-    if not 0 <= lo < hi <= num_steps:
-        raise ValueError(f"window_range {window_range!r} must satisfy 0 <= lo < hi <= num_steps={num_steps}")
-    if not 1 <= window_size <= hi - lo:
-        raise ValueError(f"window_size {window_size!r} must be in [1, {hi - lo}] for window_range ({lo}, {hi})")
-    start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator))
-    return list(range(start, start + window_size))

@@ -1,15 +1,6 @@
-"""Parallel layout and process setup: ParallelDims, init/destroy of torch.distributed + megatron
-parallel_state, and the CPU/gloo adaptation of megatron-core (``megaflow.parallel.cpu``)."""
-from megaflow.parallel.cpu import apply_cpu_shims, remove_cpu_shims
-from megaflow.parallel.sp_norm import SPTorchNorm
-from megaflow.parallel.dims import ParallelDims, current_device, destroy_distributed, init_distributed
+"""The parallel layout and the processes: ``dims`` (ParallelDims: the layout and its rules; standard library),
+``placement`` (which ranks train and which host engines; standard library), ``distributed`` (torch.distributed +
+megatron parallel_state), ``groups`` (megaflow's own process groups on the launch's store) and the CPU / perf
+adaptations of megatron-core (``cpu``, ``perf_patches``, ``patching``, ``sp_norm``).
 
-__all__ = [
-    "ParallelDims",
-    "apply_cpu_shims",
-    "current_device",
-    "destroy_distributed",
-    "init_distributed",
-    "remove_cpu_shims",
-    "SPTorchNorm",
-]
+Importing this package imports nothing: config checks read ``dims`` and ``placement`` without torch."""

@@ -1,23 +1,19 @@
-"""Parallel degrees (TP/PP/CP/SP/VPP, DP derived) and the process-wide distributed setup.
+"""Parallel degrees (TP/PP/CP/SP/VPP, DP derived): ``ParallelDims`` is the one object that knows the layout
+and the one place its rules are checked.
 
-``ParallelDims`` is the one object that knows the layout; ``init_distributed`` turns it into a
-torch.distributed process group plus megatron-core ``parallel_state`` groups and the seeded
-model-parallel RNG tracker. On a machine without a CUDA device it uses gloo and applies the CPU
-shims from ``megaflow.parallel.cpu`` first, so the same code runs on a laptop and on GPUs.
+Standard library only: ``megaflow.config`` checks a config's layout with it before anything heavy is
+imported, ``megaflow plan`` plans with it, and ``megaflow.parallel.distributed.init_distributed`` builds
+the process groups from it. The rules:
 
-Launch (the env is what torchrun sets; a plain ``python`` call is a 1-process world)::
+* every degree is an int >= 1; SP needs TP > 1; VPP (virtual pipeline stages) needs PP > 1;
+* TP * PP * CP divides the trainer ranks (the rest is data parallelism): :meth:`ParallelDims.dp_for`;
+* TP divides the attention heads and PP (x VPP) the transformer blocks: :meth:`ParallelDims.check_model`.
 
-    python -m your_script                         # world 1, gloo on CPU / nccl on GPU
-    torchrun --nproc-per-node 2 -m your_script    # e.g. ParallelDims(tp=2)
+Messages name the ``[parallel]`` config keys, where a user sets the layout.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -39,120 +35,44 @@ class ParallelDims:
         for name in ("tp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelDims.{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"parallel.{name} must be an int >= 1, got {value!r}")
         if self.sp and self.tp == 1:
-            raise ValueError(f"ParallelDims.sp=True requires tp > 1, got tp={self.tp}")
+            raise ValueError(f"parallel.sp = true requires parallel.tp > 1 (got tp = {self.tp})")
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
-                raise ValueError(f"ParallelDims.vpp must be None or an int >= 1, got {self.vpp!r}")
+                raise ValueError(f"parallel.vpp must be None (0 in a config) or an int >= 1, got {self.vpp!r}")
             if self.pp == 1:
-                raise ValueError(f"ParallelDims.vpp={self.vpp} requires pp > 1, got pp={self.pp}")
+                raise ValueError(f"parallel.vpp = {self.vpp} requires parallel.pp > 1")
+
+    @classmethod
+    def of(cls, section) -> ParallelDims:
+        """The layout of a config's ``[parallel]`` section (``vpp`` 0 = off)."""
+        return cls(tp=section.tp, pp=section.pp, cp=section.cp, sp=section.sp, vpp=section.vpp or None)
 
     @property
     def model_parallel_size(self) -> int:
         """Ranks that hold one replica of the model: tp * pp * cp."""
         return self.tp * self.pp * self.cp
 
-    def dp_for(self, world_size: int) -> int:
-        """Data-parallel degree for ``world_size`` ranks; ValueError if it does not divide."""
-        if world_size < 1 or world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world_size={world_size} is not a positive multiple of tp*pp*cp="
-                f"{self.tp}*{self.pp}*{self.cp}={self.model_parallel_size}"
-            )
-        return world_size // self.model_parallel_size
+    @property
+    def num_stages(self) -> int:
+        """Model chunks a block list is split into: pp * vpp."""
+        return self.pp * (self.vpp or 1)
 
+    def dp_for(self, world_size: int, *, ranks: str | None = None) -> int:
+        """Data-parallel degree of ``world_size`` trainer ranks; ValueError when tp * pp * cp does not divide
+        them (``ranks`` says what they are in the message, e.g. "the 3 launched process(es) (WORLD_SIZE)")."""
+        size = self.model_parallel_size
+        if world_size < 1 or world_size % size:
+            raise ValueError(f"parallel.tp * pp * cp = {size} does not divide {ranks or f'world_size={world_size}'}; "
+                             f"launch a multiple of {size} trainer processes")
+        return world_size // size
 
-def select_device(choice: str) -> torch.device:
-    """Apply ``run.device`` to this process and every process it starts (trainer ranks' megatron, SGLang
-    engine workers); returns ``current_device()``. Call it before anything queries CUDA.
-
-    - "auto": CUDA when torch sees a device, else CPU (nothing to change);
-    - "cpu": hide every CUDA device (``CUDA_VISIBLE_DEVICES=""``, inherited by engine workers), so the
-      whole stack takes its CPU path (gloo, CPU shims, CPU engines) even on a GPU machine;
-    - "cuda": ValueError unless torch sees a CUDA device.
-    Everything else asks ``torch.cuda.is_available()`` / ``current_device()``, so this is the one switch.
-    """
-    if choice not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"run.device = {choice!r}: expected auto, cpu or cuda")
-    if choice == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        if torch.cuda.is_available():  # torch counted the devices before the variable was set
-            raise RuntimeError("run.device = cpu: CUDA was initialised in this process before the device was "
-                               "selected; select it first (or launch with CUDA_VISIBLE_DEVICES=)")
-    elif choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device = cuda, but torch sees no CUDA device (use auto or cpu)")
-    return current_device()
-
-
-def current_device() -> torch.device:
-    """The device this rank computes on: ``cuda:<LOCAL_RANK>`` when CUDA is visible, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _init_process_group(backend: str | None, timeout_s: float, trainers: int | None) -> None:
-    """torch.distributed's default group over launch ranks ``0 .. trainers-1`` (None: every launched rank), on
-    the launch's store (megaflow.parallel.groups.launch_store: torchrun's, or an in-memory one for a 1-process
-    run without torchrun env: no port bound, nothing written to os.environ)."""
-    from megaflow.parallel.groups import forget_launch, launch_store
-
-    forget_launch()  # a store cached by an earlier world of this process is stale
-    store, rank, world_size = launch_store(timeout_s)
-    size = world_size if trainers is None else trainers
-    if not 0 <= rank < size:
-        raise ValueError(f"launch rank {rank} is not one of the {size} trainer ranks")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(current_device())
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("megaflow/trainers", store), rank=rank,
-                            world_size=size, timeout=timedelta(seconds=timeout_s))
-
-
-def init_distributed(
-    dims: ParallelDims, *, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0,
-    trainers: int | None = None,
-) -> None:
-    """Initialise torch.distributed (if needed), megatron parallel_state and its RNG tracker.
-
-    backend: None = nccl with CUDA, gloo without. seed: base seed for megatron's model-parallel
-    RNG tracker (``model_parallel_cuda_manual_seed``) and torch's default generator (on CPU the
-    tracker's states live in that same generator). Calling it again, e.g. with other dims, rebuilds
-    parallel_state on the existing process group. ValueError if the world does not fit ``dims``.
-    ``trainers``: the default group (megatron's world) is launch ranks ``0 .. trainers-1`` only (the other
-    launched ranks only sample: rollout.placement = disaggregated); None = every launched rank.
-    """
-    from megaflow.parallel import cpu
-
-    if not torch.cuda.is_available():
-        cpu.apply_cpu_shims()
-    if not dist.is_initialized():
-        _init_process_group(backend, timeout_s, trainers)
-    dims.dp_for(dist.get_world_size())  # validate before megatron asserts
-
-    from megatron.core import parallel_state, tensor_parallel
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=dims.tp,
-        pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp,
-        context_parallel_size=dims.cp,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_distributed() -> None:
-    """Undo ``init_distributed``: megatron parallel_state, then the torch process group."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    from megaflow.parallel.groups import forget_launch
-    forget_launch()
+    def check_model(self, heads: int | None, blocks: int | None, where: str) -> None:
+        """ValueError unless TP divides the ``heads`` attention heads and PP (x VPP) the ``blocks`` transformer
+        blocks of the model ``where`` names (None: not known, not checked)."""
+        if heads is not None and heads % self.tp:
+            raise ValueError(f"parallel.tp = {self.tp} does not divide the {heads} attention heads of {where}")
+        if blocks is not None and blocks % self.num_stages:
+            raise ValueError(f"parallel.pp = {self.pp}{f' x vpp = {self.vpp}' if self.vpp else ''} does not divide "
+                             f"the {blocks} blocks of {where}")

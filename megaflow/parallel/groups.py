@@ -113,14 +113,14 @@ class RunGroups:
 
 
 def run_groups(placement, *, weights: bool, timeout_s: float) -> RunGroups:
-    """This rank's RunGroups for ``placement`` (megaflow.placement.Placement); ``weights``: bridge.mode =
+    """This rank's RunGroups for ``placement`` (megaflow.parallel.placement.Placement); ``weights``: bridge.mode =
     distributed (NCCL when CUDA is visible, else gloo). Every launched rank calls it."""
     import torch
 
-    from megaflow.placement import DRIVER
+    from megaflow.parallel.placement import DRIVER
     everyone = new_group("everyone", range(placement.world_size), timeout_s=timeout_s)
-    control = (new_group("control", (DRIVER, *placement.engine_only), timeout_s=timeout_s)
-               if placement.engine_only else None)
+    control = (new_group("control", (DRIVER, *placement.engine_ranks), timeout_s=timeout_s)
+               if placement.engine_ranks else None)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     wgroup = new_group("weights", (DRIVER, *placement.hosts), timeout_s=timeout_s, backend=backend) if weights else None
     return RunGroups(everyone, control, wgroup)

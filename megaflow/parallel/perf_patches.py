@@ -3,7 +3,7 @@
 Not needed for anything to work: each replaces a slow megatron code path with one that computes
 bit-identical results, and each only touches a path that is a fallback (no apex / Transformer
 Engine) or an identity (a size-1 process group), so layouts that really communicate are
-unchanged. Applied by ``TrainEngine`` on any device (``apply_perf_patches(skip={...})``),
+unchanged. Applied by ``Trainer`` on any device (``apply_perf_patches(skip={...})``),
 individually switchable and removable. tests/parallel/test_perf_patches.py checks, per patch,
 that the slow path it replaces is still megatron's (still needed) and that grads / norms /
 updates are bit-identical with and without it.

@@ -1,7 +1,7 @@
 """``megaflow pretrain``: build, train and save the ShapeEval pipeline.
 
 Phases: (1) text encoders on the grammar (``pretrain.text``), (2) the VAE on renders
-(``pretrain.vae``), (3) the DiT by rectified flow through megatron-core's ``TrainEngine`` (any
+(``pretrain.vae``), (3) the DiT by rectified flow through megatron-core's ``Trainer`` (any
 TP/PP/DP; the SFT loss and the schedule are the trainer's own), with an EMA of the weights, periodic
 held-out evaluation (ODE sampling with the trainer's own forward, VAE decode, ShapeEval checker) and
 an atomic save of the diffusers pipeline (EMA weights) at every evaluation. Everything is seeded.
@@ -73,7 +73,7 @@ def build_pool(cfg: MegaflowConfig, pipe, vae) -> dict:
     """The training pool: ``num_images`` renders of TRAIN prompts (balanced over categories) as
     normalised latents, and every pool prompt's conditioning (prompt embeds, pooled) plus the empty
     prompt's (for prompt dropout)."""
-    from megaflow.data.shape_render import render_prompts
+    from megaflow.shapeeval.render import render_prompts
     from megaflow.pretrain.pipeline import encode_prompts
     from megaflow.pretrain.vae import encode
 
@@ -91,7 +91,7 @@ def build_pool(cfg: MegaflowConfig, pipe, vae) -> dict:
 
 
 def _batch(pool: dict, gen: torch.Generator, batch: int, dropout: float) -> dict:
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
     idx = torch.randint(len(pool["latents"]), (batch,), generator=gen)
     cond = pool["prompt_index"][idx]
     cond = torch.where(torch.rand(batch, generator=gen) < dropout, pool["empty"], cond)
@@ -144,8 +144,8 @@ def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, 
 
 def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
     """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples (the prompt set and
-    scoring of ``megaflow.evals.sample``; the sampler is the trainer's own forward)."""
-    from megaflow.evals.sample import eval_prompts, score
+    scoring of ``megaflow.shapeeval.evaluate``; the sampler is the trainer's own forward)."""
+    from megaflow.shapeeval.evaluate import eval_prompts, score
     from megaflow.pretrain.pipeline import encode_prompts
     from megaflow.pretrain.vae import decode
 
@@ -160,12 +160,13 @@ def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
 
 
 def run(cfg: MegaflowConfig) -> dict:
-    from megaflow.config.to_megatron import transformer_kwargs
+    from megaflow.trainer.settings import transformer_kwargs
     from megaflow.models.registry import get_family
-    from megaflow.parallel import ParallelDims, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import init_distributed
     from megaflow.models.pipeline_meta import META_FILE
     from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline, transformer_config
-    from megaflow.trainer.engine import TrainEngine, adam_config
+    from megaflow.trainer.runner import Trainer, adam_config
 
     torch.set_num_threads(cfg.run.num_threads)
     par, p = cfg.parallel, cfg.pretrain
@@ -197,7 +198,7 @@ def run(cfg: MegaflowConfig) -> dict:
     if dist.get_world_size() > 1:
         dist.barrier()
     mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
-    engine = TrainEngine(mcfg, family="sd3", spec=cfg.model.spec,
+    engine = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
                          optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
     engine.load_diffusers_state_dict(pipe.transformer.state_dict())
     params = [q for m in engine.chunks for q in m.parameters()]

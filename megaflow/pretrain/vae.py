@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megaflow.data.shape_render import render_prompts
+from megaflow.shapeeval.render import render_prompts
 
 SPATIAL_FACTOR = 2
 

@@ -2,13 +2,13 @@
 
 Entry points: ``build_multi_reward(specs)`` (registry keys or ``"pkg.module:callable"``) ->
 ``MultiReward.score(images, prompts, metadata) -> RewardScores``; ``AsyncScorer(reward).submit(...)``
--> Future of the same. Registry: ``REWARDS`` in ``registry.py``.
+-> Future of the same (``RewardScores``: megaflow.rollout.types). Registry: ``REWARDS`` in ``registry.py``.
 """
 from megaflow.rewards.base import Reward, safe_score, to_float, to_pil, to_uint8
 from megaflow.rewards.registry import REWARDS, RewardSpec, build_multi_reward, build_reward
-from megaflow.rewards.scorer import AsyncScorer, MultiReward, RewardScores
+from megaflow.rewards.scorer import AsyncScorer, MultiReward
 
 __all__ = [
-    "REWARDS", "AsyncScorer", "MultiReward", "Reward", "RewardScores", "RewardSpec", "build_multi_reward",
+    "REWARDS", "AsyncScorer", "MultiReward", "Reward", "RewardSpec", "build_multi_reward",
     "build_reward", "safe_score", "to_float", "to_pil", "to_uint8",
 ]

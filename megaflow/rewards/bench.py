@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from megaflow.data.shape_render import CORRUPTIONS, render_prompts
+from megaflow.shapeeval.render import CORRUPTIONS, render_prompts
 from megaflow.data.shapes import sample_prompts
-from megaflow.evals.shapes import evaluate_corruption, evaluate_ground_truth
+from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth
 from megaflow.rewards.registry import REWARDS, build_reward
 
 _KWARGS = {"cifar10": {"target": "ship"}, "color_target": {"target": "red"}}  # prompts name neither

@@ -12,7 +12,6 @@ the GIL, and a thread shares loaded weights (the CIFAR CNN) with no pickling or 
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,46 +20,7 @@ import numpy as np
 import torch
 
 from megaflow.rewards.base import ImageBatch, Reward, safe_score
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardScores:
-    """Scores of one batch; NaN marks a masked sample."""
-
-    total: torch.Tensor  # [B] weighted sum
-    components: dict[str, torch.Tensor]  # label -> [B] raw (unweighted) reward
-    weights: dict[str, float]
-    seconds: dict[str, float]  # label -> wall time of that component on this batch
-
-    @classmethod
-    def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
-        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed."""
-        if not parts:
-            raise ValueError("concat needs at least one RewardScores")
-        labels = list(parts[0].components)
-        return cls(total=torch.cat([p.total for p in parts]),
-                   components={k: torch.cat([p.components[k] for p in parts]) for k in labels},
-                   weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels})
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """Bool [B]: samples every component scored."""
-        return torch.isfinite(self.total)
-
-    def summary(self) -> dict[str, float]:
-        """JSON-able means over valid samples (NaN-free), for logging."""
-        finite = self.total[torch.isfinite(self.total)]
-        out = {"reward/total": _nanmean(self.total), "reward/masked_frac": float((~self.valid).float().mean()),
-               "reward/total_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan")}
-        for label, v in self.components.items():
-            out[f"reward/{label}"] = _nanmean(v)
-            out[f"reward/{label}_seconds"] = self.seconds[label]
-        return out
-
-
-def _nanmean(t: torch.Tensor) -> float:
-    finite = t[torch.isfinite(t)]
-    return float(finite.mean()) if finite.numel() else float("nan")
+from megaflow.rollout.types import RewardScores
 
 
 class MultiReward(Reward):

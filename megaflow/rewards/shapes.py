@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from megaflow.data.shapes import parse_prompt
-from megaflow.evals.shape_checker import score_image
+from megaflow.shapeeval.checker import score_image
 from megaflow.rewards.base import ImageBatch, Reward, to_uint8
 
 

@@ -2,7 +2,7 @@
 
 Importing this package does not import sglang; only the adapter package ``megaflow.rollout.sglang`` does.
 """
-from megaflow.rollout.engine import EngineHealth, RolloutEngine, WeightUpdateResult
+from megaflow.rollout.engine import EngineHealth, RolloutEngine
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
-__all__ = ["EngineHealth", "RolloutEngine", "RolloutRequest", "Trajectory", "WeightUpdateResult"]
+__all__ = ["EngineHealth", "RolloutEngine", "RolloutRequest", "Trajectory"]

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megaflow.rollout.engine import EngineHealth, RolloutEngine, WeightUpdateResult
+from megaflow.bridge.base import WeightUpdateResult
+from megaflow.rollout.engine import EngineHealth, RolloutEngine
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 __all__ = ["Balancer", "EngineStats"]

@@ -28,7 +28,8 @@ import torch
 from megaflow.bridge.target import ModuleTarget
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, config_for_step, sigma_max_of, step
-from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
+from megaflow.bridge.base import WeightUpdateResult
+from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 __all__ = ["DiffusersEngine", "DiffusersEngineConfig", "weights_checksum"]
@@ -159,11 +160,11 @@ class DiffusersEngine:
 
         With a prompt length (the request's ``max_sequence_length``, else the pipeline's declared one) every
         text encoder, CLIP included, gets prompts padded to it, as SGLang encodes such a request
-        (``megaflow.pretrain.pipeline.encode_prompts``); otherwise diffusers' ``encode_prompt``."""
+        (``megaflow.models.sd3.text.encode_prompts``); otherwise diffusers' ``encode_prompt``."""
         r0 = requests[0]
         seq_len = r0.max_sequence_length or self.text_len
         if seq_len:
-            from megaflow.pretrain.pipeline import encode_prompts
+            from megaflow.models.sd3.text import encode_prompts
             pe, ppe = encode_prompts(self.pipe, [r.prompt for r in requests], max_sequence_length=seq_len)
             cond = {"encoder_hidden_states": pe, "pooled_projections": ppe}
             if r0.do_cfg:

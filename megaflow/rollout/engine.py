@@ -1,4 +1,4 @@
-"""The rollout engine protocol: the one interface the controller, balancer and bridge talk to.
+"""The rollout engine protocol: the one interface the loop, balancer and bridge talk to.
 
 An engine samples trajectories (``generate``), takes new DiT weights (``update_weights`` with
 tensors, ``update_weights_from_disk`` with a diffusers-format directory), reports a weight
@@ -17,19 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from megaflow.bridge.base import WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory
-
-
-@dataclass(kw_only=True)
-class WeightUpdateResult:
-    """Outcome of one weight update."""
-
-    ok: bool
-    """The engine accepted every tensor (an engine must not report ok for names it skipped)."""
-    num_tensors: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    message: str = ""
 
 
 @dataclass(kw_only=True)

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.parallel.groups import as_group
-from megaflow.rewards.scorer import RewardScores
-from megaflow.rollout.types import RolloutRequest, Trajectory
+from megaflow.rollout.types import RewardScores, RolloutRequest, Trajectory
 
 _TRAJ, _COMPONENT = "traj.", "reward.component."
 

@@ -23,10 +23,10 @@ from concurrent.futures import as_completed
 import torch
 
 from megaflow.parallel.groups import as_group
-from megaflow.placement import Placement
-from megaflow.rewards.scorer import RewardScores
+from megaflow.parallel.placement import Placement
 from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
-from megaflow.rollout.types import RolloutRequest, Trajectory
+from megaflow.rollout.types import RewardScores, RolloutRequest, Trajectory
+from megaflow.seeds import HOST_PLAN, iteration_seed
 
 
 def plan_groups(requests: Sequence[RolloutRequest], hosts: Sequence[int], engines_per_host: int,
@@ -66,7 +66,7 @@ def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
-    disaggregated run, ``commands`` (megaflow.rollout.dedicated.Commands) reach the engine-only ranks."""
+    disaggregated run, ``commands`` (megaflow.rollout.engine_ranks.Commands) reach the engine-only ranks."""
 
     def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
                  commands=None):
@@ -74,14 +74,6 @@ class HostedRollout:
             raise ValueError(f"rank {placement.rank}: is_host={placement.is_host} but {len(engines)} engine(s)")
         self.placement, self.engines, self.local, self.scorer = placement, list(engines), local, scorer
         self.group, self.seed, self.commands = as_group(group), seed, commands
-
-    @property
-    def sampler(self):
-        """What the driver samples evaluation images with: its own engines, or the engine-only ranks'."""
-        if self.local is None and self.commands is not None:
-            from megaflow.rollout.dedicated import RemoteEngines
-            return RemoteEngines(self.commands, self.placement.engine_only)
-        return self.local
 
     def release(self, interrupted: tuple | None = None) -> None:
         """The run is over, or ``interrupted`` (the Interrupted arguments: signal, iteration, checkpoint) and
@@ -99,7 +91,7 @@ class HostedRollout:
         t0 = time.perf_counter()
         if self.commands is not None:
             self.commands.send("collect", requests=list(requests), iteration=iteration)
-        plan = plan_groups(requests, p.hosts, p.engines_per_host, self.seed * 1_000_003 + iteration * 10_007 + 3)
+        plan = plan_groups(requests, p.hosts, p.engines_per_host, iteration_seed(self.seed, iteration, HOST_PLAN))
         mine = [r for r, h in zip(requests, plan) if h == p.rank]
         share, timings = None, {}
         if mine:

@@ -1,15 +1,17 @@
-"""Rollout data types: what is asked of an engine and what comes back.
+"""Rollout data types: what is asked of an engine, what comes back, and the rewards of what came back.
 
 ``RolloutRequest`` is one prompt with a group of ``num_outputs`` samples (the FlowGRPO group, all with
 the same prompt and sampling settings, one seed each). ``Trajectory`` is one sample: everything the
 trainer needs to recompute log p_theta(x_{t+1} | x_t) at every step (latents, sigmas, the engine's
 log-probs, the per-step SDE mask, the conditioning kwargs of the DiT) plus the decoded image for the
-reward. Tensors are on CPU. Conventions follow FACTS §4: sigma 1 = noise, 0 = data, ``sigmas`` has
+reward. ``RewardScores`` are the rewards of a batch of samples (megaflow.rewards computes them; the rollout
+moves them between hosts with the samples). Tensors are on CPU. Conventions follow FACTS §4: sigma 1 = noise, 0 = data, ``sigmas`` has
 T+1 entries ending in 0, ``latents[0]`` is the initial noise and ``latents[T]`` the final sample.
 """
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -145,3 +147,43 @@ class Trajectory:
     @property
     def num_steps(self) -> int:
         return int(self.log_probs.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardScores:
+    """Scores of one batch; NaN marks a masked sample."""
+
+    total: torch.Tensor  # [B] weighted sum
+    components: dict[str, torch.Tensor]  # label -> [B] raw (unweighted) reward
+    weights: dict[str, float]
+    seconds: dict[str, float]  # label -> wall time of that component on this batch
+
+    @classmethod
+    def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
+        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed."""
+        if not parts:
+            raise ValueError("concat needs at least one RewardScores")
+        labels = list(parts[0].components)
+        return cls(total=torch.cat([p.total for p in parts]),
+                   components={k: torch.cat([p.components[k] for p in parts]) for k in labels},
+                   weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels})
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Bool [B]: samples every component scored."""
+        return torch.isfinite(self.total)
+
+    def summary(self) -> dict[str, float]:
+        """JSON-able means over valid samples (NaN-free), for logging."""
+        finite = self.total[torch.isfinite(self.total)]
+        out = {"reward/total": _nanmean(self.total), "reward/masked_frac": float((~self.valid).float().mean()),
+               "reward/total_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan")}
+        for label, v in self.components.items():
+            out[f"reward/{label}"] = _nanmean(v)
+            out[f"reward/{label}_seconds"] = self.seconds[label]
+        return out
+
+
+def _nanmean(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return float(finite.mean()) if finite.numel() else float("nan")

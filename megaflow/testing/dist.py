@@ -4,7 +4,7 @@ Used by multi-rank tests and small checks: ``run_multiprocess(fn, 2, x)`` starts
 the environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
 MASTER_PORT=<free port>, OMP_NUM_THREADS=1), calls ``fn(*args)`` in each and returns the results in
 rank order. ``fn`` must be a module-level (picklable) function; it normally starts with
-``megaflow.parallel.init_distributed(...)``. A launch costs seconds (mostly importing torch and
+``megaflow.parallel.distributed.init_distributed(...)``. A launch costs seconds (mostly importing torch and
 megatron), so put several checks into one function rather than launching once per check.
 
 Failure handling:

@@ -1,2 +1,3 @@
-"""megatron-core trainer: ``engine`` (model, optimizer, steps, full-weight streaming) and
-``checkpoint`` (dist-checkpoint save / load with TP/PP resharding)."""
+"""The megatron-core trainer: ``runner`` (``Trainer``, ``ReferenceModel``: model, optimizer, steps, full-weight
+streaming), ``grpo`` (one FlowGRPO update over a rollout batch), ``settings`` (the one mapping from megaflow's
+config to megatron's) and ``checkpoint`` (dist-checkpoint save / load with TP/PP resharding)."""

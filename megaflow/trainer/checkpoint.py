@@ -21,6 +21,8 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
+from megaflow.parallel.distributed import barrier, rank
+
 META_FILE = "megaflow_model.json"
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
 # across DP only (resume at the same TP/PP). "fully_reshardable" (any layout) calls .cuda() in
@@ -42,19 +44,10 @@ def _agree_on_tmp_dir(dst: Path) -> Path:
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(name, src=0)
     tmp = dst.parent / name[0]
-    if _rank() == 0:
+    if rank() == 0:
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     return tmp
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def write_meta(directory: Path, *, family: str, diffusers_config: dict) -> None:
@@ -113,11 +106,11 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
         _init_adam_state(optimizer)  # an optimizer that never stepped (every update skipped) has no state yet
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, str(tmp))
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank() == 0:
         write_meta(tmp, family=family, diffusers_config=diffusers_config)
         publish(tmp, dst)
-    _barrier()
+    barrier()
     return dst
 
 
@@ -200,8 +193,9 @@ def save_from_diffusers(diffusers_dir: str, tmp_dir: str, dims_kwargs: dict, fam
     requested layout, load the diffusers weights, and save into the agreed ``tmp_dir``."""
     from megaflow.models.provider import build_model_chunks
     from megaflow.models.registry import get_family
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
-    from megaflow.trainer.engine import load_checked
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
+    from megaflow.trainer.runner import load_checked
 
     dims = ParallelDims(**dims_kwargs)
     init_distributed(dims)

@@ -1,4 +1,4 @@
-"""TrainEngine's fast paths: the same work done cheaper, with bit-identical grads and updates
+"""Trainer's fast paths: the same work done cheaper, with bit-identical grads and updates
 (tests/trainer/test_fast_paths.py).
 
 The ``single_rank_*`` ones apply only when this process is the whole job (world size 1), where
@@ -17,7 +17,7 @@ from megaflow.parallel.perf_patches import PERF_PATCHES
 
 @dataclass(frozen=True, kw_only=True)
 class FastPaths:
-    """Which shortcuts TrainEngine takes (each individually switchable; all on by default)."""
+    """Which shortcuts Trainer takes (each individually switchable; all on by default)."""
 
     single_rank_grads: bool = True
     """Grads stay where autograd accumulates them (``SingleRankDDP``): no per-parameter Python hook
@@ -86,7 +86,7 @@ class SingleRankDDP(DistributedDataParallel):
     that one keeps megatron's hook and the buffer is zeroed as usual. Backward must pass through
     this module's output (any loss of it does); as with megatron's DDP, ``main_grad`` is the grad
     only after backward (writing into it before backward is not supported). Use only where
-    ``_grads_can_bypass_buffer`` holds (TrainEngine checks)."""
+    ``_grads_can_bypass_buffer`` holds (Trainer checks)."""
 
     def __init__(self, config, ddp_config, module, **kwargs):
         if ddp_config.overlap_grad_reduce or ddp_config.use_distributed_optimizer:

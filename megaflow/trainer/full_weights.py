@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import torch
 from megatron.core import parallel_state as ps
 
-from megaflow.parallel import current_device
+from megaflow.parallel.distributed import current_device
 
 
 def load_checked(chunk: torch.nn.Module, local_sd: dict[str, torch.Tensor]) -> None:
@@ -33,17 +33,17 @@ def _owner_table(wm, config) -> dict:
     return {"first": (0, 0), "last": (pp - 1, len(stages) - 1), **owners}
 
 
-def iter_full(engine, local_tensors: Callable[[torch.nn.Module], dict], *, include_buffers: bool = True,
+def iter_full(runner, local_tensors: Callable[[torch.nn.Module], dict], *, include_buffers: bool = True,
               weight_map=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Shared gather loop of ``ModelEngine.iter_full_params`` / ``TrainEngine.iter_full_grads`` (see there):
-    ``engine`` has ``family``, ``config`` and ``chunks``; ``local_tensors(chunk)`` names the tensors to gather;
+    """Shared gather loop of ``ModelRunner.iter_full_params`` / ``Trainer.iter_full_grads`` (see there):
+    ``runner`` has ``family``, ``config`` and ``chunks``; ``local_tensors(chunk)`` names the tensors to gather;
     ``weight_map``: the table of tensors to gather (default the family's; the LoRA adapters have their own)."""
-    wm, cfg = weight_map or engine.family.weight_map, engine.config
+    wm, cfg = weight_map or runner.family.weight_map, runner.config
     owners = _owner_table(wm, cfg)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     pp_group, pp_size = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
-    chunks = engine.chunks
+    chunks = runner.chunks
     tables = [local_tensors(c) for c in chunks]
     for m in wm.param_maps(cfg):
         if m.buffer and not include_buffers:

@@ -2,7 +2,7 @@
 
 Each trained item is one denoising step of one kept sample: the trainer recomputes
 log p_theta(x_{t+1} | x_t) with its own velocity (the engine's log-prob depends only on the noise
-and the sigma grid, FACTS §3, so it cannot stand in for the policy's) and applies the FlowGRPO
+and the sigma grid, so it cannot stand in for the policy's) and applies the FlowGRPO
 objective (megaflow.algo.loss). ``grpo_update`` runs flow_grpo's inner loop over one rollout batch
 (``num_inner_epochs`` x ``num_minibatches`` optimizer steps, megaflow.trainer.grpo_batches);
 ``grpo_train_step`` is one optimizer step, accumulated over microbatches through megatron's schedule.
@@ -46,7 +46,7 @@ from megatron.core import parallel_state as ps
 
 from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
 from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
-from megaflow.parallel.dims import current_device
+from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo_batches import (
     Conditioning,
@@ -79,17 +79,17 @@ class GRPOSettings:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def batch_conditioning(engine) -> Conditioning:
-    """The microbatch conditioning of ``engine``'s model family, bound to its model config."""
-    return partial(engine.family.batch_conditioning, engine.config)
+def batch_conditioning(trainer) -> Conditioning:
+    """The microbatch conditioning of ``trainer``'s model family, bound to its model config."""
+    return partial(trainer.family.batch_conditioning, trainer.config)
 
 
-def build_microbatches(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
+def build_microbatches(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                        steps: Sequence[int], micro_batch_size: int, device: torch.device) -> list[dict]:
-    """This DP rank's microbatches of ONE optimizer step over every kept (sample, step) item for ``engine``."""
+    """This DP rank's microbatches of ONE optimizer step over every kept (sample, step) item for ``trainer``."""
     (items,) = plan_updates(_kept(keep), steps) or [[]]
     return microbatches_for(trajs, advantages, items, micro_batch_size, device,
-                            conditioning=batch_conditioning(engine))
+                            conditioning=batch_conditioning(trainer))
 
 
 def _kept(keep: torch.Tensor) -> list[int]:
@@ -103,9 +103,9 @@ def _velocity_mean(mb: dict, velocity: torch.Tensor, transition: TransitionConfi
     return mean
 
 
-def attach_reference(ref_engine, microbatches: list[dict], transition: TransitionConfig) -> None:
+def attach_reference(reference, microbatches: list[dict], transition: TransitionConfig) -> None:
     """Add ``ref_mean`` (the frozen reference policy's step mean) to every microbatch (for the KL)."""
-    velocities = ref_engine.forward_backward(microbatches, None, forward_only=True)
+    velocities = reference.forward_backward(microbatches, None, forward_only=True)
     for mb, v in zip(microbatches, velocities):  # empty on non-last pipeline stages (no loss there)
         mb["ref_mean"] = _velocity_mean(mb, v, transition).detach()
 
@@ -150,27 +150,27 @@ def _global_real_count(microbatches: list[dict]) -> int:
     return int(count.item())
 
 
-def grpo_train_step(engine, microbatches: list[dict], settings: GRPOSettings, ref_engine=None, *,
+def grpo_train_step(trainer, microbatches: list[dict], settings: GRPOSettings, reference=None, *,
                     num_items: int | None = None) -> dict:
     """One optimizer step over ``microbatches`` (this DP rank's; equal count on every rank).
 
     ``num_items``: the global count of real items of this step (every rank must pass the same);
     None = count them (one all-reduce over the DP group). Returns stats (on every rank): item-weighted
     means over this rank's real items, grad_norm, update_ok, num_microbatches, num_items."""
-    if getattr(engine.config, "calculate_per_token_loss", False):
+    if getattr(trainer.config, "calculate_per_token_loss", False):
         raise ValueError("the GRPO step normalises by the global item count itself and needs megatron's "
                          "calculate_per_token_loss=False")
     if settings.loss.kl_beta > 0:
-        if ref_engine is None:
+        if reference is None:
             raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
-        attach_reference(ref_engine, microbatches, settings.transition)
+        attach_reference(reference, microbatches, settings.transition)
     n = _global_real_count(microbatches) if num_items is None else int(num_items)
     if n < 1:
         raise ValueError(f"num_items must be >= 1 (real items in this step), got {n}")
     normalizer = n / (len(microbatches) * ps.get_data_parallel_world_size())
-    engine.optimizer.zero_grad()
-    results = engine.forward_backward(microbatches, partial(grpo_loss, settings=settings, normalizer=normalizer))
-    update_ok, grad_norm, _ = engine.optimizer.step()
+    trainer.optimizer.zero_grad()
+    results = trainer.forward_backward(microbatches, partial(grpo_loss, settings=settings, normalizer=normalizer))
+    update_ok, grad_norm, _ = trainer.optimizer.step()
     stats: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                                "update_ok": float(bool(update_ok)), "num_microbatches": float(len(microbatches)),
                                "num_items": float(n)}
@@ -196,12 +196,12 @@ def _aggregate(results: list[dict]) -> dict[str, float]:
     return out
 
 
-def _pre_update_log_probs(engine, trajs, advantages, items, settings: GRPOSettings, device) -> dict:
+def _pre_update_log_probs(trainer, trajs, advantages, items, settings: GRPOSettings, device) -> dict:
     """The trainer's log-prob of every item under the current weights (before any update), on every DP
     rank of the last pipeline stage ({} elsewhere): the old policy of mismatch correction."""
     mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device,
-                           conditioning=batch_conditioning(engine))
-    velocities = engine.forward_backward(mbs, None, forward_only=True)
+                           conditioning=batch_conditioning(trainer))
+    velocities = trainer.forward_backward(mbs, None, forward_only=True)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     log_probs = []
     for mb, v in zip(mbs, velocities):  # this rank's items in order, padding at the end
@@ -215,8 +215,8 @@ def _pre_update_log_probs(engine, trajs, advantages, items, settings: GRPOSettin
     return mine
 
 
-def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
-                steps: Sequence[int], settings: GRPOSettings, ref_engine=None, *, seed: int = 0,
+def grpo_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
+                steps: Sequence[int], settings: GRPOSettings, reference=None, *, seed: int = 0,
                 device: torch.device | None = None) -> dict:
     """flow_grpo's training phase for one rollout batch: every optimizer step of
     ``plan_updates(kept samples, steps, num_inner_epochs, num_minibatches, seed)``.
@@ -233,14 +233,14 @@ def grpo_update(engine, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     mismatch, is_stats = None, {}
     if settings.mismatch is not None and (len(plan) > 1 or settings.mismatch.mismatch_level != "step"):
         every_item = sorted({it for items in plan for it in items})
-        old = _pre_update_log_probs(engine, trajs, advantages, every_item, settings, device)
+        old = _pre_update_log_probs(trainer, trajs, advantages, every_item, settings, device)
         if old:  # {} off the last pipeline stage, where no loss runs
             mismatch, is_stats = _item_mismatch_weights(old, trajs, every_item, settings.mismatch)
     per_step = []
     for items in plan:
         mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device, mismatch=mismatch,
-                               conditioning=batch_conditioning(engine))
-        per_step.append(grpo_train_step(engine, mbs, settings, ref_engine, num_items=len(items)))
+                               conditioning=batch_conditioning(trainer))
+        per_step.append(grpo_train_step(trainer, mbs, settings, reference, num_items=len(items)))
     return {**_combine_steps(per_step), **_share_from_last_stage(is_stats)}
 
 

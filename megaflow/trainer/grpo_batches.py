@@ -79,7 +79,7 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
                 real: Sequence[bool], device: torch.device,
                 mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
                 conditioning: Conditioning) -> dict:
-    """One microbatch (TrainEngine protocol + GRPO keys) of ``items``; see the module doc for the
+    """One microbatch (Trainer protocol + GRPO keys) of ``items``; see the module doc for the
     conditioning and CFG.
     ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
     (megaflow.trainer.grpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""

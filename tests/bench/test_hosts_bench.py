@@ -1,5 +1,5 @@
 """``megaflow.bench.hosts.summarize`` on hand-written metrics rows. Needs: CPU, 1 process, < 1 s.
-(The launches themselves are what tests/test_launch_multinode.py runs.)"""
+(The launches themselves are what tests/run/test_launch_multinode.py runs.)"""
 import pytest
 
 from megaflow.bench.hosts import summarize

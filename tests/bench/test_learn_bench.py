@@ -8,7 +8,7 @@ The engine test checks the baseline side's rollouts condition on what SGLang's d
 ``max_sequence_length`` for every text encoder).
 
 Tolerances (relative L2 over all parameter grads of one optimizer step):
-- plain step (diffusers DiT, chunks of 5: 5+5+5+3) vs megaflow's trainer (megatron TrainEngine, same
+- plain step (diffusers DiT, chunks of 5: 5+5+5+3) vs megaflow's trainer (megatron Trainer, same
   weights, ``grpo_update`` with microbatches 16+2): <= 1e-5, CFG-free and with CFG 4.5;
 - plain step vs the flow_grpo transcription of grpo_workers (same diffusers forward): <= 2e-6.
 """
@@ -47,7 +47,8 @@ def _params(d: dict) -> dict:
 
 def megatron_grads_rank(guidances: list[float]) -> dict:
     """megaflow's trainer: one ``grpo_update`` (SGD, no clip) per guidance; grads in diffusers names."""
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.trainer.grpo import grpo_update
 
     init_distributed(ParallelDims(), seed=0)

@@ -1,5 +1,5 @@
 """Rank function for tests/bridge/test_bf16.py: a bf16 megatron trainer (fp32 main params in the optimizer)
-syncing into a bf16 SGLang engine with verification, built through megaflow.runtime from a config.
+syncing into a bf16 SGLang engine with verification, built through megaflow.run.build from a config.
 
 Module-level functions only: pickled by reference into the rank.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 
 def bf16_sync_rank(pipeline_dir: str) -> dict:
@@ -17,21 +18,21 @@ def bf16_sync_rank(pipeline_dir: str) -> dict:
     dtypes of the trainer's params, optimizer main params and the engine's DiT tensors."""
     from pathlib import Path
 
-    from megaflow import runtime
+    from megaflow.run.build import build_bridge, build_engines, build_trainer
     from megaflow.bridge.convert import engine_named_params
     from megaflow.config import load_config
     from megaflow.config.preflight import preflight
     from megaflow.models.sd3 import tiny
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
 
     cfg = preflight(load_config(None, ["model.dtype=bfloat16", "rollout.precision=bf16", "bridge.verify=true",
                                        "algo.kl_beta=0.04"]), "show")
     init_distributed(ParallelDims(), seed=0)
-    trainer, ref = runtime.build_trainer(cfg, Path(pipeline_dir))
-    engines = runtime.build_engines(cfg, Path(pipeline_dir))
+    trainer, ref = build_trainer(cfg, Path(pipeline_dir))
+    engines = build_engines(cfg, Path(pipeline_dir))
     out = {}
     try:
-        bridge = runtime.build_bridge(cfg, engines, Path(pipeline_dir).parent, Path(pipeline_dir))
+        bridge = build_bridge(cfg, engines, Path(pipeline_dir).parent, Path(pipeline_dir))
         first = bridge.push(engine_named_params(trainer))
         dcfg = {k: v for k, v in trainer.family.config_to_diffusers(trainer.config).items() if not k.startswith("_")}
         b = tiny.sft_batches(dcfg, num_microbatches=1, batch=2, context_len=8, latent_size=8)[0]

@@ -25,13 +25,14 @@ def _trainer(pipeline):
 
     from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.parallel import ParallelDims, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import init_distributed
     from megaflow.trainer.checkpoint import read_diffusers_weights
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
     init_distributed(ParallelDims(), seed=0)
     dconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
-    trainer = TrainEngine(from_diffusers(dconfig), spec="local", lora=LoRASettings(rank=RANK, alpha=ALPHA))
+    trainer = Trainer(from_diffusers(dconfig), spec="local", lora=LoRASettings(rank=RANK, alpha=ALPHA))
     trainer.load_diffusers_state_dict(read_diffusers_weights(pipeline / "transformer"))
     return trainer
 
@@ -49,7 +50,7 @@ def _engine_vs_trainer(engine, trainer) -> float:
 
 def test_lora_sync_merges_and_replaces_adapters(tiny_sd3_dir):
     from megaflow.bridge.lora import LoRABridge, sync_stream
-    from megaflow.parallel import destroy_distributed
+    from megaflow.parallel.distributed import destroy_distributed
 
     torch.set_num_threads(1)
     trainer = _trainer(tiny_sd3_dir)

@@ -147,7 +147,7 @@ WINDOWS = [
 
 @pytest.mark.parametrize("overrides, needle", WINDOWS)
 def test_window_checks_agree_with_the_controller(overrides, needle):
-    from megaflow.controller import grpo_settings
+    from megaflow.run.flowgrpo import grpo_settings
 
     cfg = load_config(None, overrides)
     if needle is None:

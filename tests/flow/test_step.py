@@ -13,7 +13,6 @@ from megaflow.flow.step import (
     TransitionConfig,
     config_for_step,
     gaussian_log_prob,
-    sample_sde_window,
     sde_step_mask,
     sigma_max_of,
     step,
@@ -178,16 +177,6 @@ def test_sde_step_mask_and_effective_config():
     assert config_for_step(cfg, 1, [1, 2]) is cfg
     assert config_for_step(cfg, 0, [1, 2]).kind == "ode"
     assert config_for_step(cfg, 3, None) is cfg
-
-
-def test_sample_sde_window_covers_range_uniformly():
-    g = torch.Generator().manual_seed(0)
-    starts = [sample_sde_window(10, 2, window_range=(0, 5), generator=g)[0] for _ in range(400)]
-    assert set(starts) == {0, 1, 2, 3}
-    w = sample_sde_window(10, 3, generator=g)
-    assert w == list(range(w[0], w[0] + 3)) and 0 <= w[0] <= 7
-    with pytest.raises(ValueError):
-        sample_sde_window(10, 6, window_range=(0, 5))
 
 
 @pytest.mark.parametrize("kwargs", [dict(kind="euler"), dict(noise_level=-0.1), dict(noise_level=0.0),

@@ -12,7 +12,8 @@ from typing import Callable
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 # Tolerances (abs) of every parity test: velocity and loss vs diffusers, full grads vs the TP=1
 # megatron run (grads are O(0.1-1)), TP=1 grads vs diffusers grads.
@@ -21,9 +22,9 @@ OUT_TOL, GRAD_TOL, GRAD_VS_DIFFUSERS_TOL = 1e-5, 1e-6, 1e-5
 
 def build_engine(family: str, dcfg: dict, layout: dict, *, seed: int = 1234, engine_class=None, **engine_kwargs):
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec", default
-    "local") and a TrainEngine (or ``engine_class``) of ``family`` for diffusers config ``dcfg``."""
+    "local") and a Trainer (or ``engine_class``) of ``family`` for diffusers config ``dcfg``."""
     from megaflow.models.registry import get_family
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
     layout = dict(layout)
     spec = layout.pop("spec", "local")
@@ -33,7 +34,7 @@ def build_engine(family: str, dcfg: dict, layout: dict, *, seed: int = 1234, eng
         dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp, sequence_parallel=dims.sp,
     )
-    return (engine_class or TrainEngine)(cfg, family=family, spec=spec, **engine_kwargs)
+    return (engine_class or Trainer)(cfg, family=family, spec=spec, **engine_kwargs)
 
 
 def max_abs(a: dict, b: dict) -> float:

@@ -5,14 +5,14 @@ TP=1 megatron run (grads). The family-independent parts are in common_workers.py
 Module-level functions only: they are pickled by reference into the ranks. The ranks never import
 diffusers (slow); the parent computes the diffusers reference and passes it in a file.
 
-TrainEngine builds FLUX's forward inputs through the family (``model_inputs`` /
+Trainer builds FLUX's forward inputs through the family (``model_inputs`` /
 ``microbatch_seq_length`` in megaflow.models.flux.model).
 """
 from __future__ import annotations
 
 import megaflow  # noqa: F401  (import guards before megatron)
 
-from megaflow.trainer.engine import TrainEngine
+from megaflow.trainer.runner import Trainer
 
 import common_workers
 
@@ -26,7 +26,7 @@ def megatron_core_attention_spec(*, config, pp_rank, vp_stage):
     return get_flux_layer_spec("local", core_attention=DotProductAttention)
 
 
-def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> TrainEngine:
+def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> Trainer:
     """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and an engine."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -36,7 +36,7 @@ def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234) -> TrainEngine:
 
 def microbatches(batches: list[dict]) -> list[dict]:
     """Trainer microbatches (x_t, sigma, target, conditioning, ids, guidance) from tiny.sft_batches."""
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
 
     out = []
     for b in batches:
@@ -49,7 +49,7 @@ def microbatches(batches: list[dict]) -> list[dict]:
 
 def _run_layout(case: dict, layout: dict) -> tuple[dict, dict]:
     """One layout: velocities (forward only), SFT loss and full grads; (report entry, full grads)."""
-    from megaflow.trainer.engine import rectified_flow_loss
+    from megaflow.trainer.runner import rectified_flow_loss
 
     eng = build_engine(case["dcfg"], layout)
     eng.load_diffusers_state_dict(case["state"])

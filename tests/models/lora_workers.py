@@ -4,7 +4,8 @@ from __future__ import annotations
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 PEFT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
@@ -48,13 +49,13 @@ def peft_sft_reference(model, batches) -> tuple[float, dict[str, torch.Tensor]]:
 def lora_engine(dcfg: dict, dims: ParallelDims, *, optimizer: bool = True):
     from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.trainer.engine import TrainEngine, adam_config
+    from megaflow.trainer.runner import Trainer, adam_config
 
     init_distributed(dims, seed=1234)
     cfg = from_diffusers(dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                          sequence_parallel=dims.sp)
     opt = adam_config(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True) if optimizer else None
-    return TrainEngine(cfg, spec="local", optimizer_config=opt, lora=LoRASettings(rank=RANK, alpha=ALPHA))
+    return Trainer(cfg, spec="local", optimizer_config=opt, lora=LoRASettings(rank=RANK, alpha=ALPHA))
 
 
 def adapter_grads(eng) -> dict[str, torch.Tensor]:
@@ -70,7 +71,7 @@ def adapter_grads(eng) -> dict[str, torch.Tensor]:
 def parity_rank(case_path: str) -> dict:
     """For each layout (TP=2, TP=2+SP, PP=2): base + PEFT adapters loaded, SFT forward/backward; the loss and
     the adapter grads; then whether the frozen base got grads or optimizer slots."""
-    from megaflow.trainer.engine import rectified_flow_loss, rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_loss, rectified_flow_microbatch
     case = torch.load(case_path, weights_only=False)
     mbs = [rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],
                                      b["pooled_projections"]) for b in case["batches"]]

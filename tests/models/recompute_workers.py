@@ -9,7 +9,8 @@ from __future__ import annotations
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 RECOMPUTE = {
     "none": {},
@@ -22,19 +23,19 @@ def _engine(family: str, dcfg: dict, layout: dict, recompute: str):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megaflow.models.registry import get_family
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
     dims = ParallelDims(**layout)
     init_distributed(dims, seed=1234)
     cfg = get_family(family).config_from_diffusers(
         dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         sequence_parallel=dims.sp, **RECOMPUTE[recompute])
-    return TrainEngine(cfg, family=family, spec="local",
+    return Trainer(cfg, family=family, spec="local",
                        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
 
 
 def _microbatches(batches: list[dict]) -> list[dict]:
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
 
     out = []
     for b in batches:
@@ -46,7 +47,7 @@ def _microbatches(batches: list[dict]) -> list[dict]:
 
 
 def _grads(case: dict, layout: dict, recompute: str) -> tuple[list[float], dict]:
-    from megaflow.trainer.engine import rectified_flow_loss
+    from megaflow.trainer.runner import rectified_flow_loss
 
     eng = _engine(case["family"], case["dcfg"], layout, recompute)
     eng.load_diffusers_state_dict(case["state"])
@@ -79,7 +80,7 @@ def memory_rank(case_path: str) -> dict:
     measurement does not drift), the model's parameter bytes, and the largest grad difference between
     the runs with and without recompute (one process: the single-rank DDP fast path)."""
     from megaflow.testing.memory import malloc_returns_memory, peak_rss, saved_tensor_bytes
-    from megaflow.trainer.engine import rectified_flow_loss
+    from megaflow.trainer.runner import rectified_flow_loss
 
     malloc_returns_memory()
     case = torch.load(case_path, weights_only=False)

@@ -29,13 +29,13 @@ def whole_model_provider(*, config, pp_rank, vp_stage):
 
 
 def build_engine(dcfg: dict, layout: dict, *, seed: int = 1234, optimizer_config=None, ddp_config=None):
-    """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and a TrainEngine."""
+    """init_distributed for ``layout`` (ParallelDims kwargs, plus optional "spec") and a Trainer."""
     return common_workers.build_engine("sd3", dcfg, layout, seed=seed, optimizer_config=optimizer_config,
                                        ddp_config=ddp_config)
 
 
 def microbatches(batches: list[dict]) -> list[dict]:
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
 
     return [rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],
                                       b["pooled_projections"]) for b in batches]
@@ -45,7 +45,7 @@ def _run_layout(case: dict, layout: dict) -> tuple[dict, dict]:
     """One layout: velocity on microbatch 0, SFT loss and full grads; (report entry, full grads)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megaflow.trainer.engine import rectified_flow_loss
+    from megaflow.trainer.runner import rectified_flow_loss
 
     eng = build_engine(case["dcfg"], layout, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     eng.load_diffusers_state_dict(case["state"])

@@ -14,7 +14,8 @@ import torch
 import lora_workers
 from megaflow.models.common.tiny import noised
 from megaflow.models.sd3 import tiny
-from megaflow.parallel import ParallelDims, destroy_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed
 from megaflow.testing.dist import run_multiprocess
 
 DCFG = tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0,))
@@ -25,7 +26,7 @@ def _velocity(eng, b):
 
 
 def test_lora_forward_matches_peft_and_base_is_exact():
-    from megaflow.trainer.engine import BaseReference, TrainEngine
+    from megaflow.trainer.runner import BaseReference, Trainer
     torch.set_num_threads(1)
     model, base, adapters = lora_workers.peft_model(DCFG)
     b = tiny.sft_batches(DCFG, num_microbatches=1, batch=2, context_len=6, seed=2)[0]
@@ -39,7 +40,7 @@ def test_lora_forward_matches_peft_and_base_is_exact():
     try:
         eng.load_diffusers_state_dict(base)
         fresh = _velocity(eng, b)  # B = 0: the adapters add exactly nothing
-        plain = TrainEngine(eng.config, spec="local")  # the same megatron model without LoRA
+        plain = Trainer(eng.config, spec="local")  # the same megatron model without LoRA
         plain.load_diffusers_state_dict(base)
         # not bit-equal: DDP lays out the trainable params (all vs only adapters) differently, and the CPU
         # GEMMs round by memory layout (measured 6e-8); the adapter itself adds exact zeros (torch.equal below)
@@ -90,7 +91,7 @@ def test_lora_parallel_matches_peft(tmp_path):
 def test_plan_counts_the_lora_models_adapters():
     """``megaflow plan``'s adapter count (plan_model.lora_params, summed over blocks) equals the trainable
     parameters of megaflow's LoRA DiT (tiny SD3 without a second attention; TP=1). Needs: CPU, 1 process."""
-    from megaflow.plan_model import dims_from_config, lora_params
+    from megaflow.plan.dit import dims_from_config, lora_params
     from megaflow.models.common.lora import TARGETS
     dcfg = tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=())
     eng = lora_workers.lora_engine(dcfg, ParallelDims(), optimizer=False)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megaflow.config import load_config
-from megaflow.config.to_megatron import recompute_kwargs
+from megaflow.trainer.settings import recompute_kwargs
 from megaflow.models.flux import tiny as flux_tiny
 from megaflow.models.sd3 import tiny as sd3_tiny
 from megaflow.testing.dist import run_multiprocess

@@ -9,7 +9,9 @@ from __future__ import annotations
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, SPTorchNorm, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
+from megaflow.parallel.sp_norm import SPTorchNorm
 
 SEQ, BATCH, HIDDEN, HEADS, LAYERS, MICROBATCHES = 8, 2, 32, 4, 2, 2
 

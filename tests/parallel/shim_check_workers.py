@@ -10,7 +10,9 @@ import traceback
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, cpu, destroy_distributed, init_distributed
+from megaflow.parallel import cpu
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 
 def _config(**overrides):

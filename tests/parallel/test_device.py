@@ -1,4 +1,4 @@
-"""run.device: one switch (megaflow.parallel.dims.select_device) applied by the commands before CUDA is touched.
+"""run.device: one switch (megaflow.parallel.distributed.select_device) applied by the commands before CUDA is touched.
 Needs: CPU, 1 process (+ short subprocesses). On a GPU machine the "cpu" case checks that CUDA is really hidden."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaflow.parallel.dims import current_device, select_device
+from megaflow.parallel.distributed import current_device, select_device
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_auto_follows_torch():
 
 def test_cpu_hides_cuda_from_this_process_and_its_children():
     r = _python("import os, subprocess, sys, torch\n"
-                "from megaflow.parallel.dims import select_device\n"
+                "from megaflow.parallel.distributed import select_device\n"
                 "d = select_device('cpu')\n"
                 "child = subprocess.run([sys.executable, '-c', 'import torch; print(torch.cuda.is_available())'],"
                 " capture_output=True, text=True).stdout.strip()\n"

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from megaflow.parallel import ParallelDims
+from megaflow.parallel.dims import ParallelDims
 
 
 def test_defaults_are_single_process():
@@ -29,8 +29,8 @@ def test_dp_for_rejects_world_that_does_not_fit(world):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(tp=0), "tp"), (dict(pp=-1), "pp"), (dict(cp=1.5), "cp"), (dict(sp=True), "sp=True"),
-     (dict(sp=True, tp=1), "tp=1"), (dict(vpp=2), "vpp=2"), (dict(pp=2, vpp=0), "vpp")],
+    [(dict(tp=0), "tp"), (dict(pp=-1), "pp"), (dict(cp=1.5), "cp"), (dict(sp=True), "sp = true"),
+     (dict(sp=True, tp=1), "tp = 1"), (dict(vpp=2), "vpp = 2"), (dict(pp=2, vpp=0), "vpp")],
 )
 def test_invalid_dims_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):

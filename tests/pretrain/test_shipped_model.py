@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from megaflow.data.shape_render import render_prompts
-from megaflow.evals.sample import eval_prompts, score
+from megaflow.shapeeval.render import render_prompts
+from megaflow.shapeeval.evaluate import eval_prompts, score
 from megaflow.pretrain.vae import decode, encode
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "shapeeval-sd3"

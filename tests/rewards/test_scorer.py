@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from megaflow.data.shape_render import render_prompts
+from megaflow.shapeeval.render import render_prompts
 from megaflow.rewards import REWARDS, AsyncScorer, MultiReward, build_multi_reward, build_reward, safe_score
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from megaflow.data.shape_render import render_prompts
+from megaflow.shapeeval.render import render_prompts
 from megaflow.data.shapes import sample_prompts
 from megaflow.rewards import build_reward, safe_score, to_float, to_pil, to_uint8
 from megaflow.rewards.color import parse_color

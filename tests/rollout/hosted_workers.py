@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
 from megaflow.bridge.buckets import tensor_sha256
-from megaflow.rewards.scorer import RewardScores
-from megaflow.rollout.engine import WeightUpdateResult
+from megaflow.rollout.types import RewardScores
+from megaflow.bridge.base import WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 STEPS = 3
@@ -88,7 +88,7 @@ def hosted_rank(engine_hosts: str, mode: str):
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
     from megaflow.bridge.placed import PlacedSync
-    from megaflow.placement import placement_from_env
+    from megaflow.parallel.placement import placement_from_env
     from megaflow.rollout.hosted import HostedRollout
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -1,4 +1,4 @@
-"""Rollout and weight sync over several engine hosts (megaflow.placement, rollout.hosted, bridge.placed).
+"""Rollout and weight sync over several engine hosts (megaflow.parallel.placement, rollout.hosted, bridge.placed).
 Needs: CPU; the plan tests 1 process (< 1 s); the exchange tests 4 gloo processes with fake engines (~15 s).
 
 Reference: the same requests sampled and scored in ONE process on one fake engine (sample_and_score); every
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hosted_workers as hw
-from megaflow.placement import (Placement, engine_host_ranks, launch_layout, placement_from_env,
+from megaflow.parallel.placement import (Placement, engine_host_ranks, launch_layout, placement_from_env,
                                 worker_visible_devices)
 from megaflow.rollout.hosted import plan_groups, sample_and_score
 from megaflow.rollout.types import RolloutRequest
@@ -44,13 +44,13 @@ def test_disaggregated_layout_puts_engines_on_the_last_ranks():
     # two nodes of 4: node 1 only samples; its ranks are the engine hosts, node 0 is megatron's world
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     p = placement_from_env("rank0", 2, env=env, placement="disaggregated", engine_ranks=4)
-    assert p.hosts == (4, 5, 6, 7) and p.num_trainers == 4 and p.engine_only == (4, 5, 6, 7)
+    assert p.hosts == (4, 5, 6, 7) and p.num_trainers == 4 and p.engine_ranks == (4, 5, 6, 7)
     assert p.is_host and not p.is_trainer and p.device_index == 1 and p.engine_ids() == ["engine2", "engine3"]
     d = placement_from_env("rank0", 2, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, placement="disaggregated",
                            engine_ranks=4)
     assert d.is_driver and d.is_trainer and not d.is_host and d.engine_ids() == []
     c = placement_from_env("node", 1, env=env)  # colocated: every rank trains, no engine-only rank
-    assert c.is_trainer and c.num_trainers == 8 and c.engine_only == ()
+    assert c.is_trainer and c.num_trainers == 8 and c.engine_ranks == ()
     assert launch_layout("disaggregated", "rank0", 1, 2, 1) == ((1,), 1)
     for engine_ranks, match in ((0, "needs 1 <= engine_ranks < the 2"), (2, "needs 1 <= engine_ranks < the 2")):
         with pytest.raises(ValueError, match=match):

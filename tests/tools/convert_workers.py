@@ -9,15 +9,16 @@ import torch
 def load_and_velocity(ckpt: str, layout: dict, batch_path: str):
     """Build the layout, load ``ckpt`` (any layout it was saved at), return the velocity or None."""
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.trainer.checkpoint import load_checkpoint, read_meta
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
     dims = ParallelDims(**layout)
     init_distributed(dims)
     cfg = from_diffusers(read_meta(ckpt)["diffusers_config"], tensor_model_parallel_size=dims.tp,
                          pipeline_model_parallel_size=dims.pp, sequence_parallel=dims.sp)
-    eng = TrainEngine(cfg, spec="local")
+    eng = Trainer(cfg, spec="local")
     load_checkpoint(eng.chunks, ckpt)
     b = torch.load(batch_path)
     v = eng.velocity(b["latents"], b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])

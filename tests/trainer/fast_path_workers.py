@@ -1,7 +1,7 @@
 """Rank function for tests/trainer/test_fast_paths.py (module-level: pickled by reference).
 
 ``fast_paths_rank`` runs in a one-process gloo world: the same two SFT steps (2 microbatches each)
-on TrainEngines that differ only in their fast paths (all off = megatron's own code, all on, each
+on Trainers that differ only in their fast paths (all off = megatron's own code, all on, each
 one alone), plus the checks that each single-rank fast path still replaces real megatron work.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import contextlib
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -40,7 +41,7 @@ def count_collectives():
 
 def _variants():
     from megaflow.parallel.perf_patches import PERF_PATCHES
-    from megaflow.trainer.engine import FastPaths
+    from megaflow.trainer.runner import FastPaths
 
     off = dict(single_rank_grads=False, single_rank_finalize=False, joint_adam_groups=False,
                megatron_patches=frozenset())
@@ -76,7 +77,7 @@ def _single_rank_still_needed(engines: dict, mbs) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from megaflow.parallel.perf_patches import apply_perf_patches, remove_perf_patches
-    from megaflow.trainer.engine import rectified_flow_loss
+    from megaflow.trainer.runner import rectified_flow_loss
 
     plain, fast = engines["plain"], engines["all"]
     remove_perf_patches()
@@ -117,7 +118,7 @@ def _unused_param_case() -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    from megaflow.trainer.engine import SingleRankDDP
+    from megaflow.trainer.runner import SingleRankDDP
 
     class Module(torch.nn.Module):
         def __init__(self):
@@ -151,7 +152,7 @@ def _unused_param_case() -> dict:
 def fast_paths_rank(dcfg: dict) -> dict:
     """Every fast-path variant vs megatron's own path (bitwise), and the still-needed checks."""
     from megaflow.models.sd3 import from_diffusers, tiny
-    from megaflow.trainer.engine import TrainEngine, adam_config, load_checked, rectified_flow_microbatch
+    from megaflow.trainer.runner import Trainer, adam_config, load_checked, rectified_flow_microbatch
 
     init_distributed(ParallelDims(), seed=3)
     mbs = [rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],
@@ -160,7 +161,7 @@ def fast_paths_rank(dcfg: dict) -> dict:
     variants = _variants()
     engines, state = {}, None
     for name, fp in variants.items():
-        eng = TrainEngine(from_diffusers(dcfg), spec="local", fast_paths=fp,
+        eng = Trainer(from_diffusers(dcfg), spec="local", fast_paths=fp,
                           optimizer_config=adam_config(lr=1e-3, grad_clip=0.05, distributed=False))
         state = state or {k: v.clone() for k, v in eng.chunks[0].state_dict().items() if torch.is_tensor(v)}
         load_checked(eng.chunks[0], state)

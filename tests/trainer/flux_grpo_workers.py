@@ -10,14 +10,14 @@ import torch
 
 
 def _trainer(pipeline_dir: str, tp: int, sp: bool):
-    """The run's trainer (``runtime.build_trainer``, model.family = "flux") at TP=``tp`` (SP ``sp``)."""
+    """The run's trainer (megaflow.run.build.build_trainer, model.family = "flux") at TP=``tp`` (SP ``sp``)."""
     from pathlib import Path
 
-    from megaflow import runtime
+    from megaflow.run.build import build_trainer
     from megaflow.config import load_config
 
     cfg = load_config(None, ['model.family="flux"', f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}"])
-    eng, _ = runtime.build_trainer(cfg, Path(pipeline_dir))
+    eng, _ = build_trainer(cfg, Path(pipeline_dir))
     return eng
 
 
@@ -41,7 +41,8 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_paths: dict[str, str], tp: int
     """{name: max |trainer - engine| log-prob} for each saved trajectory batch at TP=``tp`` (SP ``sp``),
     plus the control ``<name>/guidance_1`` (the same batch replayed with guidance_scale 1.0 instead of
     the sampled embedded guidance)."""
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
     init_distributed(ParallelDims(tp=tp, sp=sp), seed=0)
     eng = _trainer(pipeline_dir, tp, sp)

@@ -148,11 +148,11 @@ def _engine(dcfg, *, optimizer: bool, lr: float):
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
     opt = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False) if optimizer else None
-    return TrainEngine(from_diffusers(dcfg), spec="local", optimizer_config=opt)
+    return Trainer(from_diffusers(dcfg), spec="local", optimizer_config=opt)
 
 
 def _diffusers_names(eng, tensors: dict) -> dict:
@@ -192,7 +192,8 @@ def equal_weight_rank(micro_batch_sizes: list[int], guidance: float = 1.0) -> di
     """One optimizer step (β > 0, a perturbed reference) for each micro_batch_size from the same
     weights: the step's grads (diffusers names, on every rank) and stats. 7 samples, one dropped by
     the zero-std filter (keep=False): 6 x 3 trained steps = 18 items."""
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.trainer.grpo import grpo_update
 
     dit, trajs = sample_case(7, seed=3, guidance=guidance)
@@ -228,7 +229,8 @@ def reference_grads(guidance: float = 1.0) -> dict:
 
 def multi_update_rank(lr: float, mismatch: str | None = None) -> dict:
     """2 inner epochs x 2 minibatches (4 SGD steps) over 6 samples; final weights and stats."""
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.trainer.grpo import grpo_update
 
     dit, trajs = sample_case(6, seed=5)
@@ -261,16 +263,17 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_path: str) -> dict:
     guided velocity (as sampled) and, as a control, with the conditional branch alone."""
     from pathlib import Path
 
-    from megaflow import runtime
+    from megaflow.run.build import build_trainer
     from megaflow.config import load_config
     from megaflow.flow.step import TransitionConfig
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.trainer.grpo import _policy, batch_conditioning
     from megaflow.trainer.grpo_batches import microbatches_for
 
     trajs = torch.load(trajs_path, weights_only=False)
     init_distributed(ParallelDims(), seed=0)
-    eng, _ = runtime.build_trainer(load_config(None), Path(pipeline_dir))
+    eng, _ = build_trainer(load_config(None), Path(pipeline_dir))
     transition = TransitionConfig(kind="sde", noise_level=trajs[0].noise_level)
     items = [(i, t) for i in range(len(trajs)) for t in range(trajs[0].num_steps)]
     out = {}

@@ -1,5 +1,5 @@
-"""Rank functions for tests/trainer/test_reference.py: the KL reference built the old way (a TrainEngine
-without optimizer, DDP-wrapped, grads switched off afterwards) and as a ReferenceEngine, same weights,
+"""Rank functions for tests/trainer/test_reference.py: the KL reference built the old way (a Trainer
+without optimizer, DDP-wrapped, grads switched off afterwards) and as a ReferenceModel, same weights,
 compared output for output and byte for byte of what each holds.
 
 Module-level functions only: they are pickled by reference into the ranks.
@@ -9,13 +9,14 @@ from __future__ import annotations
 import megaflow  # noqa: F401  (import guards before megatron)
 import torch
 
-from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 
 def _old_reference(cfg, state):
-    from megaflow.trainer.engine import TrainEngine
+    from megaflow.trainer.runner import Trainer
 
-    ref = TrainEngine(cfg, family="sd3", spec="local", optimizer_config=None)
+    ref = Trainer(cfg, family="sd3", spec="local", optimizer_config=None)
     ref.load_diffusers_state_dict(state)
     for m in ref.model:
         m.requires_grad_(False)
@@ -23,9 +24,9 @@ def _old_reference(cfg, state):
 
 
 def _new_reference(cfg, state):
-    from megaflow.trainer.engine import ReferenceEngine
+    from megaflow.trainer.runner import ReferenceModel
 
-    ref = ReferenceEngine(cfg, family="sd3", spec="local")
+    ref = ReferenceModel(cfg, family="sd3", spec="local")
     ref.load_diffusers_state_dict(state)
     return ref
 
@@ -36,7 +37,7 @@ def compare_rank(case_path: str, layouts: list[dict]) -> dict:
     whether every parameter of the new one is frozen and the old path's velocities are non-trivial."""
     from megaflow.models.sd3 import from_diffusers
     from megaflow.testing.memory import model_bytes
-    from megaflow.trainer.engine import rectified_flow_microbatch
+    from megaflow.trainer.runner import rectified_flow_microbatch
 
     case = torch.load(case_path, weights_only=False)
     mbs = [rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],

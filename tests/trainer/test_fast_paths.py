@@ -1,4 +1,4 @@
-"""TrainEngine fast paths (``megaflow.trainer.engine.FastPaths``): bit-identical and still needed.
+"""Trainer fast paths (``megaflow.trainer.runner.FastPaths``): bit-identical and still needed.
 
 Needs: CPU, gloo world of 1 (one launch). Every variant (all fast paths off = megatron's own code,
 all on, each one alone) runs the same two Adam steps of 2 microbatches (grad clipping active)

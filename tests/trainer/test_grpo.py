@@ -50,8 +50,9 @@ def _grpo_rank(kind):
     from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
     from megaflow.flow.step import TransitionConfig
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.parallel import ParallelDims, init_distributed
-    from megaflow.trainer.engine import TrainEngine, adam_config
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import init_distributed
+    from megaflow.trainer.runner import Trainer, adam_config
     from megaflow.trainer.grpo import GRPOSettings, build_microbatches, grpo_train_step
 
     torch.set_num_threads(1)
@@ -59,7 +60,7 @@ def _grpo_rank(kind):
     dit = SD3Transformer2DModel(**DCFG).eval()
     trajs = _sample(dit, 4, 4, seed=7, kind=kind)
     init_distributed(ParallelDims())
-    eng = TrainEngine(from_diffusers(DCFG), spec="local",
+    eng = Trainer(from_diffusers(DCFG), spec="local",
                       optimizer_config=adam_config(lr=2e-4, grad_clip=0.0, distributed=False))
     eng.load_diffusers_state_dict(dit.state_dict())
     transition = TransitionConfig(kind=kind, noise_level=0.7, no_const=kind == "cps")

@@ -17,7 +17,7 @@ import torch
 import megaflow  # noqa: F401
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import load_config
-from megaflow.controller import grpo_settings, make_requests, sde_window, train_steps
+from megaflow.run.flowgrpo import grpo_settings, make_requests, sde_window, train_steps
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig
 from megaflow.rollout.types import Trajectory

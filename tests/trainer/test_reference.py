@@ -1,5 +1,5 @@
-"""The KL reference (``ReferenceEngine``, built by runtime.build_trainer when algo.kl_beta > 0) vs the old
-reference (a TrainEngine without optimizer, DDP-wrapped, grads switched off afterwards).
+"""The KL reference (``ReferenceModel``, built by megaflow.run.build.build_trainer when algo.kl_beta > 0) vs the
+old reference (a Trainer without optimizer, DDP-wrapped, grads switched off afterwards).
 
 Needs: CPU, gloo, 2 processes (one launch). Layouts DP=2 (TP=1), TP=2, TP=2+SP, PP=2, and TP=2 in bf16.
 Checks: the velocities grpo's ``attach_reference`` reads are bitwise equal; the new reference holds no grad

@@ -3,7 +3,7 @@
 - ``engine``: ``SGLangEngine`` (request merging and dispatch, crash supervision, weights, lifecycle);
 - ``server``: SGLang's worker processes (start, control requests, stop) and where their output goes;
 - ``wire``: ``RolloutRequest`` -> SGLang request and SGLang's answer -> ``Trajectory``;
-- ``config``: ``SGLangEngineConfig`` (filled from megaflow's config by ``megaflow.config.to_sglang``).
+- ``config``: ``SGLangEngineConfig`` and ``engine_config`` (its one mapping from megaflow's config).
 """
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, SGLangEngineConfig
 from megaflow.rollout.sglang.engine import EngineCrashed, SGLangEngine

@@ -1,9 +1,13 @@
-"""How to start and drive one SGLang engine (``SGLangEngineConfig``); imports no sglang."""
+"""How to start and drive one SGLang engine (``SGLangEngineConfig``), and the one mapping from megaflow's
+config to it (``engine_config``); imports no sglang."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from megaflow.config.schema import MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
 NUM_TEXT_ENCODERS = {"sd3": 3, "flux": 2}
@@ -66,3 +70,16 @@ class SGLangEngineConfig:
         if self.max_batch_outputs < 1 or self.num_inflight_calls < 1:
             raise ValueError(f"max_batch_outputs and num_inflight_calls must be >= 1, got "
                              f"{self.max_batch_outputs}, {self.num_inflight_calls}")
+
+
+def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, device_index: int | None = None,
+                  verbose: bool = False) -> SGLangEngineConfig:
+    """Settings of engine ``engine_id`` serving the pipeline at ``model_path``, its workers pinned to local GPU
+    ``device_index`` (None: not pinned). SGLang logs at level info (per-stage timings of every call) into
+    ``<run dir>/logs/<engine_id>.log``; ``verbose`` (the CLI's ``--verbose``, not a run setting) sends the same
+    output to the terminal instead."""
+    r = cfg.rollout
+    log_dir = None if verbose else str(Path(cfg.run.output_dir) / cfg.run.name / "logs")
+    return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,
+                              device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
+                              batch_window_ms=r.batch_window_ms, log_level="info", log_dir=log_dir)

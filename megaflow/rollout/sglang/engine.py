@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
-from megaflow.rollout.engine import EngineHealth, WeightUpdateResult
+from megaflow.bridge.base import WeightUpdateResult
+from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
 from megaflow.rollout.sglang.replay import ReplayStore

@@ -33,7 +33,7 @@ from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
 
-from megaflow.placement import worker_visible_devices
+from megaflow.parallel.placement import worker_visible_devices
 from megaflow.rollout.sglang import plugin
 from megaflow.rollout.sglang.weights import flatten, update_request
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
@@ -99,7 +99,7 @@ def _worker_threads(num_threads: int | None):
 
 def _pinned_device(device_index: int | None):
     """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
-    (:func:`megaflow.placement.worker_visible_devices`); None: leave the environment alone."""
+    (:func:`megaflow.parallel.placement.worker_visible_devices`); None: leave the environment alone."""
     visible = None if device_index is None else worker_visible_devices(device_index,
                                                                        os.environ.get("CUDA_VISIBLE_DEVICES"))
     return _env_var("CUDA_VISIBLE_DEVICES", visible)

@@ -1,1 +1,0 @@
-"""Evaluations. ``shapes``: ShapeEval, a GenEval-like compositional benchmark for tiny images."""

@@ -1,0 +1,36 @@
+"""SD3 text conditioning as SGLang computes it for a request with a prompt length (``max_sequence_length``).
+
+The trainer never encodes text (a Trajectory carries its conditioning); the diffusers baseline sampler
+(megaflow.rollout.baseline) and the ShapeEval pretraining (megaflow.pretrain) do, and must match the engine.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: list[str], *, max_sequence_length: int,
+                   batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_embeds [N, 2 * L, D], pooled [N, P]) as SGLang's SD3 pipeline computes them for a request
+    with ``max_sequence_length = L``: SGLang pads BOTH CLIP prompts and the T5 prompt to L tokens
+    (diffusers keeps CLIP at 77), takes CLIP's penultimate hidden states and projected pooled
+    outputs, pads the joined CLIP features to the T5 width and appends the T5 tokens."""
+    embeds, pooled = [], []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        clip_h, clip_p = [], []
+        for tok, enc in ((pipe.tokenizer, pipe.text_encoder), (pipe.tokenizer_2, pipe.text_encoder_2)):
+            ids = tok(chunk, padding="max_length", max_length=max_sequence_length, truncation=True,
+                      return_tensors="pt").input_ids
+            out = enc(ids, output_hidden_states=True)
+            clip_h.append(out.hidden_states[-2])
+            clip_p.append(out.text_embeds)
+        ids = pipe.tokenizer_3(chunk, padding="max_length", max_length=max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_tensors="pt").input_ids
+        t5 = pipe.text_encoder_3(ids).last_hidden_state
+        clip = torch.cat(clip_h, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        embeds.append(torch.cat([clip, t5], dim=-2).float())
+        pooled.append(torch.cat(clip_p, dim=-1).float())
+    return torch.cat(embeds), torch.cat(pooled)

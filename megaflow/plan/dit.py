@@ -1,0 +1,193 @@
+"""What ``megaflow plan`` counts with: the DiT's dimensions and parameter counts, and activation sizes.
+
+Standard library only. Dimensions come from a diffusers ``transformer/config.json`` (``dims_from_config``)
+or, when the pipeline is not on this machine, from the built-in table ``BUILTIN`` of the published configs
+(SD3.5-Medium, FLUX.1-dev). Parameter counts follow the diffusers modules layer by layer (a test holds them
+equal to the real models' ``numel``); ``sharded`` is what tensor parallelism splits (attention and MLP
+linears), ``replicated`` what every TP rank holds whole (adaLN, norms, embeddings, final layer).
+
+Activation coefficients: bytes autograd keeps per token and hidden unit of one block in training, in units
+of the activation dtype, split into a replicated part (residual stream, norms, modulations) and a part that
+TP shards (q/k/v, attention output, MLP hidden). Derived from what the blocks save (input of each linear,
+layer-norm and modulate inputs, gated-residual operands, GELU input, SDPA's q/k/v/out), then fitted to
+autograd's saved bytes of tiny SD3.5-like and FLUX models (the q/k-norm and single-block terms; tests/plan/test_plan.py
+holds predictions within 25% of the measurement).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# diffusers transformer configs of the published checkpoints (keys as in their config.json).
+BUILTIN = {
+    "sd3": ("SD3.5-Medium (built-in table)", dict(
+        _class_name="SD3Transformer2DModel", num_layers=24, attention_head_dim=64, num_attention_heads=24,
+        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, in_channels=16,
+        out_channels=16, patch_size=2, pos_embed_max_size=384, sample_size=128,
+        dual_attention_layers=list(range(13)), qk_norm="rms_norm")),
+    "flux": ("FLUX.1-dev (built-in table)", dict(
+        _class_name="FluxTransformer2DModel", num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64,
+        patch_size=1, guidance_embeds=True, axes_dims_rope=[16, 56, 56])),
+}
+# Text encoders and VAE parameters when the pipeline is not here (CLIP-L/14 text 123.7M, OpenCLIP bigG/14 text
+# 694.7M, T5-XXL encoder 4762M, the SD3/FLUX 16-channel VAE 83.7M).
+BUILTIN_ENCODERS = {"sd3": {"text encoders": 123_650_304 + 694_659_840 + 4_762_310_656, "vae": 83_653_863},
+                    "flux": {"text encoders": 123_060_480 + 4_762_310_656, "vae": 83_819_683}}
+DEFAULT_TEXT_TOKENS = {"sd3": 77 + 256, "flux": 512}  # CLIP 77 + T5 256 (SD3 pipelines); T5 512 (FLUX.1-dev)
+
+# Saved activations per token per hidden unit of one block, in activation-dtype units: (replicated, TP-split).
+STREAM = (8.0, 14.0)       # one MMDiT stream: LN in, modulated, residual operands, MLP in | qkv, q/k norm, attn, 4h x 2
+DUAL_EXTRA = (2.0, 6.0)    # SD3.5 second image attention: modulated input, residual | qkv, q/k norm, out
+QK_NORM_EXTRA = (0.0, 6.0)  # q/k RMSNorm of a stream: normed q and k, their fp32 statistics
+CONTEXT_PRE_ONLY = (2.0, 5.0)  # SD3's last block: context only normed, modulated and projected to q/k/v
+SINGLE = (3.0, 17.0)       # FLUX single block on the joint sequence: LN, modulated, residual | qkv+mlp, GELU, q/k, cat
+# Under LoRA (base frozen) autograd keeps no input of a frozen linear (torch's F.linear and Transformer Engine's
+# linears save the input only for the weight's grad) and no operand that only an adaLN modulation's grad needs
+# (shift/scale/gate come from the frozen adaLN): a stream keeps its norm inputs, q/k/v, the attention output and
+# the GELU input, plus the input of every targeted linear (its adapter's A reads it). Fitted to autograd's saved
+# bytes of the tiny SD3.5-like and FLUX models with adapters on linear_qkv (tests/plan/test_plan.py); each further
+# target adds its linear's input, as measured: linear_proj the attention output (1, TP-split), linear_fc1 the
+# modulated input (1, replicated), linear_fc2 the 4h GELU output (4, TP-split).
+LORA_STREAM = (3.0, 5.5)   # one stream with adapters on linear_qkv (its modulated input is the replicated 1)
+LORA_TARGET_INPUT = {"linear_qkv": (1.0, 0.0), "linear_proj": (0.0, 1.0), "linear_fc1": (1.0, 0.0),
+                     "linear_fc2": (0.0, 4.0)}
+LORA_SINGLE = (2.0, 10.0)  # FLUX single block under LoRA (measured the same for every target set)
+LORA_STAGE_EXTRA = 1.0     # embeddings and final layer frozen: only the loss operands remain
+BLOCK_INPUTS = 1.0         # with recompute a block keeps only its inputs (the token streams)
+STAGE_EXTRA = 4.0          # embeddings, final layer and loss operands per token, once per stage
+INFERENCE_LIVE = 12.0      # engine forward: live tensors of one block (streams, q/k/v, attention, 4h MLP x 2)
+VAE_DECODE_PER_PIXEL = 512.0  # VAE decoder at full resolution: ~4 live 128-channel maps per output pixel
+
+
+@dataclass(frozen=True)
+class DiTDims:
+    """The numbers of a DiT the plan needs (see ``dims_from_config``)."""
+
+    family: str
+    source: str
+    hidden: int
+    heads: int
+    head_dim: int
+    blocks: int            # SD3 MMDiT blocks / FLUX double-stream blocks
+    single_blocks: int     # FLUX single-stream blocks (0 for SD3)
+    dual_blocks: int       # SD3.5 blocks with a second image attention
+    qk_norm: bool
+    in_channels: int
+    out_channels: int
+    patch: int
+    joint_dim: int
+    pooled_dim: int
+    guidance_embeds: bool
+    pos_table: int = 0     # SD3: rows of the fp32 sin-cos position table (pos_embed_max_size ** 2), a buffer
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks + self.single_blocks
+
+
+def dims_from_config(family: str, conf: dict, source: str) -> DiTDims:
+    """``DiTDims`` from a diffusers transformer config dict (defaults as the diffusers classes have them)."""
+    heads, head_dim = int(conf["num_attention_heads"]), int(conf["attention_head_dim"])
+    in_ch = int(conf.get("in_channels", 16 if family == "sd3" else 64))
+    out_ch = conf.get("out_channels") or in_ch
+    qk = conf.get("qk_norm") if family == "sd3" else "rms_norm"
+    return DiTDims(family=family, source=source, hidden=heads * head_dim, heads=heads, head_dim=head_dim,
+                   blocks=int(conf.get("num_layers", 18 if family == "sd3" else 19)),
+                   single_blocks=int(conf.get("num_single_layers", 38)) if family == "flux" else 0,
+                   dual_blocks=len(conf.get("dual_attention_layers") or ()) if family == "sd3" else 0,
+                   qk_norm=qk is not None, in_channels=in_ch, out_channels=int(out_ch),
+                   patch=int(conf.get("patch_size", 2 if family == "sd3" else 1)),
+                   joint_dim=int(conf.get("joint_attention_dim", 4096)),
+                   pooled_dim=int(conf.get("pooled_projection_dim", 2048 if family == "sd3" else 768)),
+                   guidance_embeds=bool(conf.get("guidance_embeds", False)),
+                   pos_table=int(conf.get("pos_embed_max_size") or 96) ** 2 if family == "sd3" else 0)
+
+
+def _linear(i: int, o: int) -> int:
+    return i * o + o
+
+
+def block_params(d: DiTDims, index: int) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of block ``index`` (SD3 block, FLUX double, then FLUX single)."""
+    h, norms = d.hidden, (2 * d.head_dim if d.qk_norm else 0)
+    mlp = _linear(h, 4 * h) + _linear(4 * h, h)
+    if d.family == "flux" and index >= d.blocks:  # single-stream: qkv + mlp-in, fused out over [attn; mlp]
+        return 3 * _linear(h, h) + _linear(h, 4 * h) + _linear(5 * h, h), _linear(h, 3 * h) + norms
+    last = d.family == "sd3" and index == d.blocks - 1  # context_pre_only: no context output / MLP
+    sharded = 4 * _linear(h, h) + mlp + 3 * _linear(h, h) + (0 if last else _linear(h, h) + mlp)
+    dual = d.family == "sd3" and index < d.dual_blocks
+    replicated = _linear(h, (9 if dual else 6) * h) + _linear(h, 2 * h if last else 6 * h) + 2 * norms
+    if dual:
+        sharded += 4 * _linear(h, h)
+        replicated += norms
+    return sharded, replicated
+
+
+def lora_params(d: DiTDims, index: int, rank: int, targets) -> int:
+    """LoRA adapter parameters (A: r x in, B: out x r) of block ``index`` for the targeted linears of each stream:
+    linear_qkv (q, k, v: one adapter each, as PEFT), linear_proj, linear_fc1 (h -> 4h), linear_fc2 (4h -> h). A FLUX
+    single-stream block has one stream whose fused output projection reads [attn; mlp] (5h -> h). SD3.5's second
+    attention (dual blocks) is not counted: the adapters are a few percent of the weights either way."""
+    h = d.hidden
+    per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": 5 * h, "linear_fc2": 5 * h}
+    if d.family == "flux" and index >= d.blocks:
+        per = {"linear_qkv": 3 * 2 * h, "linear_proj": 6 * h, "linear_fc1": 5 * h, "linear_fc2": 0}
+        return rank * sum(per[t] for t in targets)
+    image = sum(per[t] for t in targets)
+    last = d.family == "sd3" and index == d.blocks - 1  # context_pre_only: the text stream has q/k/v only
+    text = per["linear_qkv"] if last and "linear_qkv" in targets else (0 if last else image)
+    return rank * (image + text)
+
+
+def embed_params(d: DiTDims) -> int:
+    """Embeddings (first pipeline stage): patch/x embedding, context embedding, timestep (+ guidance) and
+    pooled-text MLPs."""
+    h = d.hidden
+    x = d.in_channels * d.patch * d.patch * h + h
+    mlps = (_linear(256, h) + _linear(h, h)) * (2 if d.guidance_embeds else 1) + _linear(d.pooled_dim, h) + _linear(h, h)
+    return x + _linear(d.joint_dim, h) + mlps
+
+
+def final_params(d: DiTDims) -> int:
+    """Final adaLN and projection (last pipeline stage)."""
+    return _linear(d.hidden, 2 * d.hidden) + _linear(d.hidden, d.patch * d.patch * d.out_channels)
+
+
+def buffer_bytes(d: DiTDims) -> int:
+    """Non-parameter tensors of the first stage: SD3's position table, fp32 in trainer and engine alike."""
+    return d.pos_table * d.hidden * 4
+
+
+def total_params(d: DiTDims) -> int:
+    """Every parameter of the DiT."""
+    return embed_params(d) + final_params(d) + sum(sum(block_params(d, i)) for i in range(d.num_blocks))
+
+
+def lora_stream(targets) -> tuple[float, float]:
+    """(replicated, TP-split) saved units of one stream when only LoRA adapters on ``targets`` train."""
+    rep, split = LORA_STREAM
+    rep -= 0.0 if "linear_qkv" in targets else LORA_TARGET_INPUT["linear_qkv"][0]
+    for t in ("linear_proj", "linear_fc1", "linear_fc2"):
+        if t in targets:
+            rep, split = rep + LORA_TARGET_INPUT[t][0], split + LORA_TARGET_INPUT[t][1]
+    return rep, split
+
+
+def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: int, sp: bool,
+                           lora_targets=None) -> float:
+    """Saved activations of block ``index`` in training per sample, in (activation dtype x hidden) units.
+    ``lora_targets``: the base is frozen and only adapters on these linears train (``LORA_STREAM``); None:
+    every weight trains."""
+    def part(coef, tokens):
+        rep, split = coef
+        return tokens * (rep / (tp if sp else 1) + split / tp)
+    if d.family == "flux" and index >= d.blocks:
+        return part(SINGLE if lora_targets is None else LORA_SINGLE, image + text)
+    last = d.family == "sd3" and index == d.blocks - 1
+    stream = STREAM if lora_targets is None else lora_stream(lora_targets)
+    units = part(stream, image) + part(CONTEXT_PRE_ONLY if last else stream, text)
+    if d.qk_norm:
+        units += part(QK_NORM_EXTRA, image + text)
+    if d.family == "sd3" and index < d.dual_blocks:
+        units += part(DUAL_EXTRA, image)
+    return units

@@ -1,0 +1,223 @@
+"""``megaflow plan``: GPU memory per rank of a run, before anything starts (standard library only).
+
+For every rank: the trainer's weights (model.dtype), grads (megatron DDP's fp32 grad buffer; under LoRA of the
+adapters only), optimizer states (Adam moments, plus fp32 main params with bf16 weights; the distributed
+optimizer shards them over the data-parallel ranks), activations of one micro-batch (x2 with CFG, x in-flight
+micro-batches on a pipeline stage) with and without ``train.recompute`` (under LoRA the frozen linears keep no
+input), one optimizer step's microbatches (every micro-batch's inputs, on the GPU together), the frozen KL
+reference (weights only; none under LoRA, where the reference is the base with the adapters off) and a runtime
+allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
+encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. The model
+numbers are ``megaflow.plan.dit``'s. Estimates, not measurements: the figures to compare with a run are
+in tests/plan/test_plan.py and the README.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaflow.config.schema import MegaflowConfig
+from megaflow.parallel.dims import ParallelDims
+from megaflow.parallel.placement import launch_layout
+from megaflow.plan.dit import (
+    BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, LORA_STAGE_EXTRA, STAGE_EXTRA,
+    VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
+    embed_params,
+    final_params, lora_params, total_params,
+)
+
+GIB = 2**30
+RUNTIME_OVERHEAD = 2.0 * GIB  # CUDA context, NCCL buffers, allocator slack per GPU process
+_BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+@dataclass
+class RankPlan:
+    """Memory of one group of identical ranks, in bytes per item."""
+
+    ranks: list[int]
+    items: dict[str, float] = field(default_factory=dict)
+    info: dict[str, float] = field(default_factory=dict)
+    """Figures shown for comparison, not counted (activations without recompute)."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> tuple[dict[int, int], int]:
+    """(rank -> number of rollout engines it hosts, number of trainer ranks) of a launch of ``world`` ranks
+    with ``per_node`` (at most) per node (megaflow.parallel.placement: ``rollout.placement``, ``engine_hosts``,
+    ``engine_ranks``)."""
+    r = cfg.rollout
+    hosts, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, world, min(world, per_node))
+    return {rank: r.num_engines for rank in hosts}, trainers
+
+
+def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
+    """(DiT dims, {"text encoders": params, "vae": params}, VAE downsampling factor): from model.pretrained's
+    configs and safetensors headers when that directory is here, else the built-in tables."""
+    family, root = cfg.model.family, Path(cfg.model.pretrained) if cfg.model.pretrained else None
+    if root is not None and (root / "transformer" / "config.json").is_file():
+        conf = json.loads((root / "transformer" / "config.json").read_text())
+        dims = dims_from_config(family, conf, f"{root}/transformer/config.json")
+        enc = {"text encoders": sum(_numel(p) for p in root.glob("text_encoder*")), "vae": _numel(root / "vae")}
+        vae_conf = root / "vae" / "config.json"
+        blocks = json.loads(vae_conf.read_text()).get("block_out_channels", [0] * 4) if vae_conf.is_file() else [0] * 4
+        return dims, enc, 2 ** (len(blocks) - 1)
+    if root is None:
+        raise ValueError("megaflow plan needs model.pretrained (a pipeline dir, or the path it will be "
+                         "downloaded to: the built-in table of the family is used when it is missing)")
+    source, conf = BUILTIN[family]
+    return dims_from_config(family, conf, source), dict(BUILTIN_ENCODERS[family]), 8
+
+
+def _numel(folder: Path) -> int:
+    """Elements of every tensor in a folder's safetensors files (read from their headers)."""
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for n in meta["shape"]:
+                    count *= n
+                total += count
+    return total
+
+
+def _stage_blocks(d: DiTDims, pp: int, stage: int) -> range:
+    per = d.num_blocks // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def trained_steps(cfg: MegaflowConfig) -> int:
+    """Denoising steps trained per sample: the SDE window's size, else the first int(num_steps x
+    timestep_fraction) steps (config.preflight's rule; CPS never trains its last step)."""
+    r = cfg.rollout
+    if r.sde_window_size:
+        return r.sde_window_size
+    steps = sorted(set(r.sde_window)) if r.sde_window else list(range(int(r.num_steps * cfg.algo.timestep_fraction)))
+    return len([t for t in steps if not (r.sde_type == "cps" and t == r.num_steps - 1)])
+
+
+def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, text: int) -> float:
+    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.grpo_batches.microbatches_for):
+    this DP rank's share of the step's (sample, step) items, padded to whole micro-batches, each holding x_t
+    (twice under CFG) and x_{t+1} in fp32 and the text conditioning in rollout.precision (negative and positive
+    under CFG). Every sample counted as kept (filtered groups only lower it)."""
+    r, t = cfg.rollout, cfg.train
+    items = -(-r.prompts_per_iter * r.group_size // t.num_minibatches) * trained_steps(cfg)
+    per_rank = -(-(-(-items // dp)) // t.micro_batch_size) * t.micro_batch_size
+    cfg_copies = 2 if r.guidance_scale > 1.0 and d.family == "sd3" else 1
+    latent = image * d.in_channels * d.patch * d.patch * 4 * (cfg_copies + 1)
+    cond = (text * d.joint_dim + d.pooled_dim) * _BYTES[r.precision] * cfg_copies
+    return per_rank * (latent + cond)
+
+
+def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, image: int,
+                  text: int) -> tuple[dict, dict]:
+    """(counted items, info) of the trainer on one rank of pipeline stage ``stage`` (module docstring)."""
+    p, t, tp, pp = cfg.parallel, cfg.train, cfg.parallel.tp, cfg.parallel.pp
+    dp = max(1, world // (tp * pp * p.cp))
+    blocks = _stage_blocks(d, pp, stage)
+    local = sum(s / tp + r for s, r in (block_params(d, i) for i in blocks))
+    local += (embed_params(d) if stage == 0 else 0) + (final_params(d) if stage == pp - 1 else 0)
+    wb = _BYTES[cfg.model.dtype]
+    batch = t.micro_batch_size * (2 if cfg.rollout.guidance_scale > 1.0 and d.family == "sd3" else 1)
+    in_flight = pp - stage if pp > 1 else 1
+    lora = cfg.lora
+    # Frozen base: torch's F.linear (megaflow's local linears at TP=1) and Transformer Engine's linears (spec
+    # auto/te on GPU) keep no input of a frozen weight; megatron's own linear function (spec local at TP>1)
+    # keeps its input whatever the weight, so there the full-parameter coefficients stay.
+    frozen = bool(lora.rank) and (tp == 1 or cfg.model.spec in ("auto", "te"))
+    targets = tuple(lora.targets) if frozen else None
+    extra = LORA_STAGE_EXTRA if frozen else STAGE_EXTRA
+    full = [block_activation_units(d, i, image, text, tp, p.sp, targets) for i in blocks]
+    stream = (image + text) / (tp if p.sp else 1)
+    recomputed = len(full) if t.recompute == "full" and not t.recompute_num_layers else \
+        (min(t.recompute_num_layers, len(full)) if t.recompute == "full" else 0)
+    kept = sum(full[recomputed:]) + recomputed * BLOCK_INPUTS * stream + (max(full[:recomputed]) if recomputed else 0)
+    act_unit = batch * d.hidden * wb
+    trained = sum(lora_params(d, i, lora.rank, lora.targets) for i in blocks) / tp if lora.rank else local
+    items = {
+        "weights": local * wb + (buffer_bytes(d) if stage == 0 else 0),
+        **({"LoRA adapters": trained * wb} if lora.rank else {}),
+        "grads (fp32 buffer)": trained * 4,
+        "optimizer (Adam, /dp)": trained * (8 + (4 if wb == 2 else 0)) / dp,
+        "activations": (kept + extra * stream) * act_unit * in_flight,
+        "GRPO microbatches (1 step)": microbatch_bytes(cfg, d, dp=dp, image=image, text=text),
+    }
+    info = {"activations without recompute": (sum(full) + extra * stream) * act_unit * in_flight} \
+        if recomputed else {}
+    if cfg.algo.kl_beta > 0 and not lora.rank:  # under LoRA the reference is the base, adapters off
+        items["KL reference"] = local * wb + (buffer_bytes(d) if stage == 0 else 0)
+    items["runtime"] = RUNTIME_OVERHEAD
+    return items, info
+
+
+def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image: int, text: int) -> dict:
+    """One rollout engine: DiT, text encoders, VAE in rollout.precision; sampling and decode activations."""
+    r, eb = cfg.rollout, _BYTES[cfg.rollout.precision]
+    batch = r.max_batch_outputs * (2 if r.guidance_scale > 1.0 and d.family == "sd3" else 1)
+    return {
+        "engine DiT": total_params(d) * eb + buffer_bytes(d),
+        "engine text encoders": enc["text encoders"] * eb,
+        "engine VAE": enc["vae"] * eb,
+        "engine sampling activations": batch * (image + text) * d.hidden * eb * INFERENCE_LIVE,
+        "engine VAE decode": r.max_batch_outputs * r.height * r.width * VAE_DECODE_PER_PIXEL * eb,
+    }
+
+
+def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
+    """The plan as a dict: dims, token counts, one RankPlan per group of ranks, fits."""
+    d, enc, vae_factor = pipeline_dims(cfg)
+    p = cfg.parallel
+    placement, trainers = engine_placement(cfg, gpus)
+    dims = ParallelDims.of(p)
+    dims.dp_for(trainers, ranks=f"the {trainers} trainer GPU(s) of --gpus {gpus}")
+    dims.check_model(None, d.num_blocks, d.source)
+    pack = 2 if d.family == "flux" else d.patch
+    image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
+    text = cfg.rollout.max_sequence_length + (77 if d.family == "sd3" else 0) if cfg.rollout.max_sequence_length \
+        else DEFAULT_TEXT_TOKENS[d.family]
+    groups: dict[tuple, RankPlan] = {}
+    for rank in range(gpus):
+        trains = rank < trainers  # disaggregated: the last ranks only sample
+        stage = (rank // (trainers // p.pp)) if p.pp > 1 and trains else 0
+        key = (trains, stage, placement.get(rank, 0))
+        if key not in groups:
+            # an engine-only rank's own process still holds a CUDA context, NCCL buffers and received buckets
+            items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
+                else ({"runtime": RUNTIME_OVERHEAD}, {})
+            if key[2]:
+                items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
+            groups[key] = RankPlan(ranks=[], items=items, info=info)
+        groups[key].ranks.append(rank)
+    limit = gpu_mem_gib * GIB
+    return {"dims": d, "params": total_params(d), "image_tokens": image, "text_tokens": text, "gpus": gpus,
+            "groups": list(groups.values()), "limit": limit,
+            "fits": all(g.total <= limit for g in groups.values())}
+
+
+def format_plan(result: dict) -> str:
+    """Human-readable plan (GiB)."""
+    d: DiTDims = result["dims"]
+    lines = [f"model: {d.family} from {d.source}: {result['params'] / 1e9:.2f}B params (+ "
+             f"{buffer_bytes(d) / GIB:.2f} GiB fp32 buffers), hidden {d.hidden}, "
+             f"{d.blocks}{f' + {d.single_blocks} single' if d.single_blocks else ''} blocks, "
+             f"{result['image_tokens']} image + {result['text_tokens']} text tokens",
+             f"GPUs: {result['gpus']}, limit {result['limit'] / GIB:.1f} GiB per GPU"]
+    for g in result["groups"]:
+        ranks = g.ranks
+        span = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]}" if ranks == list(
+            range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+        fits = "fits" if g.total <= result["limit"] else "DOES NOT FIT"
+        lines.append(f"rank {span}: {g.total / GIB:.1f} GiB, {fits}")
+        lines += [f"    {name:<30} {value / GIB:8.2f} GiB" for name, value in g.items.items()]
+        lines += [f"    ({name}: {value / GIB:.2f} GiB)" for name, value in g.info.items()]
+    lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
+    return "\n".join(lines)

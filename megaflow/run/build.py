@@ -1,0 +1,260 @@
+"""The one composition root: a validated config becomes this rank's running pieces.
+
+:func:`build_run` builds everything the loop needs on a trainer rank, as a :class:`Run`: the trainer (megatron
+``Trainer``, plus the frozen KL reference when ``algo.kl_beta > 0``), restored from the run dir's checkpoint
+when resuming; this rank's rollout (its SGLang engines, DP replicas behind the least-loaded balancer, on the
+ranks megaflow.parallel.placement names, and its reward scorer); the weight sync; the prompt stream; the
+trainer's settings; the engines' memory phases; the reporter. The component builders below take the config
+sections they need and return plain objects; benches and tests use them alone.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megaflow.config import MegaflowConfig, run_dir_of
+from megaflow.data.prompts import PromptStream, prompt_pool
+from megaflow.parallel.groups import RunGroups
+from megaflow.parallel.placement import Placement
+
+if TYPE_CHECKING:  # the builders import these when they build (heavy: megatron, sglang)
+    from megaflow.bridge.placed import PlacedSync
+    from megaflow.report.progress import RunReporter
+    from megaflow.rollout.hosted import HostedRollout
+    from megaflow.run.phases import Phases
+    from megaflow.trainer.grpo import GRPOSettings
+    from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
+
+
+@dataclass
+class Run:
+    """What one trainer rank runs: everything :func:`megaflow.run.loop.loop` reads."""
+
+    cfg: MegaflowConfig
+    """The run's config, with the pipeline's defaults applied (:func:`with_pipeline_defaults`)."""
+    run_dir: Path
+    placement: Placement
+    trainer: Trainer
+    reference: ReferenceModel | BaseReference | None
+    """The KL reference (under LoRA the trainer with its adapters off); None without KL (``algo.kl_beta`` 0)."""
+    rollout: HostedRollout
+    """This rank's part of the rollout: every rank gets every iteration's scored samples through it."""
+    sampler: object | None
+    """The driver's evaluation engines: its own, or the engine ranks' (``RemoteEngines``); None elsewhere."""
+    sync: PlacedSync
+    """This rank's side of the weight sync to every engine host."""
+    prompts: PromptStream
+    settings: GRPOSettings
+    phases: Phases
+    """The engines' accelerator memory, released around training (colocated, GPU)."""
+    reporter: RunReporter
+    """Metrics, progress, curves and samples (written by the driver)."""
+    diffusers_config: dict
+    """The pipeline's transformer config, written into every checkpoint."""
+    history: list[dict]
+    """Every metrics row so far (a resumed run: the checkpoint's)."""
+    start: int
+    """The iteration the run continues after (0: a fresh run)."""
+
+    def close(self) -> None:
+        """Stop the engines and the scorer, close the reporter."""
+        self.rollout.close()
+        self.reporter.close()
+
+
+def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
+              resume_from: Path | None = None, verbose: bool = False) -> Run:
+    """This trainer rank's :class:`Run` of ``cfg`` (pipeline defaults applied) on ``pipeline_dir``; resumed from
+    the checkpoint ``resume_from`` (after iteration ``start``) when given. ``verbose``: the engines' logs go to
+    the terminal."""
+    from megaflow.report.metrics import write_metrics_rows
+    from megaflow.report.progress import RunReporter
+    from megaflow.run.flowgrpo import grpo_settings
+    from megaflow.run.phases import Phases
+
+    run_dir, driver = run_dir_of(cfg), placement.is_driver
+    dconfig = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+    trainer, reference = build_trainer(cfg, pipeline_dir)
+    history, consumed = restore(trainer, resume_from, start, driver=driver)
+    rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
+    try:
+        sampler = rollout.local
+        if sampler is None and rollout.commands is not None:
+            from megaflow.rollout.engine_ranks import RemoteEngines
+            sampler = RemoteEngines(rollout.commands, placement.engine_ranks)
+        sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
+        prompts = prompt_stream(cfg, consumed)
+        settings = grpo_settings(cfg)
+        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated")
+        if driver:
+            write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
+        reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
+                               start_iteration=start)
+    except BaseException:
+        rollout.close()
+        raise
+    return Run(cfg=cfg, run_dir=run_dir, placement=placement, trainer=trainer, reference=reference, rollout=rollout,
+               sampler=sampler, sync=sync, prompts=prompts, settings=settings, phases=phases, reporter=reporter,
+               diffusers_config=dconfig, history=history, start=start)
+
+
+def restore(trainer, resume_from: Path | None, start: int, *, driver: bool) -> tuple[list[dict], int]:
+    """(metrics rows so far, prompts consumed): the checkpoint's, loaded into ``trainer`` (collective), or a
+    fresh run's ([], 0) when ``resume_from`` is None."""
+    if resume_from is None:
+        return [], 0
+    from megaflow.run.state import load
+    t_load = time.perf_counter()
+    state = load(trainer, resume_from)
+    if driver:
+        print(f"[megaflow] resuming after iteration {start} from {resume_from} "
+              f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
+    return state["metrics"], state["prompts_consumed"]
+
+
+def prompt_stream(cfg: MegaflowConfig, consumed: int = 0) -> PromptStream:
+    """The run's prompt stream (``data.prompts``), advanced past ``consumed`` prompts."""
+    d = cfg.data
+    return PromptStream(prompt_pool(d.prompts, seed=cfg.run.seed, categories=d.shapes_categories), cfg.run.seed,
+                        consumed)
+
+
+def resolve_pipeline(cfg: MegaflowConfig, run_dir: Path) -> Path:
+    """The diffusers pipeline dir to train: ``model.pretrained``, or a tiny one made for this run."""
+    if cfg.model.pretrained:
+        path = Path(cfg.model.pretrained)
+        if not (path / "transformer" / "config.json").is_file():
+            raise ValueError(f"model.pretrained: {path} has no transformer/config.json")
+        return path
+    from megaflow.models.tiny_pipeline import make_tiny_pipeline
+    path = run_dir / "tiny-pipeline"
+    if not (path / "model_index.json").is_file():
+        make_tiny_pipeline(cfg.model.family, path, seed=cfg.run.seed)
+    return path
+
+
+def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowConfig:
+    """``cfg`` with ``rollout.max_sequence_length`` = the pipeline's declared prompt length when left at 0."""
+    import dataclasses
+
+    from megaflow.models.pipeline_meta import declared_text_len
+    declared = declared_text_len(pipeline_dir)
+    if cfg.rollout.max_sequence_length or declared is None:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_sequence_length=declared))
+
+
+def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
+    """(Trainer with optimizer, the KL reference when algo.kl_beta > 0 else None), loaded from the pipeline's
+    DiT (and ``lora.init``). The reference: a frozen ReferenceModel (the trainer's TP/PP layout, no DDP, grad
+    buffer or optimizer), or under LoRA the trainer itself with its adapters off (``BaseReference``)."""
+    from safetensors.torch import load_file
+
+    from megaflow.models.registry import get_family
+    from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
+    from megaflow.trainer.settings import lora_settings, optimizer_config, transformer_kwargs
+
+    family = get_family(cfg.model.family)
+    tdir = pipeline_dir / "transformer"
+    mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
+    files = sorted(tdir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {tdir}")
+    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    opt = optimizer_config(cfg)
+    lora = lora_settings(cfg)
+    trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora)
+    trainer.load_diffusers_state_dict(state)
+    if lora is not None and cfg.lora.init:
+        from megaflow.models.common.lora_files import read_adapter
+        trainer.load_adapters(read_adapter(cfg.lora.init, rank=lora.rank, alpha=lora.alpha))
+    ref = None
+    if cfg.algo.kl_beta > 0 and lora is not None:
+        ref = BaseReference(trainer)  # the base = the trainer with its adapters off: no second model
+    elif cfg.algo.kl_beta > 0:
+        ref = ReferenceModel(mcfg, family=cfg.model.family, spec=cfg.model.spec)
+        ref.load_diffusers_state_dict(state)
+    return trainer, ref
+
+
+def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False) -> list:
+    """The SGLang engines this rank hosts (``placement``: megaflow.parallel.placement.Placement; None = a 1-process
+    run's): ``rollout.num_engines`` on an engine host, pinned to its local GPU when CUDA is present, none
+    elsewhere (each starts its own worker processes); their logs go to <run dir>/logs/, or with ``verbose``
+    to the terminal."""
+    from megaflow.parallel.placement import placement_from_env
+    from megaflow.rollout.sglang import SGLangEngine
+    from megaflow.rollout.sglang.config import engine_config
+
+    placement = placement or placement_from_env("rank0", cfg.rollout.num_engines, env={})
+    device = placement.device_index if torch.cuda.is_available() else None
+    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
+            for engine_id in placement.engine_ids()]
+
+
+def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False):
+    """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, the gloo
+    group over every launched rank, and on a disaggregated driver the commands to the engine ranks
+    (``groups``: megaflow.parallel.groups.RunGroups)."""
+    from megaflow.rollout.balancer import Balancer
+    from megaflow.rollout.engine_ranks import Commands
+    from megaflow.rollout.hosted import HostedRollout
+    engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose)
+    local = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if engines else None
+    scorer = build_scorer(cfg) if engines else None
+    commands = Commands(groups.control) if groups.control is not None and placement.is_driver else None
+    return HostedRollout(placement, engines=engines, local=local, scorer=scorer, group=groups.everyone,
+                         seed=cfg.run.seed, commands=commands)
+
+
+def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
+    """The local weight bridge of ``bridge.mode`` (colocated or disk) from this rank into ``engines``; under LoRA
+    (``lora.rank`` > 0) the adapter bridge (megaflow.bridge.lora: only the adapters move, merged by the engines)."""
+    b = cfg.bridge
+    nbytes = int(b.bucket_mb * 2**20)
+    if cfg.lora.rank > 0:  # preflight: only with bridge.mode = colocated
+        from megaflow.bridge.lora import LoRABridge
+        return LoRABridge(engines, alpha=cfg.lora.alpha, rank=cfg.lora.rank, verify=b.verify)
+    if b.mode == "colocated":
+        from megaflow.bridge.colocated import ColocatedBridge
+        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify)
+    if b.mode == "disk":
+        from megaflow.bridge.disk import DiskBridge
+        tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
+        return DiskBridge(engines, run_dir / "weights", transformer_config=tconf, bucket_bytes=nbytes,
+                          verify=b.verify)
+    raise ValueError(f"bridge.mode = {b.mode!r} has no local bridge (see build_sync)")
+
+
+def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir: Path):
+    """The PlacedSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed streams over
+    ``groups.weights`` (rank 0 and the engine hosts: NCCL with device tensors on GPU, else gloo)."""
+    from megaflow.bridge.placed import PlacedSync
+    from megaflow.parallel.placement import DRIVER
+    p, b = rollout.placement, cfg.bridge
+    targets = [rollout.local] if rollout.local is not None else []
+    if b.mode != "distributed":
+        bridge = build_bridge(cfg, targets, run_dir, pipeline_dir) if targets else None
+        return PlacedSync(p, group=groups.everyone, bridge=bridge)
+    from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
+    from megaflow.parallel.distributed import current_device
+    device = current_device() if torch.cuda.is_available() else torch.device("cpu")
+    if p.is_driver:
+        return PlacedSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
+            group=groups.weights, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify,
+            device=device, engines=targets))
+    receiver = DistributedReceiver(targets, group=groups.weights, src=DRIVER, device=device) if p.is_host else None
+    return PlacedSync(p, group=groups.everyone, receiver=receiver)
+
+
+def build_scorer(cfg: MegaflowConfig):
+    """The reward scorer of ``reward`` (the weighted rewards, scored on ``reward.num_workers`` threads)."""
+    from megaflow.rewards.registry import build_multi_reward
+    from megaflow.rewards.scorer import AsyncScorer
+    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs)
+    return AsyncScorer(reward, num_workers=cfg.reward.num_workers)

@@ -1,0 +1,54 @@
+"""An engine rank's whole run (``rollout.placement = "disaggregated"``): the last ``rollout.engine_ranks`` launched
+ranks host SGLang engines and train nothing.
+
+Such a rank builds only its rollout (engines + scorer) and its side of the weight sync (a receiver), then
+follows the driver's commands (megaflow.rollout.engine_ranks) until ``stop``: it receives the weights when the
+trainer ranks sync, samples and scores its share of an iteration's groups when they collect, samples the
+driver's evaluation requests, and exits with the trainer ranks, as interrupted when they were.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megaflow.config import MegaflowConfig
+from megaflow.rollout.engine_ranks import Commands, exchange_generated
+from megaflow.run.interrupt import Interrupted, StopRequests
+from megaflow.run.roles import Roles
+
+
+def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, stop: StopRequests,
+                      verbose: bool = False) -> None:
+    """Build this rank's rollout and weight receiver, follow the driver until it stops the run; raises
+    :class:`Interrupted` when a signal ended it (every rank exits as the trainer ranks do). ``stop``: this
+    rank's signal handlers, restored before the engines shut down."""
+    from megaflow.config import run_dir_of
+    from megaflow.run.build import build_rollout, build_sync
+
+    hosted = build_rollout(cfg, roles.placement, pipeline_dir, roles.groups, verbose=verbose)
+    try:
+        sync = build_sync(cfg, hosted, roles.groups, run_dir_of(cfg), pipeline_dir)
+        end = follow(hosted, sync, Commands(roles.groups.control))
+    finally:
+        stop.restore()
+        hosted.close()
+    if end["interrupted"]:
+        raise Interrupted(*end["interrupted"])
+
+
+def follow(hosted, sync, commands: Commands) -> dict:
+    """Follow the driver's commands until ``stop``; returns the stop's payload (``interrupted``: the driver's
+    Interrupted arguments when a signal ended the run). ``hosted``: this rank's HostedRollout; ``sync``: its
+    PlacedSync (a receiver)."""
+    while True:
+        op, payload = commands.receive()
+        if op == "sync":
+            sync.push(iter(()))
+        elif op == "collect":
+            hosted.collect(payload["requests"], payload["iteration"])
+        elif op == "generate":
+            exchange_generated(commands, hosted.placement.hosts, payload["requests"], hosted.placement.rank,
+                               hosted.local)
+        elif op == "stop":
+            return payload
+        else:
+            raise ValueError(f"engine rank {hosted.placement.rank}: unknown command {op!r} from the driver")

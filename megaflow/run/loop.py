@@ -1,0 +1,154 @@
+"""The FlowGRPO loop: generate -> reward -> advantages -> train -> sync, every phase a named call.
+
+:func:`run` is a run's entry on every launched rank: its role (megaflow.run.roles), the run dir, then either an
+engine rank's service (megaflow.run.engine_rank) or the pieces of a trainer rank (megaflow.run.build) and
+:func:`loop`. The engine hosts (megaflow.parallel.placement) sample and score their share of the groups;
+every trainer rank receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages,
+takes part in the megatron step and in the weight sync to every host (megaflow.bridge.placed). Rank 0 (the
+driver) owns the run dir, the metrics and evaluation. Launch:
+
+    megaflow train -c configs/cpu_demo.toml                       # 1 process
+    torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
+    NNODES=2 NODE_RANK=<0|1> bash scripts/launch.sh -c ... --set rollout.engine_hosts='"node"'
+    NPROC=2 bash scripts/launch.sh -c ... --set rollout.placement='"disaggregated"' --set rollout.engine_ranks=1 \
+        --set bridge.mode='"distributed"'
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from megaflow.config import MegaflowConfig, run_dir_of
+from megaflow.run import faults
+from megaflow.run.build import Run, build_run, with_pipeline_defaults
+from megaflow.run.checkpoints import checkpoint_dir
+from megaflow.run.flowgrpo import batch_advantages, make_requests, train_steps
+from megaflow.run.interrupt import Interrupted, StopRequests
+from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
+from megaflow.seeds import MINIBATCHES, iteration_seed
+
+Evaluate = Callable[[object, "str | int"], None]
+
+
+def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, resume: bool = False,
+        verbose: bool = False) -> dict:
+    """Train for ``train.iterations``; returns the last iteration's metrics ({} on an engine rank).
+
+    ``evaluate(sampler, when)`` (rank 0) runs with the engines holding the initial weights (``"before"``,
+    not when resuming), the weights after each iteration's sync (``when`` = the iteration number) and the
+    final ones (``"after"``). ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
+    says when a run dir may be used). Checkpoints every ``train.save_every`` iterations and at the end;
+    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
+    the engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
+    torch.set_num_threads(cfg.run.num_threads)
+    run_dir = run_dir_of(cfg)
+    roles = start_roles(cfg)
+    stop = StopRequests()  # on an engine rank a signal waits for the driver's stop
+    claim = claim_run_dir(cfg, roles, resume=resume)
+    done = False
+    try:
+        pipeline_dir = share_pipeline(cfg, run_dir, roles)
+        cfg = with_pipeline_defaults(cfg, pipeline_dir)
+        if not roles.placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
+            from megaflow.run.engine_rank import serve_engine_rank
+            serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose)
+            done = True
+            return {}
+        the_run = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
+                            resume_from=claim.resume_from, verbose=verbose)
+        try:
+            metrics = loop(the_run, stop=stop, evaluate=evaluate, claim=claim)
+        finally:
+            stop.restore()  # a signal while the engines shut down abandons at once
+            the_run.close()
+        done = True
+    finally:
+        stop.restore()
+        if claim.owned is not None:
+            claim.owned.release(failed=not done)
+    return metrics
+
+
+def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, claim: Claim | None = None) -> dict:
+    """Iterations ``run.start + 1 .. train.iterations`` after the initial weight sync; checkpoints, reports,
+    evaluates (the driver) and stops at an iteration boundary when ``stop`` agrees; returns the last metrics."""
+    cfg, driver = run.cfg, run.placement.is_driver
+    evaluate = evaluate if driver else None
+    metrics: dict = run.history[-1] if run.history else {}
+    initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly the trainer's weights
+    if run.start == 0:
+        run.reporter.iteration(0, initial_sync)
+        run.history.append({"iteration": 0, **initial_sync})
+        if evaluate is not None:
+            evaluate(run.sampler, "before")
+    for it in range(run.start + 1, cfg.train.iterations + 1):
+        metrics, images = iteration(run, it)
+        signum = stop.agreed()
+        last = it == cfg.train.iterations
+        run.history.append({"iteration": it, **metrics})
+        if last or signum or (cfg.train.save_every and it % cfg.train.save_every == 0):
+            metrics["checkpoint/write_s"] = save(run, it)
+        run.reporter.iteration(it, metrics, images=images)
+        if claim is not None and claim.owned is not None:
+            claim.owned.first_iteration_done()
+        if signum:
+            interrupted = (signum, it, str(checkpoint_dir(run.run_dir, it)))
+            run.rollout.release(interrupted)
+            raise Interrupted(*interrupted)
+        if evaluate is not None and not last:
+            evaluate(run.sampler, it)
+    if evaluate is not None:
+        evaluate(run.sampler, "after")
+    run.rollout.release()
+    if driver:
+        rewards = [r["reward/total"] for r in run.history if "reward/total" in r]
+        print(f"[megaflow] done: reward {rewards[0]:.4f} (iteration 1) -> {rewards[-1]:.4f} "
+              f"(iteration {cfg.train.iterations}); run dir {run.run_dir}", flush=True)
+    return metrics
+
+
+def iteration(run: Run, it: int) -> tuple[dict, list]:
+    """One iteration on this rank: collect the scored batch, advantages, the trainer's update, the weight
+    sync; (its metrics, its images)."""
+    from megaflow.trainer.grpo import grpo_update
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    trajs, advantages, keep, roll_metrics = batch_advantages(
+        *run.rollout.collect(make_requests(cfg, run.prompts, it), it), cfg)
+    faults.check("rollout", it)
+    t_rollout = time.perf_counter() - t0
+    with run.phases.training():
+        train_metrics = grpo_update(run.trainer, trajs, advantages, keep, train_steps(cfg, run.settings.transition, it),
+                                    run.settings, run.reference, seed=iteration_seed(cfg.run.seed, it, MINIBATCHES))
+    faults.check("train", it)
+    t_train = time.perf_counter() - t0 - t_rollout
+    sync_metrics = sync_weights(run.trainer, run.sync, it)
+    metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
+               **run.phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
+               "time/iteration_s": time.perf_counter() - t0}
+    metrics.update(run.rollout.metrics())
+    return metrics, [t.image for t in trajs]
+
+
+def save(run: Run, it: int) -> float:
+    """Checkpoint iteration ``it`` (collective over the trainer ranks); the seconds it took."""
+    from megaflow.run.state import save as save_state
+    return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
+                      prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
+                      keep=run.cfg.train.keep_checkpoints)
+
+
+def sync_weights(trainer, sync, iteration: int = 0) -> dict:
+    """Gather full weights (every rank; under LoRA only the adapters), push them into every engine host's
+    engines, verify (``sync``: a megaflow.bridge.placed.PlacedSync); the merged metrics on every rank."""
+    from megaflow.bridge.lora import sync_stream
+    return sync.push(_fault_midway(sync_stream(trainer), iteration))
+
+
+def _fault_midway(stream, iteration: int):
+    for i, item in enumerate(stream):
+        if i == 4:
+            faults.check("sync", iteration)
+        yield item

@@ -1,0 +1,104 @@
+"""Save and restore everything a FlowGRPO run needs to continue exactly (collective over trainer ranks).
+
+A checkpoint (layout in :mod:`megaflow.run.checkpoints`) holds the trainer's model and optimizer as a megatron
+dist checkpoint, and in ``state.json``: the iteration, the prompt-stream position, every rank's RNG
+states (torch, numpy, python), the metrics rows so far and the config it was written with. Everything
+else a run does is a pure function of ``run.seed`` and the iteration (rollout noise, SDE windows,
+minibatch shuffles), so resuming from iteration k and running to n gives the uninterrupted run's
+weights bit for bit.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaflow.parallel.distributed import barrier, rank
+from megaflow.run import faults
+from megaflow.run.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
+
+
+def rng_state() -> dict:
+    """This process's RNG states as JSON-able values."""
+    np_state = np.random.get_state()
+    return {"python": repr(random.getstate()),
+            "numpy": [np_state[0], base64.b64encode(np_state[1].tobytes()).decode(), *np_state[2:]],
+            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def set_rng_state(state: dict) -> None:
+    import ast
+    random.setstate(ast.literal_eval(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.frombuffer(base64.b64decode(keys), dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+
+
+def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
+         metrics_rows: list[dict], keep: int) -> float:
+    """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``.
+    Returns the seconds it took."""
+    from megaflow.trainer.checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    root = Path(run_dir).absolute() / CHECKPOINTS
+    stage = root / f".staging-{iteration:06d}"
+    if rank() == 0:
+        for stale in root.glob(".staging-*") if root.is_dir() else []:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a writer that was killed
+        stage.mkdir(parents=True)
+    barrier()
+    rngs = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(rngs, rng_state())
+    else:
+        rngs[0] = rng_state()
+    tconf = trainer.config
+    save_checkpoint(trainer.chunks, stage / MODEL_DIR, family=family, diffusers_config=diffusers_config,
+                    optimizer=trainer.optimizer)
+    faults.check("checkpoint", iteration)
+    if rank() != 0:
+        barrier()
+        return time.perf_counter() - t0
+    state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
+             "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
+                                                 "pp": tconf.pipeline_model_parallel_size}}
+    with open(stage / STATE_FILE, "w") as fh:
+        json.dump(state, fh, default=float)
+        fh.flush()
+        os.fsync(fh.fileno())
+    final = checkpoint_dir(run_dir, iteration).absolute()
+    if final.exists():  # re-written after a resume from an older checkpoint
+        shutil.rmtree(final)
+    os.rename(stage, final)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return time.perf_counter() - t0
+
+
+def load(trainer, ckpt: Path) -> dict:
+    """Collective: load model + optimizer from ``ckpt`` into ``trainer``, restore this rank's RNG states,
+    return the checkpoint's state (iteration, prompts_consumed, metrics)."""
+    from megaflow.trainer.checkpoint import load_checkpoint
+
+    state = read_state(ckpt)
+    tconf = trainer.config
+    layout = {"tp": tconf.tensor_model_parallel_size, "pp": tconf.pipeline_model_parallel_size}
+    if state.get("layout", layout) != layout:
+        raise ValueError(f"{ckpt}: saved at {state['layout']}, resuming at {layout}: the optimizer state "
+                         "reshards across data parallelism only; resume at the same tp/pp")
+    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer)
+    rngs = state["rng"]
+    if len(rngs) != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise ValueError(f"{ckpt}: saved by {len(rngs)} ranks; resume with the same number of processes")
+    set_rng_state(rngs[rank()])
+    return state

@@ -1,0 +1,121 @@
+"""ShapeEval of a model: sample held-out prompts through an engine, score, report with 95% intervals.
+
+The prompt set is fixed by (num, seed): ``num`` prompts balanced over the held-out categories (new
+combinations of seen words) plus ``num_seen`` prompts of the categories whose universe is too small to
+split (reported apart, as seen during training). Every prompt gets one sample with its own fixed seed
+and deterministic (ODE) sampling, so two evaluations of the same model give the same images and two
+models are compared on the same prompts and noise. Images are saved with a ``manifest.jsonl`` (so
+``megaflow eval shapes --images DIR`` re-scores them) and a grid per category.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+import torch
+
+from megaflow.data.shapes import HELD_OUT_CATEGORIES, SEEN_CATEGORIES, parse_prompt, sample_prompts
+from megaflow.shapeeval.checker import score_image
+from megaflow.shapeeval.score import summarize
+
+
+def eval_prompts(num: int, num_seen: int, seed: int) -> tuple[list[str], list[str]]:
+    """(held-out prompts, seen-category prompts), deterministic in (num, num_seen, seed)."""
+    held = sample_prompts("eval", num, seed=seed, categories=HELD_OUT_CATEGORIES)
+    seen = sample_prompts("eval", num_seen, seed=seed, categories=SEEN_CATEGORIES) if num_seen else []
+    return held, seen
+
+
+def ci95(p: float, n: int) -> list[float]:
+    """Wilson 95% interval of a proportion ``p`` over ``n`` samples."""
+    if n == 0:
+        return [0.0, 1.0]
+    z = 1.959964
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def requests_for(prompts: list[str], *, seed: int, num_steps: int, resolution: int,
+                 max_sequence_length: int | None):
+    from megaflow.rollout.types import RolloutRequest
+    return [RolloutRequest(prompt=p, num_outputs=1, seed=seed * 100_003 + i, num_steps=num_steps, height=resolution,
+                           width=resolution, sde_type="ode", max_sequence_length=max_sequence_length,
+                           request_id=f"eval{i}") for i, p in enumerate(prompts)]
+
+
+def score(images: torch.Tensor, prompts: list[str]) -> dict:
+    """ShapeEval summary of float images [N, 3, H, W] in [0, 1], with Wilson 95% intervals."""
+    arr = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    verdicts = [score_image(im, parse_prompt(p)) for im, p in zip(arr, prompts)]
+    out = summarize(verdicts)
+    out["ci95"] = ci95(out["accuracy"], out["num"])
+    out["per_category_ci95"] = {c: ci95(a, out["per_category_num"][c]) for c, a in out["per_category"].items()}
+    out["passed"] = [bool(v.passed) for v in verdicts]
+    return out
+
+
+def save_images(images: torch.Tensor, prompts: list[str], out_dir: Path, *, columns: int = 10) -> None:
+    """PNG per image + manifest.jsonl + a grid of the first ``columns`` images of each category."""
+    from PIL import Image
+
+    from megaflow.data.shapes import category_of
+    from megaflow.report.metrics import save_image_grid
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arr = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    rows, by_cat = [], {}
+    for i, (im, p) in enumerate(zip(arr, prompts)):
+        name = f"{i:04d}.png"
+        Image.fromarray(im).save(out_dir / name)
+        rows.append(json.dumps({"file": name, "prompt": p}))
+        by_cat.setdefault(category_of(parse_prompt(p)), []).append(i)
+    (out_dir / "manifest.jsonl").write_text("\n".join(rows) + "\n")
+    picked = [i for idx in by_cat.values() for i in idx[:columns]]
+    save_image_grid(images[picked], out_dir / "grid.png", columns=columns)
+
+
+def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
+                    resolution: int = 32, max_sequence_length: int | None = None, out_dir: Path | None = None) -> dict:
+    """Sample the fixed prompt set through ``engine`` (ODE), score it; JSON-able result."""
+    held, seen = eval_prompts(num, num_seen, seed)
+    prompts = held + seen
+    trajs = engine.generate(requests_for(prompts, seed=seed, num_steps=num_steps, resolution=resolution,
+                                         max_sequence_length=max_sequence_length))
+    images = torch.stack([t.image for t in trajs])
+    result = score(images[:len(held)], held)
+    result["seen"] = score(images[len(held):], seen) if seen else {}
+    result.update(seed=seed, num_steps=num_steps, resolution=resolution)
+    if out_dir is not None:
+        save_images(images, prompts, Path(out_dir))
+        result["images"] = str(out_dir)
+    return result
+
+
+def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
+                      resolution: int = 32, out_dir: Path | None = None) -> dict:
+    """Start one SGLang engine on ``pipeline_dir`` and evaluate it (``evaluate_engine``)."""
+    from megaflow.models.pipeline_meta import declared_text_len
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    pipeline_dir = Path(pipeline_dir)
+    if not (pipeline_dir / "model_index.json").is_file():
+        raise ValueError(f"--pipeline {pipeline_dir}: not a diffusers pipeline directory (no model_index.json)")
+    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir)))
+    try:
+        return evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
+                               resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),
+                               out_dir=out_dir)
+    finally:
+        engine.shutdown()
+
+
+def brief(result: dict) -> dict:
+    """The result without per-image lists (for printing)."""
+    out = {k: v for k, v in result.items() if k != "passed"}
+    if result.get("seen"):
+        out["seen"] = {k: v for k, v in result["seen"].items() if k != "passed"}
+    return out
+
+
+

@@ -1,0 +1,48 @@
+"""The ONE mapping from megaflow's config to the trainer's settings (megatron TransformerConfig kwargs, optimizer,
+LoRA)."""
+from __future__ import annotations
+
+import torch
+
+from megaflow.config.schema import MegaflowConfig
+
+
+def transformer_kwargs(cfg: MegaflowConfig) -> dict:
+    """Parallel layout and dtype kwargs for the family's ``config_from_diffusers``."""
+    p = cfg.parallel
+    kwargs = dict(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp,
+                  sequence_parallel=p.sp, virtual_pipeline_model_parallel_size=p.vpp or None)
+    if cfg.model.dtype == "bfloat16":
+        kwargs.update(bf16=True, params_dtype=torch.bfloat16)
+    kwargs.update(recompute_kwargs(cfg))
+    return kwargs
+
+
+def recompute_kwargs(cfg: MegaflowConfig) -> dict:
+    """``train.recompute`` / ``recompute_num_layers`` as megatron's recompute fields, which the DiT models
+    read (megaflow.models.common.model.recompute_blocks): full + 0 -> every block its own checkpoint
+    (uniform, 1 layer per unit); full + N -> the first N blocks of each chunk (block, N)."""
+    t = cfg.train
+    if t.recompute == "none":
+        return {}
+    if t.recompute_num_layers == 0:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=t.recompute_num_layers)
+
+
+def optimizer_config(cfg: MegaflowConfig):
+    """megatron AdamW (ZeRO-1 distributed optimizer) from ``train``."""
+    from megaflow.trainer.runner import adam_config
+    t = cfg.train
+    return adam_config(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, distributed=True,
+                       bf16=cfg.model.dtype == "bfloat16")
+
+
+def lora_settings(cfg: MegaflowConfig):
+    """The trainer's LoRA settings from ``lora`` (None for full-parameter training, ``lora.rank`` 0); the
+    adapters' A is drawn from ``run.seed``."""
+    if cfg.lora.rank == 0:
+        return None
+    from megaflow.config.sections import from_section
+    from megaflow.models.common.lora import LoRASettings
+    return from_section(LoRASettings, cfg.lora, seed=cfg.run.seed)

@@ -1,0 +1,149 @@
+"""``megaflow plan``: the model arithmetic against the real models, and the command on the shipped configs.
+
+Needs: CPU; 1 process for the measured part (slow). Checks:
+- parameter counts (megaflow.plan.dit) equal the diffusers models' numel exactly (tiny SD3.5-like with dual
+  attention and q/k norm, tiny FLUX; SD3's position table is a buffer, counted apart);
+- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3 and FLUX at sizes
+  where activations dominate; also under LoRA, base frozen, adapters on two target sets), and the predicted trainer memory (weights, fp32 grads, Adam, activations) vs the
+  peak RSS of building the trainer and one train step: ratio printed, asserted within [0.6, 1.6];
+- the plan of both GPU configs (built-in tables) and of a tiny pipeline dir (read from its files);
+- LoRA activations by linear implementation, and one optimizer step's GRPO microbatches (exact arithmetic).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflow.config import load_config
+from megaflow.models.flux import tiny as flux_tiny
+from megaflow.models.sd3 import tiny as sd3_tiny
+from megaflow.plan.memory import GIB, format_plan, plan, trainer_items
+from megaflow.plan.dit import (
+    LORA_STAGE_EXTRA, STAGE_EXTRA, block_activation_units, dims_from_config, total_params,
+)
+from megaflow.testing.dist import run_multiprocess
+
+import plan_workers
+
+SD3 = sd3_tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0, 1), num_layers=4, attention_head_dim=16,
+                           num_attention_heads=4, caption_projection_dim=64, sample_size=64, pos_embed_max_size=64)
+FLUX = flux_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, axes_dims_rope=(4, 6, 6))
+
+
+def test_param_counts_equal_diffusers_models():
+    model = sd3_tiny.diffusers_model(SD3)
+    n = sum(p.numel() for p in model.parameters())
+    assert total_params(dims_from_config("sd3", SD3, "tiny")) == n
+    model = flux_tiny.diffusers_model(FLUX)
+    assert total_params(dims_from_config("flux", FLUX, "tiny")) == sum(p.numel() for p in model.parameters())
+
+
+def _predicted_saved(family: str, dcfg: dict, image: int, text: int, batch: int, targets=None) -> float:
+    d = dims_from_config(family, dcfg, "tiny")
+    units = sum(block_activation_units(d, i, image, text, 1, False, targets) for i in range(d.num_blocks))
+    return (units + (STAGE_EXTRA if targets is None else LORA_STAGE_EXTRA) * (image + text)) * batch * d.hidden * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_predictions_vs_measured_memory(family, tmp_path):
+    if family == "sd3":
+        dcfg, batches = SD3, sd3_tiny.sft_batches(SD3, num_microbatches=1, batch=4, context_len=32, latent_size=64)
+        image, text = 32 * 32, 32
+    else:
+        dcfg, batches = FLUX, flux_tiny.sft_batches(FLUX, num_microbatches=1, batch=4, grid=32, context_len=32)
+        image, text = 32 * 32, 32
+    torch.save(dict(family=family, dcfg=dcfg, batches=batches), tmp_path / "case.pt")
+    (m,) = run_multiprocess(plan_workers.measure_rank, 1, str(tmp_path / "case.pt"), timeout_s=600)
+    predicted = _predicted_saved(family, dcfg, image, text, batch=4)
+    print(family, "saved: predicted", predicted / 2**20, "MiB, measured", m["saved"] / 2**20, "MiB")
+    assert 0.75 <= predicted / m["saved"] <= 1.25, (predicted, m)
+    cfg = load_config(None, [f"model.family={family}", "algo.kl_beta=0", "train.micro_batch_size=4"])
+    items, _ = trainer_items(cfg, dims_from_config(family, dcfg, "tiny"), world=1, stage=0, image=image, text=text)
+    trainer = sum(v for k, v in items.items() if k not in ("runtime", "GRPO microbatches (1 step)"))  # one SFT step
+    ratio = trainer / m["peak_rss"]
+    print(family, f"train step: predicted {trainer / 2**20:.1f} MiB, peak RSS {m['peak_rss'] / 2**20:.1f} MiB, "
+          f"ratio {ratio:.2f}")
+    assert 0.6 <= ratio <= 1.6, (trainer, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("targets", [("linear_qkv", "linear_proj"),
+                                     ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")])
+def test_lora_predictions_vs_measured_saved_bytes(family, targets, tmp_path):
+    """Frozen base: autograd keeps no input of a frozen linear nor the adaLN-only operands, about 0.55-0.75 of
+    the full-parameter bytes; the LoRA coefficients must follow the measurement."""
+    if family == "sd3":
+        dcfg, batches = SD3, sd3_tiny.sft_batches(SD3, num_microbatches=1, batch=4, context_len=32, latent_size=64)
+    else:
+        dcfg, batches = FLUX, flux_tiny.sft_batches(FLUX, num_microbatches=1, batch=4, grid=32, context_len=32)
+    torch.save(dict(family=family, dcfg=dcfg, batches=batches, targets=targets), tmp_path / "case.pt")
+    (saved,) = run_multiprocess(plan_workers.measure_saved_rank, 1, str(tmp_path / "case.pt"), timeout_s=600)
+    predicted = _predicted_saved(family, dcfg, 32 * 32, 32, batch=4, targets=targets)
+    print(family, targets, "saved under LoRA: predicted", predicted / 2**20, "MiB, measured", saved / 2**20, "MiB")
+    assert 0.75 <= predicted / saved <= 1.25, (predicted, saved)
+    assert predicted < 0.8 * _predicted_saved(family, dcfg, 32 * 32, 32, batch=4)
+
+
+def test_plan_lora_activations_follow_the_linear_implementation():
+    """Under LoRA the frozen linears keep no input at TP=1 and with Transformer Engine (spec auto/te); megatron's
+    own linear function (spec local, TP>1) keeps it, so the full-parameter activations stay there."""
+    base = ["lora.rank=32", "lora.alpha=64.0", 'lora.targets=["linear_qkv","linear_proj"]', "train.recompute=none"]
+    def act(overrides, gpus=8):
+        cfg = load_config("configs/sd3_medium_8xh100.toml", overrides)
+        return plan(cfg, gpus=gpus, gpu_mem_gib=80)["groups"][0].items["activations"]
+    full = act(["train.recompute=none"])
+    lora = act(base)
+    assert 0.5 < lora / full < 0.7  # flow_grpo's SD3 LoRA targets: about 0.6 of the full-parameter bytes
+    assert act(base + ['model.spec="local"']) == pytest.approx(lora)  # TP=1: F.linear either way
+    tp2 = base + ["parallel.tp=2"]
+    assert act(tp2 + ['model.spec="local"']) == pytest.approx(act(["train.recompute=none", "parallel.tp=2"]))
+    assert act(tp2) < 0.7 * act(tp2 + ['model.spec="local"'])
+
+
+def test_plan_counts_one_optimizer_steps_microbatches():
+    """grpo_update puts every micro-batch of an optimizer step on the GPU at once: this DP rank's (sample, step)
+    items, x_t twice under CFG plus x_{t+1} in fp32, text conditioning (negative and positive) in bf16."""
+    def mb(overrides=()):
+        cfg = load_config("configs/sd3_medium_8xh100.toml", list(overrides))
+        return plan(cfg, gpus=8, gpu_mem_gib=80)["groups"][0].items["GRPO microbatches (1 step)"]
+    items = 16 * 24 * 9 // 8  # prompts x group x int(10 x 0.99) trained steps, over 8 DP ranks
+    per_item = 3 * 1024 * 64 * 4 + 2 * (333 * 4096 + 2048) * 2
+    assert mb() == items * per_item
+    assert mb(["train.num_minibatches=2"]) == items // 2 * per_item
+    assert mb(["rollout.sde_window_size=2", "algo.clip_range=1e-5"]) == 16 * 24 * 2 // 8 * per_item
+    no_cfg = mb(["rollout.guidance_scale=1.0"])
+    assert no_cfg == items * (2 * 1024 * 64 * 4 + (333 * 4096 + 2048) * 2)
+
+
+def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
+    sd3 = plan(load_config("configs/sd3_medium_8xh100.toml"), gpus=8, gpu_mem_gib=80)
+    assert sd3["fits"] and [g.ranks for g in sd3["groups"]] == [list(range(8))]  # an engine on every rank
+    assert abs(sd3["params"] - 2.24e9) < 0.01e9 and sd3["image_tokens"] == 1024
+    rank0_only = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.engine_hosts="rank0"']), gpus=8,
+                      gpu_mem_gib=80)
+    rank0, others = rank0_only["groups"]
+    assert rank0.ranks == [0] and others.ranks == list(range(1, 8))
+    assert rank0.total - others.total == pytest.approx(sum(v for k, v in rank0.items.items() if k.startswith("engine")))
+    assert sd3["groups"][0].total == pytest.approx(rank0.total)
+    flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)  # LoRA, engine on every rank
+    assert abs(flux["params"] - 11.9e9) < 0.05e9 and flux["fits"]
+    items = flux["groups"][0].items
+    assert "KL reference" not in items and items["grads (fp32 buffer)"] < 0.02 * items["weights"]
+    full = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0"]), gpus=16, gpu_mem_gib=80)
+    assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
+    text = format_plan(full)
+    assert "DOES NOT FIT" in text and "fits: no" in text
+    # disaggregated: a second node of 8 engine-only GPUs; the trainer GPUs carry no engine, those carry no trainer
+    dis = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"',
+                                                              "rollout.engine_ranks=8", 'bridge.mode="distributed"']),
+               gpus=16, gpu_mem_gib=80)
+    trainers, engines = dis["groups"]
+    assert trainers.ranks == list(range(8)) and engines.ranks == list(range(8, 16)) and dis["fits"]
+    assert trainers.total == pytest.approx(others.total)  # the colocated rank without engines
+    assert set(engines.items) == {"runtime", *(k for k in rank0.items if k.startswith("engine"))}
+    tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
+    assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
+    with pytest.raises(ValueError, match="does not divide the .* trainer GPU"):
+        plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=6, gpu_mem_gib=80)

@@ -1,0 +1,252 @@
+"""Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
+step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
+``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
+and TP=2, and with a disaggregated placement (an engine-only rank). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
+write leaves the previous checkpoint usable, and no engine worker outlives a killed driver.
+
+Reference: the same config run once without interruption. Tolerance: none (torch.equal).
+Needs: CPU, real SGLang engines, 1-2 processes (torchrun for TP=2); ~4 min in all (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from megaflow.run.checkpoints import list_checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = """
+[run]
+name = "{name}"
+output_dir = "{out}"
+num_threads = 1
+[model]
+family = "sd3"
+[rollout]
+group_size = 2
+prompts_per_iter = 2
+num_steps = 3
+height = 32
+width = 32
+max_batch_outputs = 2   # one group per denoising call: batching never depends on timing
+[reward]
+weights = {{ color_target = 1.0 }}
+kwargs = {{ color_target = {{ target = "red" }} }}
+[algo]
+clip_range = 1e-4
+kl_beta = 0.0
+[train]
+iterations = 5
+lr = 3e-3
+micro_batch_size = 2
+save_every = 2
+keep_checkpoints = 2
+"""
+
+
+class Launch:
+    """``megaflow train`` in a subprocess (torchrun with ``nproc`` > 1) that records every descendant pid."""
+
+    def __init__(self, config: Path, *, nproc: int, resume: bool, fault: str = "", extra: tuple = ()):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        env.pop("MEGAFLOW_FAULT", None)
+        if fault:
+            env["MEGAFLOW_FAULT"] = fault
+        args = ["-m", "megaflow.cli", "train", "-c", str(config), *(["--resume"] if resume else []), *extra]
+        if nproc > 1:
+            args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                    str(_free_port()), *args]
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.descendants: set[int] = set()
+        self._watch = threading.Thread(target=self._record, daemon=True)
+        self._watch.start()
+
+    def _record(self) -> None:
+        root = psutil.Process(self.proc.pid)
+        while self.proc.poll() is None:
+            try:
+                self.descendants.update(c.pid for c in root.children(recursive=True))
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    def wait(self, timeout: float = 300) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        self._watch.join()
+        return self.proc.returncode, out, err
+
+    def assert_no_orphans(self, within_s: float = 30.0) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            alive = [p for p in self.descendants if _alive(p)]
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        for p in alive:  # clean up before failing
+            os.kill(p, signal.SIGKILL)
+        assert not alive, f"processes outlived their run: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_config(tmp: Path, name: str, tp: int) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(CONFIG.format(name=name, out=tmp / "runs") + f"[parallel]\ntp = {tp}\n")
+    return path
+
+
+def _final_weights(run_dir: Path) -> dict[str, object]:
+    """The last checkpoint's model entries, flattened to dotted names (tensors and extra states)."""
+    from megaflow.trainer.checkpoint import load_full_state_dict
+    it, ckpt = list_checkpoints(run_dir)[-1]
+    assert it == 5
+
+    def flat(x, prefix=""):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from flat(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            yield prefix, x
+    return dict(flat(load_full_state_dict(ckpt / "model")[1]))
+
+
+def _rewards(run_dir: Path) -> list[tuple[int, float | None]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iteration"], r.get("reward/total")) for r in rows]
+
+
+def _sigint_after_first_iteration(launch: Launch, run_dir: Path) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and launch.proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and any(json.loads(x).get("iteration") == 1 for x in metrics.read_text().splitlines()
+                                     if x.strip()):
+            os.killpg(launch.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+            return
+        time.sleep(0.05)
+
+
+def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool, extra: tuple = (),
+                      nproc: int = 0) -> Path:
+    config = _write_config(tmp, "crashed", tp)
+    run_dir = tmp / "runs" / "crashed"
+    resume, nproc = False, nproc or tp
+    if sigint_first:
+        launch = Launch(config, nproc=nproc, resume=False, extra=extra)
+        _sigint_after_first_iteration(launch, run_dir)
+        rc, _, err = launch.wait()
+        lines = [x for x in err.splitlines() if x.startswith("megaflow:")]
+        # every rank stops with a checkpoint (torchrun then exits 1, having been signalled itself)
+        assert rc == (130 if nproc == 1 else 1), (rc, err[-2000:])
+        assert [x for x in lines if "stopped by SIGINT" in x] == lines and len(lines) == nproc, err[-2000:]
+        launch.assert_no_orphans()
+        resume = True
+    for fault in faults:
+        launch = Launch(config, nproc=nproc, resume=resume, fault=fault, extra=extra)
+        rc, _, err = launch.wait()
+        assert rc != 0, f"fault {fault} did not stop the run:\n{err[-2000:]}"
+        launch.assert_no_orphans()
+        assert list_checkpoints(run_dir), f"no usable checkpoint after fault {fault}"
+        resume = True
+    launch = Launch(config, nproc=nproc, resume=True, extra=extra)
+    rc, out, err = launch.wait()
+    assert rc == 0, err[-3000:]
+    return run_dir
+
+
+def _reference(tmp: Path, tp: int) -> Path:
+    launch = Launch(_write_config(tmp, "reference", tp), nproc=tp, resume=False)
+    rc, _, err = launch.wait()
+    assert rc == 0, err[-3000:]
+    return tmp / "runs" / "reference"
+
+
+def _assert_same_run(reference: Path, crashed: Path) -> None:
+    ref_w, got_w = _final_weights(reference), _final_weights(crashed)
+    assert ref_w.keys() == got_w.keys()
+    assert sum(isinstance(v, torch.Tensor) for v in ref_w.values()) > 50
+    differ = [k for k in ref_w if not (torch.equal(ref_w[k], got_w[k]) if isinstance(ref_w[k], torch.Tensor)
+                                       else ref_w[k] == got_w[k])]
+    assert not differ, f"{len(differ)} tensors differ after resume, e.g. {differ[:3]}"
+    ref_r, got_r = _rewards(reference), _rewards(crashed)
+    assert [i for i, _ in got_r] == list(range(6)), f"metrics.jsonl iterations: {[i for i, _ in got_r]}"
+    assert got_r == ref_r
+
+
+def test_kill9_resume_is_exact_tp1(tmp_path):
+    reference = _reference(tmp_path, tp=1)
+    # SIGINT after iteration 1 (stops after iteration 1 or 2, with a checkpoint), then killed: in iteration 3's
+    # rollout; in iteration 3's weight sync; inside iteration 4's checkpoint write (checkpoint 2 stays the
+    # latest); after iteration 5's optimizer step.
+    crashed = _crash_and_resume(tmp_path, 1, ["rollout@3", "sync@3", "checkpoint@4", "train@5"], sigint_first=True)
+    _assert_same_run(reference, crashed)
+    assert not list((crashed / "checkpoints").glob(".staging-*")), "a killed writer's staging dir was left"
+
+
+@pytest.mark.dist
+def test_kill9_resume_is_exact_tp2(tmp_path):
+    reference = _reference(tmp_path, tp=2)
+    # rank 1 killed after iteration 3's optimizer step; rank 0 killed inside iteration 4's checkpoint write
+    crashed = _crash_and_resume(tmp_path, 2, ["train@3:1", "checkpoint@4:0"], sigint_first=False)
+    _assert_same_run(reference, crashed)
+
+
+@pytest.mark.dist
+def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path):
+    # 1 trainer rank + 1 engine-only rank: SIGINT stops both after a checkpoint (exit 130 on every rank);
+    # then the driver is killed midway through iteration 3's weight sync (the engine rank goes with it);
+    # the resumed run ends with the single-process run's weights
+    reference = _reference(tmp_path, tp=1)
+    extra = ("--set", "rollout.placement=disaggregated", "--set", "rollout.engine_ranks=1",
+             "--set", "bridge.mode=distributed")
+    crashed = _crash_and_resume(tmp_path, 1, ["sync@3:0"], sigint_first=True, extra=extra, nproc=2)
+    _assert_same_run(reference, crashed)
+
+
+def test_run_dir_is_owned(tmp_path):
+    """A rerun without --resume refuses a run with checkpoints; a finished run is never overwritten; a
+    concurrent run with the same name refuses; all within the CLI's first second, writing nothing."""
+    from megaflow.config import load_config
+    from megaflow.run.rundir import RunDir, check_run_dir
+    config = _write_config(tmp_path, "owned", 1)
+    cfg = load_config(config, ["train.iterations=1"])
+    held = RunDir(cfg, resume=False)  # as a live run holds it
+    try:
+        with pytest.raises(ValueError, match="in use by another run"):
+            check_run_dir(cfg, resume=False)
+        with pytest.raises(ValueError, match="in use by another run"):
+            RunDir(cfg, resume=False)
+    finally:
+        held.release(failed=True)
+    assert not (tmp_path / "runs" / "owned").exists(), "a run that never iterated left its dir behind"
+    for bad in ("../escape", "a/b", ".hidden", ""):
+        with pytest.raises(ValueError, match="run.name"):
+            check_run_dir(load_config(config, [f'run.name="{bad}"']), resume=False)
