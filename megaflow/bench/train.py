@@ -110,7 +110,7 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
 
     def engine(fast_paths=None):
         eng = Trainer(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
-                          optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
+                      optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
         eng.load_diffusers_state_dict(init_state)
         return eng
 

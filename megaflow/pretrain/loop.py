@@ -199,7 +199,7 @@ def run(cfg: MegaflowConfig) -> dict:
         dist.barrier()
     mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
     engine = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
-                         optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
+                     optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
     engine.load_diffusers_state_dict(pipe.transformer.state_dict())
     params = [q for m in engine.chunks for q in m.parameters()]
     ema = EMA(params, p.ema_decay)

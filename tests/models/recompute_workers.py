@@ -31,7 +31,7 @@ def _engine(family: str, dcfg: dict, layout: dict, recompute: str):
         dcfg, tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         sequence_parallel=dims.sp, **RECOMPUTE[recompute])
     return Trainer(cfg, family=family, spec="local",
-                       ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
 
 
 def _microbatches(batches: list[dict]) -> list[dict]:

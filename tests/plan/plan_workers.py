@@ -32,7 +32,7 @@ def measure_rank(case_path: str) -> dict:
 
     def build_and_step():
         eng = Trainer(cfg, family=case["family"], spec="local",
-                          optimizer_config=adam_config(lr=1e-4, distributed=True))
+                      optimizer_config=adam_config(lr=1e-4, distributed=True))
         eng.train_step(mbs)
         return eng
 
@@ -59,7 +59,7 @@ def measure_saved_rank(case_path: str) -> int:
     mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])
     mb.update({k: b[k] for k in ("txt_ids", "img_ids", "guidance") if k in b})
     eng = Trainer(cfg, family=case["family"], spec="local", optimizer_config=adam_config(lr=1e-4, distributed=True),
-                      lora=LoRASettings(rank=4, alpha=8.0, targets=tuple(case["targets"])))
+                  lora=LoRASettings(rank=4, alpha=8.0, targets=tuple(case["targets"])))
     params = [p for c in eng.chunks for p in c.parameters()]
     _, saved = saved_tensor_bytes(lambda: eng.model[0](**family.model_inputs(cfg, mb)), exclude=params)
     destroy_distributed()

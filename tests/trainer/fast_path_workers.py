@@ -162,7 +162,7 @@ def fast_paths_rank(dcfg: dict) -> dict:
     engines, state = {}, None
     for name, fp in variants.items():
         eng = Trainer(from_diffusers(dcfg), spec="local", fast_paths=fp,
-                          optimizer_config=adam_config(lr=1e-3, grad_clip=0.05, distributed=False))
+                      optimizer_config=adam_config(lr=1e-3, grad_clip=0.05, distributed=False))
         state = state or {k: v.clone() for k, v in eng.chunks[0].state_dict().items() if torch.is_tensor(v)}
         load_checked(eng.chunks[0], state)
         engines[name] = eng

@@ -61,7 +61,7 @@ def _grpo_rank(kind):
     trajs = _sample(dit, 4, 4, seed=7, kind=kind)
     init_distributed(ParallelDims())
     eng = Trainer(from_diffusers(DCFG), spec="local",
-                      optimizer_config=adam_config(lr=2e-4, grad_clip=0.0, distributed=False))
+                  optimizer_config=adam_config(lr=2e-4, grad_clip=0.0, distributed=False))
     eng.load_diffusers_state_dict(dit.state_dict())
     transition = TransitionConfig(kind=kind, noise_level=0.7, no_const=kind == "cps")
     steps = train_step_indices(4, transition)
