@@ -10,7 +10,7 @@ The groups megaflow needs across that boundary are built directly on the launch'
 serves both placements:
 
 * ``everyone`` (gloo, every launched rank): the rollout exchange, merged sync results, run-dir decisions;
-* ``control`` (gloo, the driver and the engine-only ranks; disaggregated only): the driver's commands;
+* ``control`` (gloo, the driver and the engine ranks; disaggregated only): the driver's commands;
 * ``weights`` (the driver and every engine host, ``bridge.mode = "distributed"``): NCCL on GPU, else gloo.
 
 Such groups are not registered with torch.distributed: collectives on them name ranks inside the group

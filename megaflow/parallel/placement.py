@@ -11,9 +11,9 @@ of them also start engines:
   per node, as torchrun numbers them);
 * ``rank``: every rank hosts engines.
 
-``rollout.placement = "disaggregated"``: the last ``rollout.engine_ranks`` launched ranks only sample
-(e.g. the whole last node); ranks ``0 .. trainers-1`` train and are megatron's whole world
-(megaflow.parallel.groups). Every engine-only rank is an engine host.
+``rollout.placement = "disaggregated"``: the last ``rollout.engine_ranks`` launched ranks, the engine ranks,
+only sample (e.g. the whole last node; their entry is megaflow.run.engine_rank); ranks ``0 .. trainers-1``
+train and are megatron's whole world (megaflow.parallel.groups). Every engine rank is an engine host.
 
 A host starts ``rollout.num_engines`` engines pinned to its own local device (the GPU of its local
 rank; on CPU nothing is pinned). Global rank 0 is always a trainer and the driver (run dir, metrics,

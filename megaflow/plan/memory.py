@@ -190,7 +190,7 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
         stage = (rank // (trainers // p.pp)) if p.pp > 1 and trains else 0
         key = (trains, stage, placement.get(rank, 0))
         if key not in groups:
-            # an engine-only rank's own process still holds a CUDA context, NCCL buffers and received buckets
+            # an engine rank's own process still holds a CUDA context, NCCL buffers and received buckets
             items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
                 else ({"runtime": RUNTIME_OVERHEAD}, {})
             if key[2]:

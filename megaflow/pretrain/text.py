@@ -1,7 +1,7 @@
 """Text encoders that understand ShapeEval prompts: whole-word tokenizers and a scene-parsing objective.
 
 A real SD3 starts from CLIP and T5 encoders that already know language; the tiny pipeline's random
-encoders do not, and a DiT trained on them must learn to parse words through noise (FACTS §6). Here
+encoders do not, and a DiT trained on them must learn to parse words through noise. Here
 the two CLIP stand-ins are pretrained on the TRAIN prompts' grammar with a small supervised objective
 (a stand-in for CLIP's language pretraining), then frozen:
 

@@ -1,6 +1,6 @@
 """A small AutoencoderKL trained to reconstruct ShapeEval renders (so decoded latents can be scored).
 
-A random VAE does not reconstruct (FACTS §6: round trips of ground truth score 0.000). This one has
+A random VAE does not reconstruct (round trips of ground truth score 0.000). This one has
 two levels (spatial factor 2: 32 px -> 16x16 latents), four latent channels, and is trained as an
 autoencoder (MSE + a small KL) on ground-truth renders of TRAIN prompts. Its ``scaling_factor`` and
 ``shift_factor`` are set from the latent statistics, as SD3's are, so latents are ~unit variance.

@@ -66,7 +66,7 @@ def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
-    disaggregated run, ``commands`` (megaflow.rollout.engine_ranks.Commands) reach the engine-only ranks."""
+    disaggregated run, ``commands`` (megaflow.rollout.engine_ranks.Commands) reach the engine ranks."""
 
     def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
                  commands=None):
@@ -77,7 +77,7 @@ class HostedRollout:
 
     def release(self, interrupted: tuple | None = None) -> None:
         """The run is over, or ``interrupted`` (the Interrupted arguments: signal, iteration, checkpoint) and
-        saved: the driver lets the engine-only ranks go (a no-op elsewhere). Only at a point where every rank
+        saved: the driver lets the engine ranks go (a no-op elsewhere). Only at a point where every rank
         has left its last collective."""
         if self.commands is not None:
             self.commands.send("stop", interrupted=interrupted)

@@ -5,8 +5,9 @@ the same prompt and sampling settings, one seed each). ``Trajectory`` is one sam
 trainer needs to recompute log p_theta(x_{t+1} | x_t) at every step (latents, sigmas, the engine's
 log-probs, the per-step SDE mask, the conditioning kwargs of the DiT) plus the decoded image for the
 reward. ``RewardScores`` are the rewards of a batch of samples (megaflow.rewards computes them; the rollout
-moves them between hosts with the samples). Tensors are on CPU. Conventions follow FACTS §4: sigma 1 = noise, 0 = data, ``sigmas`` has
-T+1 entries ending in 0, ``latents[0]`` is the initial noise and ``latents[T]`` the final sample.
+moves them between hosts with the samples). Tensors are on CPU. Conventions (megaflow.flow.step): sigma 1 =
+noise, 0 = data, ``sigmas`` has T+1 entries ending in 0, ``latents[0]`` is the initial noise and
+``latents[T]`` the final sample.
 """
 from __future__ import annotations
 

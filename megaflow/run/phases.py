@@ -3,7 +3,7 @@
 ``Phases.training()`` is a context manager: engines ``release()`` before, ``resume()`` after, and
 process memory (RSS, and CUDA allocated when present) is logged before and after each switch. On a
 CPU-only host the engines share host RAM with the trainer and SGLang's release path is GPU-only
-(it calls torch.cuda.synchronize unconditionally, FACTS §3), so the switch is skipped and only the
+(it calls torch.cuda.synchronize unconditionally), so the switch is skipped and only the
 memory figures are logged -- stated once in the log, not silently.
 """
 from __future__ import annotations

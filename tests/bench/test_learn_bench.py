@@ -1,4 +1,4 @@
-"""``megaflow bench learn`` (P6): the plain torch FlowGRPO step is megaflow's algorithm, and the plain loop runs.
+"""``megaflow bench learn``: the plain torch FlowGRPO step is megaflow's algorithm, and the plain loop runs.
 
 Needs: CPU; a gloo world of 1 (run_multiprocess) for the megatron side; diffusers. The case is
 tests/trainer/grpo_workers.py's: 7 SDE trajectories of 4 steps from a tiny SD3 DiT, one sample dropped
@@ -78,6 +78,7 @@ def _plain_grads(guidance: float) -> dict:
     return {k: p.grad.detach().clone() for k, p in dit.named_parameters()}
 
 
+@pytest.mark.dist
 def test_plain_step_gradient_equals_megaflow_trainer():
     torch.set_num_threads(1)
     (megatron,) = run_multiprocess(megatron_grads_rank, 1, [1.0, 4.5], timeout_s=600)

@@ -30,7 +30,7 @@ def _xv(shape, seed=0):
 
 
 def _reference_sde(x, v, eps, sig, sig_next, sig_max, a):
-    """FACTS.md §4 in float64, written independently of step.py."""
+    """The conventions of megaflow.flow.step (its module docstring) in float64, written independently of step.py."""
     x, v, eps = x.double(), v.double(), eps.double()
     sig_t = sig_max if abs(sig - 1.0) < 1e-6 else sig
     s = a * math.sqrt(sig / (1 - sig_t))

@@ -45,6 +45,7 @@ def _predicted_saved(family: str, dcfg: dict, image: int, text: int, batch: int,
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_predictions_vs_measured_memory(family, tmp_path):
     if family == "sd3":
@@ -68,6 +69,7 @@ def test_predictions_vs_measured_memory(family, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 @pytest.mark.parametrize("targets", [("linear_qkv", "linear_proj"),
                                      ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")])
@@ -135,7 +137,7 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
     text = format_plan(full)
     assert "DOES NOT FIT" in text and "fits: no" in text
-    # disaggregated: a second node of 8 engine-only GPUs; the trainer GPUs carry no engine, those carry no trainer
+    # disaggregated: a second node of 8 engine GPUs (engine ranks); the trainer GPUs carry no engine, those carry no trainer
     dis = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"',
                                                               "rollout.engine_ranks=8", 'bridge.mode="distributed"']),
                gpus=16, gpu_mem_gib=80)

@@ -49,7 +49,7 @@ def test_disaggregated_layout_puts_engines_on_the_last_ranks():
     d = placement_from_env("rank0", 2, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, placement="disaggregated",
                            engine_ranks=4)
     assert d.is_driver and d.is_trainer and not d.is_host and d.engine_ids() == []
-    c = placement_from_env("node", 1, env=env)  # colocated: every rank trains, no engine-only rank
+    c = placement_from_env("node", 1, env=env)  # colocated: every rank trains, no engine rank
     assert c.is_trainer and c.num_trainers == 8 and c.engine_ranks == ()
     assert launch_layout("disaggregated", "rank0", 1, 2, 1) == ((1,), 1)
     for engine_ranks, match in ((0, "needs 1 <= engine_ranks < the 2"), (2, "needs 1 <= engine_ranks < the 2")):
@@ -87,6 +87,7 @@ def _reference():
     return sample_and_score(engine, hw.FakeScorer(), hw.requests())
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["colocated", "distributed"])
 def test_hosted_rollout_and_sync_match_single_process(mode):

@@ -4,8 +4,8 @@ same demo in one process (its engine beside its trainer, the colocated bridge).
 
 Reference: the single-process run. Both train one trainer rank from the same weights, seeds and prompts,
 and both engines are the same SGLang engine on the same weights, so the runs must agree exactly: the
-evaluation images (sampled on the engine-only rank and sent to the driver, ``generate``), every
-iteration's rewards and training statistics (sampled and scored on the engine-only rank, sent to the
+evaluation images (sampled on the engine rank and sent to the driver, ``generate``), every
+iteration's rewards and training statistics (sampled and scored on the engine rank, sent to the
 trainer, ``collect``) and the evaluation after training (weights moved by the distributed bridge, ``sync``).
 Tolerance: bit-equal PNGs and metrics equal to 1e-6 relative (the same computation on the same CPU).
 Needs: CPU, 2 short demo runs (~1.5 min each).
@@ -38,6 +38,8 @@ def _demo(out: Path, launcher: list[str], extra: list[str]) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.engine
 def test_disaggregated_demo_equals_single_process(tmp_path):
     python = sys.executable
     torchrun = str(Path(python).parent / "torchrun")
@@ -62,5 +64,5 @@ def test_disaggregated_demo_equals_single_process(tmp_path):
             if key in ro:
                 assert rd[key] == pytest.approx(ro[key], rel=1e-6, abs=1e-12), (rd["iteration"], key)
         if rd["iteration"]:
-            assert "rollout/host0/images" not in rd  # sampled on the engine-only rank 1 only
+            assert "rollout/host0/images" not in rd  # sampled on the engine rank 1 only
             assert rd["rollout/host1/images"] == ro["rollout/host0/images"] > 0

@@ -1,7 +1,7 @@
 """Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
 step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
 ``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
-and TP=2, and with a disaggregated placement (an engine-only rank). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
+and TP=2, and with a disaggregated placement (an engine rank). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
 write leaves the previous checkpoint usable, and no engine worker outlives a killed driver.
 
 Reference: the same config run once without interruption. Tolerance: none (torch.equal).
@@ -221,7 +221,7 @@ def test_kill9_resume_is_exact_tp2(tmp_path):
 
 @pytest.mark.dist
 def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path):
-    # 1 trainer rank + 1 engine-only rank: SIGINT stops both after a checkpoint (exit 130 on every rank);
+    # 1 trainer rank + 1 engine rank: SIGINT stops both after a checkpoint (exit 130 on every rank);
     # then the driver is killed midway through iteration 3's weight sync (the engine rank goes with it);
     # the resumed run ends with the single-process run's weights
     reference = _reference(tmp_path, tp=1)
