@@ -2,17 +2,11 @@
 # Set up (or reuse) megaflow's Python 3.12 venv, then run the test suite.
 #   bash scripts/test.sh                 # everything (~30 min on 2 cores)
 #   bash scripts/test.sh -m "not slow"   # skip multi-process / real-engine tests (a few minutes)
-# Extra arguments go to pytest.
+# Extra arguments go to pytest; its exit code is the script's (a mistyped -m or path that collects nothing
+# exits 5, a failure).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 VENV="$(bash scripts/setup_env.sh | tail -n 1)"
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-set +e
-"$VENV/bin/python" -m pytest "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests (exit 5)"; exit 0
-fi
-exit "$rc"
+exec "$VENV/bin/python" -m pytest "$@"

@@ -32,6 +32,7 @@ def test_preflight_accepts_matching_bf16_and_refuses_mixed_under_verify():
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.engine
 def test_bf16_trainer_syncs_verified_into_bf16_engine(tiny_sd3_dir):
     (r,) = run_multiprocess(bf16_workers.bf16_sync_rank, 1, str(tiny_sd3_dir), timeout_s=600)

@@ -262,6 +262,7 @@ def _distributed_worker():
     return {"ok": ok, "equal": equal, "msg": msg}
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_distributed_push_to_two_receivers():
     from megaflow.testing.dist import run_multiprocess

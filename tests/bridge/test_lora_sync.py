@@ -14,9 +14,9 @@ import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.rollout.types import RolloutRequest
+import megaflow.rollout.sglang as sglang_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 RANK, ALPHA = 4, 8.0
 
 

@@ -67,6 +67,7 @@ def test_recompute_grads_equal_without(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_recompute_lowers_activation_memory(tmp_path):
     dcfg = sd3_tiny.tiny_config(num_layers=4, attention_head_dim=16, num_attention_heads=4, caption_projection_dim=64,
                                 sample_size=64, pos_embed_max_size=64)

@@ -11,7 +11,7 @@ import pytest
 
 from megaflow.testing import RankError, run_multiprocess
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _env_and_allreduce(scale):
@@ -49,9 +49,7 @@ def _assert_ranks_gone(tmp, world_size):
         assert not os.path.exists(f"/proc/{pid}"), f"rank {rank} (pid {pid}) still exists"
 
 
-@pytest.mark.parametrize(
-    "start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_results_in_rank_order_with_env_and_collective(start_method):
     out = run_multiprocess(
         _env_and_allreduce, 3, 2.0, env={"EXTRA": "x"}, timeout_s=120, start_method=start_method

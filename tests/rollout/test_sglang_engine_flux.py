@@ -12,9 +12,9 @@ import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.flow.step import config_for_step, sigma_max_of, transition_log_prob
 from megaflow.rollout.reference import sde_step_indices, transition_config
 from megaflow.rollout.types import RolloutRequest
+import megaflow.rollout.sglang as sglang_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 
 def test_flux_rollout_log_probs_recompute(tiny_pipeline_tool, tmp_path):

@@ -1,12 +1,10 @@
 """The SGLang engine's replay store (megaflow.rollout.sglang.replay), without an engine: a staging slot's
 tensors are kept as views (no copy), anything else as the store's own host copy, and ``apply`` re-sends it all."""
-import pytest
 import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.bridge.buckets import StagingSlots, pack
-
-replay = pytest.importorskip("megaflow.rollout.sglang.replay")
+from megaflow.rollout.sglang import replay
 
 
 def test_slot_tensors_are_kept_as_views_others_copied():

@@ -7,8 +7,7 @@ import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.bridge.buckets import pack
-
-weights = pytest.importorskip("megaflow.rollout.sglang.weights")
+from megaflow.rollout.sglang import weights
 
 
 def _named():

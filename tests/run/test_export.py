@@ -163,6 +163,7 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.engine
 def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
     """Engine A: the original pipeline + the trained weights through the bridge (as the controller's

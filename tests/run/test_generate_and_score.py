@@ -1,13 +1,15 @@
 """Scoring overlaps sampling (megaflow.run.flowgrpo.generate_and_score): each group is scored as soon as it is back.
-Needs: CPU, 1 process, ~3 s (plus importing the controller) (a fake engine and a fake per-image reward, both with sleeps).
+Needs: CPU, 1 process, ~3 s (a fake engine and a fake per-image reward, both with sleeps).
 
 Checked against the sequential path written out here (generate everything, score one batch, advantages):
-rewards, components and advantages bit for bit equal, same trajectories in the same order; and the
-overlapped wall time is below the sequential one (4 groups x 0.3 s sampling; 2 reward components x 8
-images x 0.01 s = 0.16 s scoring per group: sequential ~1.84 s, overlapped ~1.36 s; asserted < 0.85x).
+rewards, components and advantages bit for bit equal, same trajectories in the same order. The overlap is
+checked by order, not by time: the engine samples group g only once group g-1 has gone to the scorer (a
+sample-then-score path never hands a group over before every group is sampled, and the engine's wait for
+it times out). How much the overlap saves is a benchmark's question (``megaflow bench``), not a test's.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -47,6 +49,32 @@ class SlowEngine:
         return [t for f in self.submit(requests) for t in f.result()]
 
 
+class GatedEngine(SlowEngine):
+    """Samples group g > 0 only after group g - 1 went to the scorer (``handed_over[g - 1]``); records a wait
+    that timed out (the group was not handed over while the others still sampled)."""
+
+    def __init__(self, handed_over: list[threading.Event]):
+        super().__init__()
+        self.handed_over, self.timed_out = handed_over, []
+
+    def _sample(self, r: RolloutRequest):
+        g = int(r.request_id.removeprefix("g"))
+        if g > 0 and not self.handed_over[g - 1].wait(timeout=10):
+            self.timed_out.append(g)
+        return super()._sample(r)
+
+
+class RecordingScorer:
+    """Passes ``submit`` on to ``scorer`` and marks the submitted group as handed over."""
+
+    def __init__(self, scorer, handed_over: list[threading.Event]):
+        self.scorer, self.handed_over = scorer, handed_over
+
+    def submit(self, images, prompts, metadata=None):
+        self.handed_over[[r.prompt for r in _requests()].index(prompts[0])].set()
+        return self.scorer.submit(images, prompts, metadata)
+
+
 class SlowReward(Reward):
     name = "slow"
 
@@ -60,8 +88,8 @@ def _cfg():
 
 
 def _requests():
-    return [RolloutRequest(prompt=f"prompt number {g}{'x' * g}", num_outputs=SIZE, seed=100 * g, num_steps=2)
-            for g in range(GROUPS)]
+    return [RolloutRequest(prompt=f"prompt number {g}{'x' * g}", num_outputs=SIZE, seed=100 * g, num_steps=2,
+                           request_id=f"g{g}") for g in range(GROUPS)]
 
 
 def _sequential(engine, scorer):
@@ -72,20 +100,17 @@ def _sequential(engine, scorer):
     return trajs, scores, adv
 
 
-def test_overlapped_equals_sequential_and_is_faster():
-    engine = SlowEngine()
+def test_overlapped_equals_sequential_and_hands_each_group_over_once_back():
+    handed_over = [threading.Event() for _ in range(GROUPS)]
+    engine = GatedEngine(handed_over)
     with AsyncScorer(MultiReward([("slow", 1.0, SlowReward()), ("half", 0.5, SlowReward())])) as scorer:
-        t0 = time.perf_counter()
-        trajs, scores, adv = _sequential(engine, scorer)
-        sequential_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        got_trajs, got_adv, got_keep, metrics = generate_and_score(engine, scorer, _requests(), _cfg())
-        overlapped_s = time.perf_counter() - t0
+        trajs, scores, adv = _sequential(SlowEngine(), scorer)
+        got_trajs, got_adv, got_keep, metrics = generate_and_score(engine, RecordingScorer(scorer, handed_over),
+                                                                   _requests(), _cfg())
     assert [(t.prompt, t.seed) for t in got_trajs] == [(t.prompt, t.seed) for t in trajs]
     assert torch.equal(got_adv, adv.advantages) and torch.equal(got_keep, adv.keep)
     assert metrics["reward/total"] == scores.summary()["reward/total"]
     assert metrics["reward/slow"] == scores.summary()["reward/slow"]
     assert bool((adv.advantages != 0).any())
-    print(f"sequential {sequential_s:.2f} s, overlapped {overlapped_s:.2f} s")
-    assert overlapped_s < 0.85 * sequential_s, (overlapped_s, sequential_s)
-    assert metrics["time/score_after_sample_s"] < 2 * 2 * SCORE_S * SIZE  # about the last group's scoring only
+    assert engine.timed_out == [], "groups sampled before the previous group went to the scorer"
+    assert all(e.is_set() for e in handed_over)

@@ -79,6 +79,8 @@ def _launch_two_nodes(run_root: Path, case: str, timeout_s: float = 540) -> list
 
 
 @pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.engine
 @pytest.mark.parametrize("case", list(PLACEMENTS))
 def test_two_node_launch_trains_with_engines_on_the_engine_nodes(tmp_path, case):
     results = _launch_two_nodes(tmp_path / "runs", case)

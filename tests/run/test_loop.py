@@ -49,13 +49,21 @@ def test_train_loop_colocated(tmp_path):
 @pytest.mark.slow
 @pytest.mark.engine
 def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
-    m = _train(tmp_path, "disk", "--set", "train.iterations=1", "--set", 'bridge.mode="disk"',
+    """KL to the frozen reference: 0 at iteration 1 (the policy IS the reference), > 0 at iteration 2 (after an
+    update); TIS weights 1 while the engine samples with the trainer's weights; the disk bridge keeps only the
+    last sync's files."""
+    m = _train(tmp_path, "disk", "--set", "train.iterations=2", "--set", 'bridge.mode="disk"',
                "--set", "algo.kl_beta=0.04", "--set", 'algo.mismatch="tis"',
                "--set", 'algo.mismatch_level="trajectory"')  # weights over each sample's trained steps
-    assert m["sync/verified"] == 1.0
-    assert m["train/kl"] == pytest.approx(0.0, abs=1e-10)  # one step from the reference: identical policies
+    rows = {r["iteration"]: r for r in map(json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())}
+    first = rows[1]
+    assert first["sync/verified"] == 1.0 and m["sync/verified"] == 1.0
+    assert first["train/kl"] == pytest.approx(0.0, abs=1e-10)  # one step from the reference: identical policies
+    assert first["train/update_ok"] == 1.0 and first["train/grad_norm"] > 0
+    assert m["train/kl"] > 1e-9, m["train/kl"]  # the updated policy has left the reference
+    assert first["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert sorted(p.name for p in (tmp_path / "disk" / "weights").iterdir()) == ["sync-000002"]
+    assert sorted(p.name for p in (tmp_path / "disk" / "weights").iterdir()) == ["sync-000003"]
 
 
 @pytest.mark.slow

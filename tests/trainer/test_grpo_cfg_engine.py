@@ -13,11 +13,11 @@ import torch
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.rollout.types import RolloutRequest
 from megaflow.testing.dist import run_multiprocess
+import megaflow.rollout.sglang as sglang_engine
 
 import grpo_workers as W
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.dist]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 
 
 def test_trainer_log_probs_match_engine_under_cfg(tiny_sd3_dir, tmp_path):

@@ -14,11 +14,11 @@ import torch
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.rollout.types import RolloutRequest
 from megaflow.testing.dist import run_multiprocess
+import megaflow.rollout.sglang as sglang_engine
 
 import flux_grpo_workers as W
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.dist]
-sglang_engine = pytest.importorskip("megaflow.rollout.sglang")
 KINDS = {"sde": dict(sde_type="sde"),
          "cps": dict(sde_type="cps", noise_level=0.8, log_prob_no_const=True, sde_step_indices=[1, 2])}
 
