@@ -2,4 +2,5 @@
 from megaflow.bridge.base import SyncError, SyncReport, WeightBridge, WeightUpdateResult
 from megaflow.bridge.buckets import Bucket, iter_buckets, pack, tensor_sha256
 
-__all__ = ["Bucket", "SyncError", "SyncReport", "WeightBridge", "WeightUpdateResult", "iter_buckets", "pack", "tensor_sha256"]
+__all__ = ["Bucket", "SyncError", "SyncReport", "WeightBridge", "WeightUpdateResult", "iter_buckets", "pack",
+           "tensor_sha256"]

@@ -12,7 +12,7 @@ trainer ranks are about to do (what an engine rank does with each command: megaf
 * ``stop``: the run ended (or was interrupted and saved): shut the engines down and exit.
 
 The driver sends a command before each phase: :class:`~megaflow.rollout.hosted.HostedRollout` before a
-collect and when released, :class:`~megaflow.bridge.placed.PlacedSync` before a sync, and
+collect and when released, :class:`~megaflow.bridge.run_sync.RunSync` before a sync, and
 :class:`RemoteEngines` (the driver's evaluation engines) before a generate, so the loop itself has no
 placement branches. A signal on an engine rank is deferred: the driver decides when the run ends.
 """

@@ -23,7 +23,7 @@ from megaflow.parallel.groups import RunGroups
 from megaflow.parallel.placement import Placement
 
 if TYPE_CHECKING:  # the builders import these when they build (heavy: megatron, sglang)
-    from megaflow.bridge.placed import PlacedSync
+    from megaflow.bridge.run_sync import RunSync
     from megaflow.report.progress import RunReporter
     from megaflow.rollout.hosted import HostedRollout
     from megaflow.run.phases import Phases
@@ -45,8 +45,8 @@ class Run:
     rollout: HostedRollout
     """This rank's part of the rollout: every rank gets every iteration's scored samples through it."""
     sampler: object | None
-    """The driver's evaluation engines: its own, or the engine ranks' (``RemoteEngines``); None elsewhere."""
-    sync: PlacedSync
+    """What the driver evaluates with: its own engines, or the engine ranks' (``RemoteEngines``)."""
+    sync: RunSync
     """This rank's side of the weight sync to every engine host."""
     prompts: PromptStream
     settings: GRPOSettings
@@ -232,24 +232,24 @@ def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir
 
 
 def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir: Path):
-    """The PlacedSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed streams over
+    """The RunSync of this rank for ``rollout`` (a HostedRollout). bridge.mode = distributed streams over
     ``groups.weights`` (rank 0 and the engine hosts: NCCL with device tensors on GPU, else gloo)."""
-    from megaflow.bridge.placed import PlacedSync
+    from megaflow.bridge.run_sync import RunSync
     from megaflow.parallel.placement import DRIVER
     p, b = rollout.placement, cfg.bridge
     targets = [rollout.local] if rollout.local is not None else []
     if b.mode != "distributed":
         bridge = build_bridge(cfg, targets, run_dir, pipeline_dir) if targets else None
-        return PlacedSync(p, group=groups.everyone, bridge=bridge)
+        return RunSync(p, group=groups.everyone, bridge=bridge)
     from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
     from megaflow.parallel.distributed import current_device
     device = current_device() if torch.cuda.is_available() else torch.device("cpu")
     if p.is_driver:
-        return PlacedSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
+        return RunSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
             group=groups.weights, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify,
             device=device, engines=targets))
     receiver = DistributedReceiver(targets, group=groups.weights, src=DRIVER, device=device) if p.is_host else None
-    return PlacedSync(p, group=groups.everyone, receiver=receiver)
+    return RunSync(p, group=groups.everyone, receiver=receiver)
 
 
 def build_scorer(cfg: MegaflowConfig):

@@ -38,7 +38,7 @@ def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, 
 def follow(hosted, sync, commands: Commands) -> dict:
     """Follow the driver's commands until ``stop``; returns the stop's payload (``interrupted``: the driver's
     Interrupted arguments when a signal ended the run). ``hosted``: this rank's HostedRollout; ``sync``: its
-    PlacedSync (a receiver)."""
+    RunSync (a receiver)."""
     while True:
         op, payload = commands.receive()
         if op == "sync":

@@ -4,7 +4,7 @@
 engine rank's service (megaflow.run.engine_rank) or the pieces of a trainer rank (megaflow.run.build) and
 :func:`loop`. The engine hosts (megaflow.parallel.placement) sample and score their share of the groups;
 every trainer rank receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages,
-takes part in the megatron step and in the weight sync to every host (megaflow.bridge.placed). Rank 0 (the
+takes part in the megatron step and in the weight sync to every host (megaflow.bridge.run_sync). Rank 0 (the
 driver) owns the run dir, the metrics and evaluation. Launch:
 
     megaflow train -c configs/cpu_demo.toml                       # 1 process
@@ -142,7 +142,7 @@ def save(run: Run, it: int) -> float:
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:
     """Gather full weights (every rank; under LoRA only the adapters), push them into every engine host's
-    engines, verify (``sync``: a megaflow.bridge.placed.PlacedSync); the merged metrics on every rank."""
+    engines, verify (``sync``: a megaflow.bridge.run_sync.RunSync); the merged metrics on every rank."""
     from megaflow.bridge.lora import sync_stream
     return sync.push(_fault_midway(sync_stream(trainer), iteration))
 

@@ -1,10 +1,12 @@
-"""Colocated train/rollout phases: free the engines' accelerator memory while the trainer runs.
+"""The rollout and training phases of an engine host (``bridge.mode = "colocated"``: the engines share the
+trainer's GPU): free the engines' accelerator memory while the trainer runs.
 
 ``Phases.training()`` is a context manager: engines ``release()`` before, ``resume()`` after, and
 process memory (RSS, and CUDA allocated when present) is logged before and after each switch. On a
 CPU-only host the engines share host RAM with the trainer and SGLang's release path is GPU-only
 (it calls torch.cuda.synchronize unconditionally), so the switch is skipped and only the
-memory figures are logged -- stated once in the log, not silently.
+memory figures are logged -- stated once in the log, not silently. Metrics: ``colocate/switch_seconds``
+and the memory figures ``mem/<name>_rollout`` / ``mem/<name>_train``.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ class Phases:
         self.enabled = enabled and torch.cuda.is_available()
         self.metrics: dict[str, float] = {}
         if enabled and not self.enabled:
-            log.info("colocate: no CUDA device; engines keep their memory during training (release is GPU-only)")
+            log.info("phases: no CUDA device; engines keep their memory during training (release is GPU-only)")
 
     @contextlib.contextmanager
     def training(self):

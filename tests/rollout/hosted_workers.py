@@ -1,4 +1,4 @@
-"""Rank functions for tests/rollout/test_hosted.py: HostedRollout and PlacedSync over gloo with fake engines
+"""Rank functions for tests/rollout/test_hosted.py: HostedRollout and RunSync over gloo with fake engines
 (no SGLang): a trajectory's tensors are a function of its seed, a reward of its image, so every rank can be
 compared with a single-process reference."""
 from __future__ import annotations
@@ -87,7 +87,7 @@ def hosted_rank(engine_hosts: str, mode: str):
     metrics, the tensors its engines hold)."""
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
-    from megaflow.bridge.placed import PlacedSync
+    from megaflow.bridge.run_sync import RunSync
     from megaflow.parallel.placement import placement_from_env
     from megaflow.rollout.hosted import HostedRollout
 
@@ -101,11 +101,11 @@ def hosted_rank(engine_hosts: str, mode: str):
     if mode == "distributed":
         wgroup = dist.new_group(sorted({0, *p.hosts}), backend="gloo")
         if p.is_driver:
-            sync = PlacedSync(p, group=group, bridge=DistributedBridge(group=wgroup, bucket_bytes=200, engines=engines))
+            sync = RunSync(p, group=group, bridge=DistributedBridge(group=wgroup, bucket_bytes=200, engines=engines))
         else:
-            sync = PlacedSync(p, group=group, receiver=DistributedReceiver(engines, group=wgroup) if engines else None)
+            sync = RunSync(p, group=group, receiver=DistributedReceiver(engines, group=wgroup) if engines else None)
     else:
-        sync = PlacedSync(p, group=group, bridge=ColocatedBridge(engines, bucket_bytes=200) if engines else None)
+        sync = RunSync(p, group=group, bridge=ColocatedBridge(engines, bucket_bytes=200) if engines else None)
     syncs = [sync.push(iter(weights(s))) for s in (1, 2)]
     failed = ""
     if p.rank == p.hosts[-1]:

@@ -1,6 +1,6 @@
 """Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
 
-Every rank calls ``PlacedSync.push(engine_named_params(trainer))`` (the gather is collective). What a
+Every rank calls ``RunSync.push(engine_named_params(trainer))`` (the gather is collective). What a
 rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement):
 
 * colocated / disk: each engine host pushes the full tensors it gathered itself into its own engines
@@ -38,7 +38,7 @@ def _drain(stream: Iterable) -> None:
         pass
 
 
-class PlacedSync:
+class RunSync:
     """This rank's side of every sync: ``bridge`` (a WeightBridge pushing from this rank), ``receiver`` (a
     DistributedReceiver) or neither (the rank only takes part in the gather)."""
 
