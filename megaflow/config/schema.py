@@ -229,6 +229,8 @@ class PretrainConfig:
     batch_size: int = opt(64, "Images per optimizer step (global, split over data-parallel ranks).", ge=1)
     lr: float = opt(1e-3, "AdamW learning rate (linear warm-up, then constant).", gt=0.0)
     warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.", ge=0)
+    lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (from lr down to 0 at "
+                           "max_steps, so set max_steps to the planned length).", choices=("constant", "cosine"))
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0.0)
     ema_decay: float = opt(0.999, "EMA of the weights; evaluation and the saved pipeline use the EMA.", ge=0.0, lt=1.0)
     prompt_dropout: float = opt(0.1, "Share of images trained with the empty prompt (enables CFG).", ge=0.0, lt=1.0)

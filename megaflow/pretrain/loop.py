@@ -237,7 +237,7 @@ def run(cfg: MegaflowConfig) -> dict:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
         mb = {k: v.chunk(dp)[dp_rank] for k, v in mb.items()}
         for group in engine.optimizer.param_groups:
-            group["lr"] = p.lr * min(1.0, (step + 1) / max(1, p.warmup_steps))
+            group["lr"] = learning_rate(p, step)
         out = engine.train_step([mb])
         if not math.isfinite(float(out["loss"])):
             raise RuntimeError(f"pretrain: loss is {float(out['loss'])} at step {step}")
@@ -249,6 +249,16 @@ def run(cfg: MegaflowConfig) -> dict:
     if step % p.eval_every:
         checkpoint(step)
     return history[-1] if history else {}
+
+
+def learning_rate(p, step: int) -> float:
+    """``pretrain.lr`` at optimizer step ``step`` (0-based): linear warm-up, then constant or cosine to 0 at
+    ``max_steps``."""
+    warm = min(1.0, (step + 1) / max(1, p.warmup_steps))
+    if p.lr_schedule == "constant" or step < p.warmup_steps:
+        return p.lr * warm
+    progress = min(1.0, (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps))
+    return p.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _dp() -> tuple[int, int]:

@@ -1,0 +1,121 @@
+"""DiffusionNFT loss: negative-aware fine-tuning on the forward (noising) process. Pure torch functions.
+
+Source: Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (ICLR 2026,
+arXiv 2509.16117), written here from the paper's objective.
+
+The rollouts are clean samples x0 of the sampling policy θ_old (deterministic ODE sampling, no log-probs),
+each with a reward and a group-normalised advantage A. Training noises them again, at timesteps t of the
+sampler's own grid with fresh noise ε:  x_t = (1 − t)·x0 + t·ε  (σ = t: 1 = noise, 0 = data). With the
+trained velocity v_θ and the sampling policy's v_old at (x_t, t) the two implicit policies are
+
+    v⁺ = β·v_θ + (1 − β)·v_old          (positive: pulled toward good samples)
+    v⁻ = (1 + β)·v_old − β·v_θ          (negative: its mirror image about v_old)
+
+and their clean-sample predictions x̂0^± = x_t − t·v^±. The "optimality probability" of a sample is
+r = clip(0.5 + A / (2·c), 0, 1) (c = ``adv_clip``), and the per-item policy loss is
+
+    ℓ = c · [ r·‖x̂0⁺ − x0‖² / w⁺ + (1 − r)·‖x̂0⁻ − x0‖² / w⁻ ] / β
+
+with ‖·‖² the mean over the latent's elements and w^± = sg(mean |x̂0^± − x0|) (clamped to ≥ 1e-5),
+which self-normalises each item's error (the paper's adaptive weighting). A velocity KL to the frozen
+reference, κ = mean((v_θ − v_ref)²), is added with weight ``kl_beta``.
+
+At θ = θ_old both predictions coincide and the gradient of ℓ is that of advantage-weighted flow
+matching, clip(A, −c, c)·‖x_t − t·v_θ − x0‖² / w (``tests/algo/test_nft.py`` checks it): positive samples
+are fitted, negative ones pushed away. Away from θ_old the negative branch bounds how far θ moves.
+
+Reduction and masking follow ``megaflow.algo.loss``: the mean over the masked-in items, or with
+``normalizer=N`` their sum / N (the trainer's equal weighting over one optimizer step); masked-out items
+never enter the arithmetic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NFTConfig", "nft_loss", "optimality", "noised"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NFTConfig:
+    """DiffusionNFT loss knobs; field names are the ``[algo]`` config keys."""
+
+    nft_beta: float = 1.0
+    """β: how far the implicit policies reach from θ_old (the paper's GenEval recipe: 1.0)."""
+    adv_clip: float = 5.0
+    """c: advantages are clipped to [−c, c]; r = clip(0.5 + A/(2c), 0, 1) and the loss is scaled by c."""
+    kl_beta: float = 0.0
+    """Weight of the velocity KL to the reference, mean((v_θ − v_ref)²); 0 = no reference."""
+
+    def __post_init__(self) -> None:
+        if not (self.nft_beta > 0 and math.isfinite(self.nft_beta)):
+            raise ValueError(f"nft_beta must be a positive finite number, got {self.nft_beta!r}")
+        if not (self.adv_clip > 0 and math.isfinite(self.adv_clip)):
+            raise ValueError(f"adv_clip must be a positive finite number, got {self.adv_clip!r}")
+        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
+            raise ValueError(f"kl_beta must be a finite number >= 0, got {self.kl_beta!r}")
+
+
+def optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
+    """r = clip(0.5 + A / (2·adv_clip), 0, 1): 1 for the best samples, 0 for the worst, 0.5 at A = 0."""
+    return (0.5 + advantages.float() / (2.0 * adv_clip)).clamp(0.0, 1.0)
+
+
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 − t)·x0 + t·ε, ``t`` [B] broadcast over the latent dims (the forward process)."""
+    te = _expand(t, x0)
+    return (1 - te) * x0 + te * noise
+
+
+def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def _self_normalised_error(x0_hat: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean((x̂0 − x0)²) / sg(mean|x̂0 − x0|), the weight w) per item; w in float64 as the paper, ≥ 1e-5."""
+    dims = tuple(range(1, x0.dim()))
+    err = x0_hat - x0
+    with torch.no_grad():
+        w = err.detach().double().abs().mean(dim=dims).clamp(min=1e-5).to(err.dtype)
+    return err.pow(2).mean(dim=dims) / w, w
+
+
+def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+             t: torch.Tensor, advantages: torch.Tensor, *, config: NFTConfig,
+             ref_velocity: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+             normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DiffusionNFT loss of a batch of items (module doc).
+
+    ``velocity`` [B, ...] carries grads (v_θ at (x_t, t)); ``old_velocity`` (v_old) and ``ref_velocity``
+    (v_ref, needed iff ``kl_beta`` > 0) are treated as constants. ``t`` [B] in [0, 1]; ``advantages`` [B];
+    ``mask`` [B] bool selects the items that count. Returns (loss, detached stats: ``policy_loss``,
+    ``kl``, ``old_deviation`` = mean((v_θ − v_old)²), ``optimality`` = mean r, ``x0_error`` = mean w⁺)."""
+    if config.kl_beta > 0 and ref_velocity is None:
+        raise ValueError(f"kl_beta = {config.kl_beta} > 0 needs ref_velocity")
+    b, c = config.nft_beta, config.adv_clip
+    mask = torch.ones(velocity.shape[0], dtype=torch.bool, device=velocity.device) if mask is None else mask
+    zero = torch.zeros_like
+    v = torch.where(_expand(mask, velocity).bool(), velocity.float(), zero(velocity, dtype=torch.float32))
+    v_old = torch.where(_expand(mask, v).bool(), old_velocity.detach().float(), zero(v))
+    x0f = torch.where(_expand(mask, v).bool(), x0.float(), zero(v))
+    xtf = torch.where(_expand(mask, v).bool(), x_t.float(), zero(v))
+    te = _expand(t.float(), v)
+    r = optimality(torch.where(mask, advantages.float(), zero(advantages, dtype=torch.float32)), c)
+    pos, w_pos = _self_normalised_error(xtf - te * (b * v + (1 - b) * v_old), x0f)
+    neg, _ = _self_normalised_error(xtf - te * ((1 + b) * v_old - b * v), x0f)
+    policy = c * (r * pos + (1 - r) * neg) / b
+    dims = tuple(range(1, v.dim()))
+    kl = zero(policy)
+    if ref_velocity is not None:
+        v_ref = torch.where(_expand(mask, v).bool(), ref_velocity.detach().float(), zero(v))
+        kl = (v - v_ref).pow(2).mean(dim=dims)
+    per_item = policy + config.kl_beta * kl if config.kl_beta > 0 else policy
+    count = mask.sum().clamp(min=1).float()
+    denom = count if normalizer is None else torch.as_tensor(float(normalizer))
+    loss = torch.where(mask, per_item, zero(per_item)).sum() / denom
+    mean = lambda x: (torch.where(mask, x.detach().float(), zero(x, dtype=torch.float32)).sum() / count)  # noqa: E731
+    stats = {"policy_loss": mean(policy), "kl": mean(kl), "optimality": mean(r), "x0_error": mean(w_pos),
+             "old_deviation": mean((v.detach() - v_old).pow(2).mean(dim=dims))}
+    return loss, stats

@@ -1,0 +1,163 @@
+"""DiffusionNFT in the megatron trainer: clean samples -> noised items -> optimizer steps (megaflow.algo.nft).
+
+An item is one kept sample i at one timestep of the sampler's own grid (``sigmas[k]``, k < T): the sample's
+final latent x0 noised again with fresh noise, x_t = (1 − t)·x0 + t·ε. Every sample trains
+``num_timesteps`` grid points drawn without replacement; the samples are shuffled and split into
+``num_minibatches`` optimizer steps (``plan_items``). The draws, the shuffle and every ε come from one
+generator seeded by the caller (the run's iteration seed), in item order, before any DP split, so every
+layout trains on the same items and noise.
+
+Before the first update one forward-only pass computes every item's v_old with the sampling policy θ_old
+applied (``old``: a megaflow.trainer.shadow.ShadowWeights; None = the trainer's current weights, the
+on-policy case) and, with a KL, v_ref with the reference model; each microbatch carries them. Equal
+weighting as in megaflow.trainer.grpo: every real item of an optimizer step weighs 1/N in the gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megaflow.algo.nft import NFTConfig, nft_loss, noised
+from megaflow.parallel.dims import current_device
+from megaflow.rollout.types import Trajectory
+from megaflow.trainer.grpo import batch_conditioning
+from megaflow.trainer.grpo_batches import _dp_slice
+
+Item = tuple[int, int]
+_PRECOMPUTED = ("old_velocity", "ref_velocity")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NFTSettings:
+    loss: NFTConfig
+    num_timesteps: int = 4
+    """Grid timesteps trained per sample (drawn without replacement from the sampler's T)."""
+    micro_batch_size: int = 4
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch: kept samples are shuffled and split into this many minibatches."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_timesteps", "micro_batch_size", "num_minibatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def plan_items(kept: Sequence[int], num_grid: int, settings: NFTSettings,
+               generator: torch.Generator) -> list[list[Item]]:
+    """The items of every optimizer step: per kept sample ``num_timesteps`` grid indices < ``num_grid`` (a
+    random permutation's head), then the samples shuffled and split into ``num_minibatches``."""
+    if settings.num_timesteps > num_grid:
+        raise ValueError(f"num_timesteps = {settings.num_timesteps} exceeds the sampler's {num_grid} steps")
+    kept = list(kept)
+    draws = {i: torch.randperm(num_grid, generator=generator)[:settings.num_timesteps].tolist() for i in kept}
+    order = torch.randperm(len(kept), generator=generator).tolist() if kept else []
+    plan = []
+    for chunk in torch.tensor_split(torch.tensor(order, dtype=torch.long), settings.num_minibatches):
+        samples = [kept[j] for j in chunk.tolist()]
+        if samples:
+            plan.append([(i, k) for i in samples for k in draws[i]])
+    return plan
+
+
+def _stack(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item], noise: dict,
+           real: Sequence[bool], conditioning) -> dict:
+    tr = [trajs[i] for i, _ in items]
+    if any(x.do_cfg for x in tr):
+        raise ValueError("DiffusionNFT trains without classifier-free guidance: sample with guidance off")
+    x0 = torch.stack([x.latents[-1] for x in tr]).float()
+    t = torch.stack([x.sigmas[k] for x, (_, k) in zip(tr, items)]).float()
+    is_real = torch.tensor(list(real), dtype=torch.bool)
+    adv = torch.stack([advantages[i] for i, _ in items]).float()
+    return {"latents": noised(x0, torch.stack([noise[it] for it in items]), t), "sigma": t, "x0": x0,
+            **conditioning(tr, False), "advantages": torch.where(is_real, adv, torch.zeros_like(adv)),
+            "real": is_real}
+
+
+def microbatches(trajs, advantages, items: Sequence[Item], noise: dict, micro_batch_size: int, device,
+                 conditioning) -> list[dict]:
+    """This DP rank's microbatches of one optimizer step over ``items`` (padding items are ``real=False``)."""
+    mine, real = _dp_slice(list(items), micro_batch_size)
+    out = []
+    for s in range(0, len(mine), micro_batch_size):
+        mb = _stack(trajs, advantages, mine[s:s + micro_batch_size], noise, real[s:s + micro_batch_size],
+                    conditioning)
+        out.append({k: v.to(device) for k, v in mb.items()})
+    return out
+
+
+def _attach(model, steps: list[list[dict]], key: str) -> None:
+    """Forward-only pass of ``model`` over every microbatch of every step; the velocity goes to ``mb[key]``
+    (the last pipeline stage gets velocities; other stages run the pass and keep nothing)."""
+    flat = [mb for mbs in steps for mb in mbs]
+    velocities = model.forward_backward(flat, None, forward_only=True)
+    for mb, v in zip(flat, velocities):
+        mb[key] = v.detach().float()
+
+
+def nft_microbatch_loss(velocity: torch.Tensor, mb: dict, *, config: NFTConfig, normalizer: float):
+    loss, stats = nft_loss(velocity, mb["old_velocity"], mb["x0"], mb["latents"], mb["sigma"], mb["advantages"],
+                           config=config, ref_velocity=mb.get("ref_velocity"), mask=mb["real"],
+                           normalizer=normalizer)
+    stats = {k: v.detach().float() for k, v in stats.items()}
+    stats["num_real"] = mb["real"].sum().float()
+    return loss, stats
+
+
+def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
+               settings: NFTSettings, *, generator: torch.Generator, old=None, ref=None, ema=None,
+               device: torch.device | None = None) -> dict:
+    """Every optimizer step of one rollout batch (module doc); ``ema`` (ShadowWeights) is blended after each
+    step (``EMA.step``). Returns item-weighted means of the loss stats,
+    grad_norm (mean), update_ok (all), num_updates; {"skipped": 1.0} when nothing is kept."""
+    from megaflow.trainer.grpo import _aggregate, _share_from_last_stage
+    device = device or current_device()
+    kept = [i for i in range(len(keep)) if bool(keep[i])]
+    plan = plan_items(kept, len(trajs[0].sigmas) - 1, settings, generator) if kept else []
+    if not plan:
+        return {"skipped": 1.0}
+    shape = trajs[0].latents[-1].shape
+    noise = {it: torch.randn(shape, generator=generator) for items in plan for it in items}
+    cond = batch_conditioning(trainer)
+    steps = [microbatches(trajs, advantages, items, noise, settings.micro_batch_size, device, cond)
+             for items in plan]
+    with old.applied() if old is not None else contextlib.nullcontext():
+        _attach(trainer, steps, "old_velocity")
+    if settings.loss.kl_beta > 0:
+        if ref is None:
+            raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
+        _attach(ref, steps, "ref_velocity")
+    per_step = []
+    for items, mbs in zip(plan, steps):
+        normalizer = len(items) / (len(mbs) * ps.get_data_parallel_world_size())
+        trainer.optimizer.zero_grad()
+        results = trainer.forward_backward(mbs, partial(nft_microbatch_loss, config=settings.loss,
+                                                        normalizer=normalizer))
+        update_ok, grad_norm, _ = trainer.optimizer.step()
+        if ema is not None:
+            ema.step()
+        per_step.append({**_aggregate(results), "grad_norm": float(grad_norm) if grad_norm is not None else
+                         float("nan"), "update_ok": float(bool(update_ok)), "num_items": float(len(items))})
+    return _share_from_last_stage(_combine(per_step))
+
+
+def _combine(per_step: list[dict]) -> dict:
+    total = sum(s["num_items"] for s in per_step)
+    out = {}
+    for key in per_step[0]:
+        vals = [s.get(key, float("nan")) for s in per_step]
+        if key == "num_items":
+            out[key] = total
+        elif key == "update_ok":
+            out[key] = min(vals)
+        elif key == "grad_norm":
+            out[key] = sum(vals) / len(vals)
+        else:
+            out[key] = sum(v * s["num_items"] for v, s in zip(vals, per_step)) / total
+    out["num_updates"] = float(len(per_step))
+    return out

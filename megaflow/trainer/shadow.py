@@ -1,0 +1,110 @@
+"""Shadow weights: fp32 copies of a trainer's trainable parameter shards, blended toward the live ones.
+
+Two uses, one mechanism:
+- the EMA of θ (``train.ema_decay``, both algorithms): evaluation, the demo's "after" and ``megaflow export``
+  read it; blended after every optimizer step with decay min(ema_decay, (1 + n) / (10 + n)) (n = updates
+  so far, the usual warm-up so early averages are not dominated by the initial weights);
+- DiffusionNFT's sampling policy θ_old: blended from θ once per iteration with the algorithm's decay
+  schedule; the engines sample with it.
+
+A shadow holds one tensor per trainable parameter of this rank's model chunks (every parameter in
+full-parameter training, the LoRA adapters under LoRA), shaped like the local TP/PP shard, so blending
+never communicates. ``applied()`` puts the shadow into the live parameters for a while (a forward pass,
+a weight sync, an evaluation, a checkpoint of it) and restores the live values bit for bit afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["EMA", "ShadowWeights", "ema_decay_at", "trainable_parameters"]
+
+
+def trainable_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters of ``chunks`` by ``<chunk index>.<name>`` (frozen LoRA bases left out)."""
+    return {f"{i}.{name}": p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()
+            if p.requires_grad}
+
+
+def ema_decay_at(decay: float, num_updates: int) -> float:
+    """The EMA decay after ``num_updates`` blends: min(decay, (1 + n) / (10 + n))."""
+    return min(decay, (1 + num_updates) / (10 + num_updates))
+
+
+class ShadowWeights:
+    """fp32 copies of ``params`` (name -> live parameter), initialised to their current values."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]):
+        if not params:
+            raise ValueError("ShadowWeights needs at least one trainable parameter")
+        self._params = params
+        self.tensors = {name: p.detach().float().clone() for name, p in params.items()}
+        self.num_updates = 0
+        """Blends so far (the EMA warm-up reads it; checkpoints keep it)."""
+
+    @classmethod
+    def of(cls, chunks: list[torch.nn.Module]) -> ShadowWeights:
+        return cls(trainable_parameters(chunks))
+
+    @torch.no_grad()
+    def blend(self, decay: float) -> None:
+        """shadow ← decay·shadow + (1 − decay)·live; decay 0 copies the live weights exactly."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay!r}")
+        names = list(self.tensors)
+        live = [self._params[n].detach().float() for n in names]
+        shadow = [self.tensors[n] for n in names]
+        if decay == 0.0:
+            torch._foreach_copy_(shadow, live)
+        elif decay < 1.0:
+            torch._foreach_lerp_(shadow, live, 1.0 - decay)
+        self.num_updates += 1
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """The live parameters hold the shadow inside the block; their own values return exactly after it."""
+        with torch.no_grad():
+            stash = {n: p.detach().clone() for n, p in self._params.items()}
+            for n, p in self._params.items():
+                p.copy_(self.tensors[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self._params.items():
+                    p.copy_(stash[n])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The shadow tensors by name plus ``num_updates`` (a 0-dim int64 tensor): what a checkpoint keeps."""
+        return {**self.tensors, "__num_updates__": torch.tensor(self.num_updates, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore from ``state_dict``; ValueError names the first missing, unexpected or mis-shaped tensor."""
+        names = set(state) - {"__num_updates__"}
+        if names != set(self.tensors):
+            missing, extra = sorted(set(self.tensors) - names), sorted(names - set(self.tensors))
+            raise ValueError(f"shadow weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        for n, t in self.tensors.items():
+            if tuple(state[n].shape) != tuple(t.shape):
+                raise ValueError(f"shadow tensor {n!r}: shape {tuple(state[n].shape)}, the model's is {tuple(t.shape)}")
+            t.copy_(state[n])
+        self.num_updates = int(state["__num_updates__"])
+
+
+class EMA(ShadowWeights):
+    """The EMA of θ: ``step()`` after every optimizer step blends with ``ema_decay_at(decay, num_updates)``."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay!r}")
+        super().__init__(params)
+        self.decay = decay
+
+    @classmethod
+    def of(cls, chunks: list[torch.nn.Module], decay: float) -> EMA:  # type: ignore[override]
+        return cls(trainable_parameters(chunks), decay)
+
+    def step(self) -> None:
+        self.blend(ema_decay_at(self.decay, self.num_updates))
