@@ -258,7 +258,7 @@ def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
         else:
             tracker.checkpoint(rollout, when)
 
-    run(cfg, evaluate=evaluate)
+    run(cfg, evaluate=evaluate, evaluate_every=eval_every)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     tracker.rewards = [r["reward/total"] for r in rows if r.get("iteration", 0) > 0 and "reward/total" in r]
     return {**tracker.summary(target_gain), "setup_s": setup.get("s")}

@@ -128,13 +128,26 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
+    name: str = opt("flowgrpo", "The RL algorithm. flowgrpo: SDE rollouts with per-step log-probs, PPO-clip on the "
+                    "trainer's recomputed log-probs (flow_grpo). nft: DiffusionNFT, ODE rollouts (rollout.sde_type = "
+                    "ode) of a soft-updated sampling policy, trained on the forward (noising) process of the clean "
+                    "samples with implicit positive / negative policies.", choices=("flowgrpo", "nft"))
+    nft_beta: float = opt(1.0, "nft: beta, how far the implicit policies b*v + (1-b)*v_old and (1+b)*v_old - b*v "
+                          "reach from the sampling policy.", gt=0.0)
+    nft_num_timesteps: int = opt(4, "nft: timesteps of the sampler's grid trained per sample (drawn without "
+                                 "replacement, fresh noise each).", ge=1)
+    old_decay_rate: float = opt(0.0, "nft: the sampling policy theta_old <- d*theta_old + (1-d)*theta after every "
+                                "iteration, with d = min(old_decay_rate * iteration, old_decay_max); 0 keeps "
+                                "theta_old = theta (on-policy).", ge=0.0)
+    old_decay_max: float = opt(0.5, "nft: the largest decay d of theta_old (see old_decay_rate).", ge=0.0, lt=1.0)
     clip_range: float = opt(0.0, "PPO clip epsilon on the per-step ratio; 0 = auto as flow_grpo: 1e-4 for SDE, "
                             "1e-5 for CPS or with an SDE window (rollout.sde_window / sde_window_size).",
                             ge=0.0, lt=1.0)
     timestep_fraction: float = opt(0.99, "Without an SDE window, train steps t < int(num_steps * fraction) "
                                    "(flow_grpo: 0.99 leaves the last step out); not used with a window.",
                                    gt=0.0, le=1.0)
-    kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off).", ge=0.0)
+    kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off). flowgrpo: the KL of "
+                         "the step Gaussians; nft: mean((v - v_ref)^2) of the velocities.", ge=0.0)
     adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip].", gt=0.0)
     std_mode: str = opt("batch", "Advantage std over the whole batch (flow_grpo) or per group.",
                         choices=("batch", "group"))
@@ -165,6 +178,13 @@ class TrainConfig:
     num_minibatches: int = opt(1, "Optimizer steps per pass: kept samples are split into this many minibatches "
                                "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
                                "sampling policy, so from the second step on the clip acts on a stale policy.", ge=1)
+    warmup_iterations: int = opt(0, "Linear learning-rate warm-up over the first N iterations (a fresh Adam's first "
+                                 "steps are its largest relative to the gradient's signal).", ge=0)
+    lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (down to 0 at the last "
+                           "iteration).", choices=("constant", "cosine"))
+    ema_decay: float = opt(0.0, "EMA of the trained weights, blended after every optimizer step with decay "
+                           "min(ema_decay, (1 + n) / (10 + n)) (n = steps so far); evaluation (megaflow demo's after), "
+                           "and megaflow export use it. It lives in checkpoints. 0 = off.", ge=0.0, lt=1.0)
     save_every: int = opt(0, "Checkpoint (model, optimizer, RNGs, prompt position, metrics) every N iterations, "
                           "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.", ge=0)
     keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.", ge=1)

@@ -160,7 +160,7 @@ def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
 
 
 def run(cfg: MegaflowConfig) -> dict:
-    from megaflow.trainer.settings import transformer_kwargs
+    from megaflow.trainer.settings import scheduled_lr, set_lr, transformer_kwargs
     from megaflow.models.registry import get_family
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import init_distributed
@@ -236,8 +236,8 @@ def run(cfg: MegaflowConfig) -> dict:
     while step < p.max_steps and (time.perf_counter() - t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
         mb = {k: v.chunk(dp)[dp_rank] for k, v in mb.items()}
-        for group in engine.optimizer.param_groups:
-            group["lr"] = learning_rate(p, step)
+        set_lr(engine.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
+                                              schedule=p.lr_schedule))
         out = engine.train_step([mb])
         if not math.isfinite(float(out["loss"])):
             raise RuntimeError(f"pretrain: loss is {float(out['loss'])} at step {step}")
@@ -249,16 +249,6 @@ def run(cfg: MegaflowConfig) -> dict:
     if step % p.eval_every:
         checkpoint(step)
     return history[-1] if history else {}
-
-
-def learning_rate(p, step: int) -> float:
-    """``pretrain.lr`` at optimizer step ``step`` (0-based): linear warm-up, then constant or cosine to 0 at
-    ``max_steps``."""
-    warm = min(1.0, (step + 1) / max(1, p.warmup_steps))
-    if p.lr_schedule == "constant" or step < p.warmup_steps:
-        return p.lr * warm
-    progress = min(1.0, (step - p.warmup_steps) / max(1, p.max_steps - p.warmup_steps))
-    return p.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _dp() -> tuple[int, int]:

@@ -1,10 +1,10 @@
 """The one composition root: a validated config becomes this rank's running pieces.
 
 :func:`build_run` builds everything the loop needs on a trainer rank, as a :class:`Run`: the trainer (megatron
-``Trainer``, plus the frozen KL reference when ``algo.kl_beta > 0``), restored from the run dir's checkpoint
-when resuming; this rank's rollout (its SGLang engines, DP replicas behind the least-loaded balancer, on the
-ranks megaflow.parallel.placement names, and its reward scorer); the weight sync; the prompt stream; the
-trainer's settings; the engines' memory phases; the reporter. The component builders below take the config
+``Trainer``, plus the frozen KL reference when ``algo.kl_beta > 0``), the EMA (``train.ema_decay``) and the
+algorithm (``algo.name``), restored from the run dir's checkpoint when resuming; this rank's rollout (its SGLang
+engines, DP replicas behind the least-loaded balancer, on the ranks megaflow.parallel.placement names, and its
+reward scorer); the weight sync; the prompt stream; the engines' memory phases; the reporter. The component builders below take the config
 sections they need and return plain objects; benches and tests use them alone.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the builders import these when they build (heavy: megatron,
     from megaflow.report.progress import RunReporter
     from megaflow.rollout.hosted import HostedRollout
     from megaflow.run.phases import Phases
-    from megaflow.trainer.grpo import GRPOSettings
+    from megaflow.run.algorithm import Algorithm
+    from megaflow.trainer.shadow import EMA
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
 
 
@@ -49,7 +50,10 @@ class Run:
     sync: RunSync
     """This rank's side of the weight sync to every engine host."""
     prompts: PromptStream
-    settings: GRPOSettings
+    algorithm: Algorithm
+    """What to sample, how to update, what the engines hold (``algo.name``: megaflow.run.algorithm)."""
+    ema: EMA | None
+    """The EMA of the trained weights (``train.ema_decay``), which evaluation and export read; None when off."""
     phases: Phases
     """The engines' accelerator memory, released around training (colocated, GPU)."""
     reporter: RunReporter
@@ -74,13 +78,15 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     the terminal."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
-    from megaflow.run.flowgrpo import grpo_settings
+    from megaflow.run.algorithm import build_algorithm
     from megaflow.run.phases import Phases
 
     run_dir, driver = run_dir_of(cfg), placement.is_driver
     dconfig = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
     trainer, reference = build_trainer(cfg, pipeline_dir)
-    history, consumed = restore(trainer, resume_from, start, driver=driver)
+    ema = build_ema(cfg, trainer)
+    algorithm = build_algorithm(cfg, trainer, reference, ema)
+    history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema))
     rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
     try:
         sampler = rollout.local
@@ -89,7 +95,6 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
             sampler = RemoteEngines(rollout.commands, placement.engine_ranks)
         sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
         prompts = prompt_stream(cfg, consumed)
-        settings = grpo_settings(cfg)
         phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated")
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
@@ -99,18 +104,32 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         rollout.close()
         raise
     return Run(cfg=cfg, run_dir=run_dir, placement=placement, trainer=trainer, reference=reference, rollout=rollout,
-               sampler=sampler, sync=sync, prompts=prompts, settings=settings, phases=phases, reporter=reporter,
+               sampler=sampler, sync=sync, prompts=prompts, algorithm=algorithm, ema=ema, phases=phases, reporter=reporter,
                diffusers_config=dconfig, history=history, start=start)
 
 
-def restore(trainer, resume_from: Path | None, start: int, *, driver: bool) -> tuple[list[dict], int]:
-    """(metrics rows so far, prompts consumed): the checkpoint's, loaded into ``trainer`` (collective), or a
-    fresh run's ([], 0) when ``resume_from`` is None."""
+def build_ema(cfg: MegaflowConfig, trainer):
+    """The EMA of the trainer's trainable weights with ``train.ema_decay`` (None when 0)."""
+    if cfg.train.ema_decay == 0:
+        return None
+    from megaflow.trainer.shadow import EMA
+    return EMA.of(trainer.chunks, cfg.train.ema_decay)
+
+
+def run_shadows(algorithm, ema) -> dict:
+    """Every shadow weight set of a run by checkpoint name: the algorithm's and the EMA ("ema")."""
+    return {**algorithm.shadows(), **({"ema": ema} if ema is not None else {})}
+
+
+def restore(trainer, resume_from: Path | None, start: int, *, driver: bool,
+            shadows: dict | None = None) -> tuple[list[dict], int]:
+    """(metrics rows so far, prompts consumed): the checkpoint's, loaded into ``trainer`` and ``shadows``
+    (collective), or a fresh run's ([], 0) when ``resume_from`` is None."""
     if resume_from is None:
         return [], 0
     from megaflow.run.state import load
     t_load = time.perf_counter()
-    state = load(trainer, resume_from)
+    state = load(trainer, resume_from, shadows=shadows)
     if driver:
         print(f"[megaflow] resuming after iteration {start} from {resume_from} "
               f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)

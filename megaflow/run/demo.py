@@ -62,8 +62,6 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     e = cfg.eval
 
     def evaluate(rollout, when: str | int) -> None:
-        if not isinstance(when, str):  # no evaluation between iterations
-            return
         res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, seed=e.seed,
                               num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
                               max_sequence_length=cfg.rollout.max_sequence_length or None,

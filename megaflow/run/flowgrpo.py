@@ -1,10 +1,12 @@
-"""FlowGRPO's part of one iteration, as pure functions of the config and the iteration number: what to sample
-(the rollout requests: seeds, SDE window, CFG), the advantages of a scored batch, the steps to train and the
-trainer's settings. Every rank computes the same from the same config, so none of it needs communication.
-
-The loop (megaflow.run.loop) calls these; the trainer's side of an update is megaflow.trainer.grpo.
+"""FlowGRPO as the run's algorithm (:class:`FlowGRPO`), on pure functions of the config and the iteration
+number: what to sample (the rollout requests: seeds, SDE window, CFG), the advantages of a scored batch, the
+steps to train and the trainer's settings. Every rank computes the same from the same config, so none of it
+needs communication. The requests and the advantages serve every algorithm (megaflow.run.nft samples with
+the same requests, ODE); the trainer's side of an update is megaflow.trainer.grpo.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -16,7 +18,7 @@ from megaflow.flow.step import TransitionConfig
 from megaflow.flow.window import check_sde_window, sample_sde_window
 from megaflow.models.registry import get_family
 from megaflow.rollout.types import RewardScores, RolloutRequest
-from megaflow.seeds import ROLLOUT, SDE_WINDOW, iteration_seed
+from megaflow.seeds import MINIBATCHES, ROLLOUT, SDE_WINDOW, iteration_seed
 from megaflow.trainer.grpo import GRPOSettings
 
 
@@ -83,3 +85,30 @@ def train_steps(cfg: MegaflowConfig, transition: TransitionConfig, iteration: in
     """The denoising steps trained in ``iteration`` (its SDE window, or the first timestep_fraction)."""
     return train_step_indices(cfg.rollout.num_steps, transition, sde_window(cfg, iteration),
                               timestep_fraction=cfg.algo.timestep_fraction)
+
+
+class FlowGRPO:
+    """The FlowGRPO algorithm of a run (megaflow.run.algorithm.Algorithm): SDE rollouts of θ with per-step
+    log-probs, PPO-clip steps on the trainer's recomputed log-probs; the engines hold θ."""
+
+    name = "flowgrpo"
+
+    def __init__(self, cfg: MegaflowConfig, trainer, reference=None, ema=None):
+        self.cfg, self.trainer, self.reference, self.ema = cfg, trainer, reference, ema
+        self.settings = grpo_settings(cfg)
+
+    def requests(self, prompts, iteration: int) -> list[RolloutRequest]:
+        return make_requests(self.cfg, prompts, iteration)
+
+    def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
+        from megaflow.trainer.grpo import grpo_update
+        return grpo_update(self.trainer, trajs, advantages, keep,
+                           train_steps(self.cfg, self.settings.transition, iteration), self.settings, self.reference,
+                           seed=iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES), ema=self.ema)
+
+    def engine_weights(self):
+        """The engines sample with θ itself: nothing to put in place."""
+        return contextlib.nullcontext()
+
+    def shadows(self) -> dict:
+        return {}

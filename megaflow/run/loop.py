@@ -1,4 +1,5 @@
-"""The FlowGRPO loop: generate -> reward -> advantages -> train -> sync, every phase a named call.
+"""The RL loop: generate -> reward -> advantages -> train -> sync, every phase a named call; the algorithm
+(``algo.name``, megaflow.run.algorithm) says what to sample, how to update and what the engines hold.
 
 :func:`run` is a run's entry on every launched rank: its role (megaflow.run.roles), the run dir, then either an
 engine rank's service (megaflow.run.engine_rank) or the pieces of a trainer rank (megaflow.run.build) and
@@ -24,21 +25,21 @@ from megaflow.config import MegaflowConfig, run_dir_of
 from megaflow.run import faults
 from megaflow.run.build import Run, build_run, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
-from megaflow.run.flowgrpo import batch_advantages, make_requests, train_steps
+from megaflow.run.flowgrpo import batch_advantages
 from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
-from megaflow.seeds import MINIBATCHES, iteration_seed
+from megaflow.trainer.settings import scheduled_lr, set_lr
 
 Evaluate = Callable[[object, "str | int"], None]
 
 
-def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, resume: bool = False,
+def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
         verbose: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics ({} on an engine rank).
 
-    ``evaluate(sampler, when)`` (rank 0) runs with the engines holding the initial weights (``"before"``,
-    not when resuming), the weights after each iteration's sync (``when`` = the iteration number) and the
-    final ones (``"after"``). ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
+    ``evaluate(sampler, when)`` (rank 0; pass it on every rank) runs with the engines holding the initial weights
+    (``"before"``, not when resuming), the weights after every ``evaluate_every``-th iteration (``when`` = the
+    iteration number; 0 = none) and the final ones (``"after"``): the EMA when ``train.ema_decay`` > 0, else what the algorithm samples with. ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
     says when a run dir may be used). Checkpoints every ``train.save_every`` iterations and at the end;
     SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
     the engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
@@ -59,7 +60,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, resume: bool =
         the_run = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
                             resume_from=claim.resume_from, verbose=verbose)
         try:
-            metrics = loop(the_run, stop=stop, evaluate=evaluate, claim=claim)
+            metrics = loop(the_run, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
         finally:
             stop.restore()  # a signal while the engines shut down abandons at once
             the_run.close()
@@ -71,18 +72,19 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, resume: bool =
     return metrics
 
 
-def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, claim: Claim | None = None) -> dict:
+def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, evaluate_every: int = 0,
+         claim: Claim | None = None) -> dict:
     """Iterations ``run.start + 1 .. train.iterations`` after the initial weight sync; checkpoints, reports,
     evaluates (the driver) and stops at an iteration boundary when ``stop`` agrees; returns the last metrics."""
     cfg, driver = run.cfg, run.placement.is_driver
-    evaluate = evaluate if driver else None
     metrics: dict = run.history[-1] if run.history else {}
-    initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly the trainer's weights
+    with run.algorithm.engine_weights():
+        initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly what they sample with
     if run.start == 0:
         run.reporter.iteration(0, initial_sync)
         run.history.append({"iteration": 0, **initial_sync})
-        if evaluate is not None:
-            evaluate(run.sampler, "before")
+        if evaluate is not None and driver:
+            evaluate(run.sampler, "before")  # every weight set is the initial one here
     for it in range(run.start + 1, cfg.train.iterations + 1):
         metrics, images = iteration(run, it)
         signum = stop.agreed()
@@ -97,10 +99,10 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, clai
             interrupted = (signum, it, str(checkpoint_dir(run.run_dir, it)))
             run.rollout.release(interrupted)
             raise Interrupted(*interrupted)
-        if evaluate is not None and not last:
-            evaluate(run.sampler, it)
+        if evaluate is not None and not last and evaluate_every and it % evaluate_every == 0:
+            evaluate_weights(run, evaluate, it)
     if evaluate is not None:
-        evaluate(run.sampler, "after")
+        evaluate_weights(run, evaluate, "after")
     run.rollout.release()
     if driver:
         rewards = [r["reward/total"] for r in run.history if "reward/total" in r]
@@ -109,22 +111,42 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, clai
     return metrics
 
 
+def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
+    """The driver's ``evaluate(sampler, when)`` with the engines holding the EMA when the run has one (then,
+    between iterations, the algorithm's weights are pushed back after it). Every trainer rank calls this: the
+    weight syncs are collective."""
+    driver = run.placement.is_driver
+    if run.ema is None:
+        if driver:
+            evaluate(run.sampler, when)
+        return
+    with run.ema.applied():
+        sync_weights(run.trainer, run.sync)
+    if driver:
+        evaluate(run.sampler, when)
+    if when != "after":
+        with run.algorithm.engine_weights():
+            sync_weights(run.trainer, run.sync)
+
+
 def iteration(run: Run, it: int) -> tuple[dict, list]:
-    """One iteration on this rank: collect the scored batch, advantages, the trainer's update, the weight
+    """One iteration on this rank: collect the scored batch, advantages, the algorithm's update, the weight
     sync; (its metrics, its images)."""
-    from megaflow.trainer.grpo import grpo_update
     cfg = run.cfg
     t0 = time.perf_counter()
     trajs, advantages, keep, roll_metrics = batch_advantages(
-        *run.rollout.collect(make_requests(cfg, run.prompts, it), it), cfg)
+        *run.rollout.collect(run.algorithm.requests(run.prompts, it), it), cfg)
     faults.check("rollout", it)
     t_rollout = time.perf_counter() - t0
     with run.phases.training():
-        train_metrics = grpo_update(run.trainer, trajs, advantages, keep, train_steps(cfg, run.settings.transition, it),
-                                    run.settings, run.reference, seed=iteration_seed(cfg.run.seed, it, MINIBATCHES))
+        t = cfg.train
+        lr = scheduled_lr(t.lr, it - 1, warmup=t.warmup_iterations, total=t.iterations, schedule=t.lr_schedule)
+        set_lr(run.trainer.optimizer, lr)
+        train_metrics = {**run.algorithm.update(trajs, advantages, keep, it), "lr": lr}
     faults.check("train", it)
     t_train = time.perf_counter() - t0 - t_rollout
-    sync_metrics = sync_weights(run.trainer, run.sync, it)
+    with run.algorithm.engine_weights():
+        sync_metrics = sync_weights(run.trainer, run.sync, it)
     metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
                **run.phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
@@ -134,10 +156,11 @@ def iteration(run: Run, it: int) -> tuple[dict, list]:
 
 def save(run: Run, it: int) -> float:
     """Checkpoint iteration ``it`` (collective over the trainer ranks); the seconds it took."""
+    from megaflow.run.build import run_shadows
     from megaflow.run.state import save as save_state
     return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
                       prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
-                      keep=run.cfg.train.keep_checkpoints)
+                      keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema))
 
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:

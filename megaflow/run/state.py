@@ -1,7 +1,7 @@
-"""Save and restore everything a FlowGRPO run needs to continue exactly (collective over trainer ranks).
+"""Save and restore everything an RL run needs to continue exactly (collective over trainer ranks).
 
 A checkpoint (layout in :mod:`megaflow.run.checkpoints`) holds the trainer's model and optimizer as a megatron
-dist checkpoint, and in ``state.json``: the iteration, the prompt-stream position, every rank's RNG
+dist checkpoint (with the EMA and NFT's sampling policy when the run has them), and in ``state.json``: the iteration, the prompt-stream position, every rank's RNG
 states (torch, numpy, python), the metrics rows so far and the config it was written with. Everything
 else a run does is a pure function of ``run.seed`` and the iteration (rollout noise, SDE windows,
 minibatch shuffles), so resuming from iteration k and running to n gives the uninterrupted run's
@@ -43,8 +43,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
-         metrics_rows: list[dict], keep: int) -> float:
-    """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``.
+         metrics_rows: list[dict], keep: int, shadows: dict | None = None) -> float:
+    """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``; ``shadows``
+    (name -> megaflow.trainer.shadow.ShadowWeights: the EMA, NFT's sampling policy) go beside the model.
     Returns the seconds it took."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
@@ -63,14 +64,15 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         rngs[0] = rng_state()
     tconf = trainer.config
     save_checkpoint(trainer.chunks, stage / MODEL_DIR, family=family, diffusers_config=diffusers_config,
-                    optimizer=trainer.optimizer)
+                    optimizer=trainer.optimizer, shadows=shadows)
     faults.check("checkpoint", iteration)
     if rank() != 0:
         barrier()
         return time.perf_counter() - t0
     state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
              "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
-                                                 "pp": tconf.pipeline_model_parallel_size}}
+                                                 "pp": tconf.pipeline_model_parallel_size},
+             "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
     with open(stage / STATE_FILE, "w") as fh:
         json.dump(state, fh, default=float)
         fh.flush()
@@ -85,9 +87,9 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
     return time.perf_counter() - t0
 
 
-def load(trainer, ckpt: Path) -> dict:
-    """Collective: load model + optimizer from ``ckpt`` into ``trainer``, restore this rank's RNG states,
-    return the checkpoint's state (iteration, prompts_consumed, metrics)."""
+def load(trainer, ckpt: Path, *, shadows: dict | None = None) -> dict:
+    """Collective: load model + optimizer (+ ``shadows``, as saved) from ``ckpt`` into ``trainer``, restore this
+    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics)."""
     from megaflow.trainer.checkpoint import load_checkpoint
 
     state = read_state(ckpt)
@@ -96,7 +98,12 @@ def load(trainer, ckpt: Path) -> dict:
     if state.get("layout", layout) != layout:
         raise ValueError(f"{ckpt}: saved at {state['layout']}, resuming at {layout}: the optimizer state "
                          "reshards across data parallelism only; resume at the same tp/pp")
-    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer)
+    saved = state.get("shadow_updates", {})
+    for name, shadow in (shadows or {}).items():
+        if name not in saved:
+            raise ValueError(f"{ckpt} holds no {name!r} weights (the run that wrote it had them off)")
+        shadow.num_updates = int(saved[name])
+    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer, shadows=shadows)
     rngs = state["rng"]
     if len(rngs) != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"{ckpt}: saved by {len(rngs)} ranks; resume with the same number of processes")

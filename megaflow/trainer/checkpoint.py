@@ -11,6 +11,7 @@ their entry point with ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -36,6 +37,25 @@ def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _shadow_sharded_state_dict(chunks: list[torch.nn.Module], name: str, shadow) -> tuple[dict, dict]:
+    """The sharded entries of a ShadowWeights (megaflow.trainer.shadow) under ``<name>.<global tensor name>``:
+    the model's own ShardedTensors (same global shapes and TP offsets, so any layout can read them) with the
+    shadow's fp32 tensors as data. Returns (sharded dict, checkpoint key -> shadow tensor name)."""
+    out, names = {}, {}
+    for i, chunk in enumerate(chunks):
+        by_ptr = {p.data_ptr(): f"{i}.{n}" for n, p in chunk.named_parameters() if p.requires_grad}
+        for key, entry in chunk.sharded_state_dict(prefix=f"{name}.").items():
+            data = getattr(entry, "data", None)
+            tensor_name = by_ptr.pop(data.data_ptr(), None) if isinstance(data, torch.Tensor) else None
+            if tensor_name is not None:
+                tensor = shadow.tensors[tensor_name]
+                out[key] = dataclasses.replace(entry, data=tensor, dtype=tensor.dtype)
+                names[key] = tensor_name
+        if by_ptr:
+            raise ValueError(f"{name}: no sharded tensor for {sorted(by_ptr.values())[:3]} in the model's state")
+    return out, names
 
 
 def _agree_on_tmp_dir(dst: Path) -> Path:
@@ -96,12 +116,15 @@ def _results_queue_dies_with_us() -> None:
 
 
 def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: str, diffusers_config: dict,
-                    optimizer=None) -> Path:
-    """Collective: save this rank's model chunks (unwrapped) and optionally the optimizer state."""
+                    optimizer=None, shadows: dict | None = None) -> Path:
+    """Collective: save this rank's model chunks (unwrapped), optionally the optimizer state and shadow weights
+    (``shadows``: name -> megaflow.trainer.shadow.ShadowWeights, e.g. the EMA, stored as ``<name>.<tensor>``)."""
     _results_queue_dies_with_us()
     dst = Path(path).absolute()
     tmp = _agree_on_tmp_dir(dst)
     state = _model_sharded_state_dict(chunks)
+    for name, shadow in (shadows or {}).items():
+        state[name] = _shadow_sharded_state_dict(chunks, name, shadow)[0]
     if optimizer is not None:
         _init_adam_state(optimizer)  # an optimizer that never stepped (every update skipped) has no state yet
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
@@ -114,10 +137,15 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     return dst
 
 
-def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None) -> dict:
-    """Collective: load model chunks (any TP/PP layout) and optionally the optimizer; returns meta."""
+def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None,
+                    shadows: dict | None = None) -> dict:
+    """Collective: load model chunks (any TP/PP layout), optionally the optimizer and shadow weights (as saved by
+    ``save_checkpoint``); returns meta."""
     meta = read_meta(path)
     state = _model_sharded_state_dict(chunks)
+    shadow_names = {}
+    for name, shadow in (shadows or {}).items():
+        state[name], shadow_names[name] = _shadow_sharded_state_dict(chunks, name, shadow)
     if optimizer is not None:
         _init_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIMIZER_METADATA)
@@ -125,6 +153,10 @@ def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimize
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         chunk.load_state_dict(loaded[key], strict=True)
+    with torch.no_grad():
+        for name, shadow in (shadows or {}).items():
+            for key, tensor_name in shadow_names[name].items():
+                shadow.tensors[tensor_name].copy_(loaded[name][key])
     if optimizer is not None:
         with torch.no_grad():  # it copies into views of the (leaf) main params
             optimizer.load_state_dict(loaded["optimizer"])
@@ -178,14 +210,27 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load_full_state_dict(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one
-    process, without building a model (optimizer tensors are skipped)."""
+SHADOW_NAMES = ("ema", "nft_old")
+"""The shadow weights a run may checkpoint beside its model (megaflow.run.state)."""
+
+
+def load_full_state_dict(path: str | Path, *, shadow: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one process, without
+    building a model (optimizer and shadow tensors are skipped). ``shadow`` (e.g. "ema"): the shadow's tensors
+    replace the model's of the same name (under LoRA the shadow holds only the adapters); ValueError when the
+    checkpoint has none."""
     meta = read_meta(path)
     with _process_group_for_reading():
         tensors = dist_checkpointing.load_plain_tensors(str(path))
-    # The optimizer's entries: its tensors ("optimizer.<...>") and its common state ("optimizer").
-    return meta, {k: v for k, v in tensors.items() if k.split(".", 1)[0] != "optimizer"}
+    # Skipped: the optimizer's tensors ("optimizer.<...>") and common state ("optimizer"), the shadows'.
+    skip = ("optimizer", *SHADOW_NAMES)
+    model = {k: v for k, v in tensors.items() if k.split(".", 1)[0] not in skip}
+    if shadow is not None:
+        overlay = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == shadow}
+        if not overlay:
+            raise ValueError(f"{path} holds no {shadow!r} weights")
+        model.update({k: v.to(model[k].dtype) if k in model else v for k, v in overlay.items()})
+    return meta, model
 
 
 def save_from_diffusers(diffusers_dir: str, tmp_dir: str, dims_kwargs: dict, family: str) -> bool:

@@ -174,11 +174,11 @@ def grpo_train_step(trainer, microbatches: list[dict], settings: GRPOSettings, r
     stats: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                                "update_ok": float(bool(update_ok)), "num_microbatches": float(len(microbatches)),
                                "num_items": float(n)}
-    stats.update(_aggregate(results))
-    return _share_from_last_stage(stats)
+    stats.update(aggregate_stats(results))
+    return share_from_last_stage(stats)
 
 
-def _aggregate(results: list[dict]) -> dict[str, float]:
+def aggregate_stats(results: list[dict]) -> dict[str, float]:
     """Item-weighted means of per-microbatch stats (max/min for extremes); padding-only ones weigh 0."""
     if not results:
         return {}
@@ -217,9 +217,10 @@ def _pre_update_log_probs(trainer, trajs, advantages, items, settings: GRPOSetti
 
 def grpo_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                 steps: Sequence[int], settings: GRPOSettings, reference=None, *, seed: int = 0,
-                device: torch.device | None = None) -> dict:
+                device: torch.device | None = None, ema=None) -> dict:
     """flow_grpo's training phase for one rollout batch: every optimizer step of
-    ``plan_updates(kept samples, steps, num_inner_epochs, num_minibatches, seed)``.
+    ``plan_updates(kept samples, steps, num_inner_epochs, num_minibatches, seed)``; ``ema``
+    (megaflow.trainer.shadow.EMA) steps after each optimizer step.
 
     Returns stats (every rank): item-weighted means over all steps, grad_norm (mean), update_ok (all),
     num_updates; ``logp_abs_diff_rollout`` comes from the first step only (the weights that sampled);
@@ -241,7 +242,9 @@ def grpo_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, 
         mbs = microbatches_for(trajs, advantages, items, settings.micro_batch_size, device, mismatch=mismatch,
                                conditioning=batch_conditioning(trainer))
         per_step.append(grpo_train_step(trainer, mbs, settings, reference, num_items=len(items)))
-    return {**_combine_steps(per_step), **_share_from_last_stage(is_stats)}
+        if ema is not None:
+            ema.step()
+    return {**_combine_steps(per_step), **share_from_last_stage(is_stats)}
 
 
 def _item_mismatch_weights(old: dict, trajs: Sequence[Trajectory], items: Sequence[tuple[int, int]],
@@ -293,7 +296,7 @@ def _combine_steps(per_step: list[dict]) -> dict:
     return out
 
 
-def _share_from_last_stage(stats: dict) -> dict:
+def share_from_last_stage(stats: dict) -> dict:
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return stats
     box = [stats if ps.is_pipeline_last_stage(ignore_virtual=True) else None]

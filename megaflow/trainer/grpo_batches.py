@@ -65,7 +65,7 @@ def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs:
     return plan
 
 
-def _dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
+def dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
     """This DP rank's items (strided), padded to a whole number of equal-count microbatches."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = -(-len(items) // dp)
@@ -121,7 +121,7 @@ def microbatches_for(trajs: Sequence[Trajectory], advantages: torch.Tensor, item
     """This DP rank's microbatches for one optimizer step over ``items`` (all ranks pass the same list)."""
     if not items:
         return []
-    mine, real = _dp_slice(list(items), micro_batch_size)
+    mine, real = dp_slice(list(items), micro_batch_size)
     return [stack_items(trajs, advantages, mine[s:s + micro_batch_size], real[s:s + micro_batch_size], device,
                         mismatch, conditioning=conditioning) for s in range(0, len(mine), micro_batch_size)]
 

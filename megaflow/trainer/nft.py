@@ -23,10 +23,10 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megaflow.algo.nft import NFTConfig, nft_loss, noised
-from megaflow.parallel.dims import current_device
+from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.grpo import batch_conditioning
-from megaflow.trainer.grpo_batches import _dp_slice
+from megaflow.trainer.grpo import aggregate_stats, batch_conditioning, share_from_last_stage
+from megaflow.trainer.grpo_batches import dp_slice
 
 Item = tuple[int, int]
 _PRECOMPUTED = ("old_velocity", "ref_velocity")
@@ -38,11 +38,13 @@ class NFTSettings:
     num_timesteps: int = 4
     """Grid timesteps trained per sample (drawn without replacement from the sampler's T)."""
     micro_batch_size: int = 4
+    num_inner_epochs: int = 1
+    """Passes over one rollout batch, each with fresh timestep draws and noise."""
     num_minibatches: int = 1
-    """Optimizer steps per rollout batch: kept samples are shuffled and split into this many minibatches."""
+    """Optimizer steps per pass: kept samples are shuffled and split into this many minibatches."""
 
     def __post_init__(self) -> None:
-        for name in ("num_timesteps", "micro_batch_size", "num_minibatches"):
+        for name in ("num_timesteps", "micro_batch_size", "num_inner_epochs", "num_minibatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -50,22 +52,24 @@ class NFTSettings:
 
 def plan_items(kept: Sequence[int], num_grid: int, settings: NFTSettings,
                generator: torch.Generator) -> list[list[Item]]:
-    """The items of every optimizer step: per kept sample ``num_timesteps`` grid indices < ``num_grid`` (a
-    random permutation's head), then the samples shuffled and split into ``num_minibatches``."""
+    """The items of every optimizer step: per pass, per kept sample ``num_timesteps`` grid indices < ``num_grid``
+    (a random permutation's head), then the samples shuffled and split into ``num_minibatches``."""
     if settings.num_timesteps > num_grid:
         raise ValueError(f"num_timesteps = {settings.num_timesteps} exceeds the sampler's {num_grid} steps")
-    kept = list(kept)
-    draws = {i: torch.randperm(num_grid, generator=generator)[:settings.num_timesteps].tolist() for i in kept}
-    order = torch.randperm(len(kept), generator=generator).tolist() if kept else []
-    plan = []
-    for chunk in torch.tensor_split(torch.tensor(order, dtype=torch.long), settings.num_minibatches):
-        samples = [kept[j] for j in chunk.tolist()]
-        if samples:
-            plan.append([(i, k) for i in samples for k in draws[i]])
+    kept, plan = list(kept), []
+    if not kept:
+        return plan
+    for _ in range(settings.num_inner_epochs):
+        draws = {i: torch.randperm(num_grid, generator=generator)[:settings.num_timesteps].tolist() for i in kept}
+        order = torch.randperm(len(kept), generator=generator)
+        for chunk in torch.tensor_split(order, settings.num_minibatches):
+            samples = [kept[j] for j in chunk.tolist()]
+            if samples:
+                plan.append([(i, k) for i in samples for k in draws[i]])
     return plan
 
 
-def _stack(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item], noise: dict,
+def _stack(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item], noise: Sequence[torch.Tensor],
            real: Sequence[bool], conditioning) -> dict:
     tr = [trajs[i] for i, _ in items]
     if any(x.do_cfg for x in tr):
@@ -74,18 +78,19 @@ def _stack(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequenc
     t = torch.stack([x.sigmas[k] for x, (_, k) in zip(tr, items)]).float()
     is_real = torch.tensor(list(real), dtype=torch.bool)
     adv = torch.stack([advantages[i] for i, _ in items]).float()
-    return {"latents": noised(x0, torch.stack([noise[it] for it in items]), t), "sigma": t, "x0": x0,
-            **conditioning(tr, False), "advantages": torch.where(is_real, adv, torch.zeros_like(adv)),
-            "real": is_real}
+    return {"latents": noised(x0, torch.stack(list(noise)), t), "sigma": t, "x0": x0, **conditioning(tr, False),
+            "advantages": torch.where(is_real, adv, torch.zeros_like(adv)), "real": is_real}
 
 
-def microbatches(trajs, advantages, items: Sequence[Item], noise: dict, micro_batch_size: int, device,
-                 conditioning) -> list[dict]:
-    """This DP rank's microbatches of one optimizer step over ``items`` (padding items are ``real=False``)."""
-    mine, real = _dp_slice(list(items), micro_batch_size)
+def microbatches(trajs, advantages, items: Sequence[Item], noise: Sequence[torch.Tensor], micro_batch_size: int,
+                 device, conditioning) -> list[dict]:
+    """This DP rank's microbatches of one optimizer step over ``items`` with their noise ``noise`` (one per
+    item); padding items are ``real=False``."""
+    mine, real = dp_slice(list(range(len(items))), micro_batch_size)
     out = []
     for s in range(0, len(mine), micro_batch_size):
-        mb = _stack(trajs, advantages, mine[s:s + micro_batch_size], noise, real[s:s + micro_batch_size],
+        idx = mine[s:s + micro_batch_size]
+        mb = _stack(trajs, advantages, [items[j] for j in idx], [noise[j] for j in idx], real[s:s + micro_batch_size],
                     conditioning)
         out.append({k: v.to(device) for k, v in mb.items()})
     return out
@@ -115,17 +120,16 @@ def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     """Every optimizer step of one rollout batch (module doc); ``ema`` (ShadowWeights) is blended after each
     step (``EMA.step``). Returns item-weighted means of the loss stats,
     grad_norm (mean), update_ok (all), num_updates; {"skipped": 1.0} when nothing is kept."""
-    from megaflow.trainer.grpo import _aggregate, _share_from_last_stage
     device = device or current_device()
     kept = [i for i in range(len(keep)) if bool(keep[i])]
     plan = plan_items(kept, len(trajs[0].sigmas) - 1, settings, generator) if kept else []
     if not plan:
         return {"skipped": 1.0}
     shape = trajs[0].latents[-1].shape
-    noise = {it: torch.randn(shape, generator=generator) for items in plan for it in items}
+    noise = [[torch.randn(shape, generator=generator) for _ in items] for items in plan]
     cond = batch_conditioning(trainer)
-    steps = [microbatches(trajs, advantages, items, noise, settings.micro_batch_size, device, cond)
-             for items in plan]
+    steps = [microbatches(trajs, advantages, items, eps, settings.micro_batch_size, device, cond)
+             for items, eps in zip(plan, noise)]
     with old.applied() if old is not None else contextlib.nullcontext():
         _attach(trainer, steps, "old_velocity")
     if settings.loss.kl_beta > 0:
@@ -141,9 +145,9 @@ def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
         update_ok, grad_norm, _ = trainer.optimizer.step()
         if ema is not None:
             ema.step()
-        per_step.append({**_aggregate(results), "grad_norm": float(grad_norm) if grad_norm is not None else
+        per_step.append({**aggregate_stats(results), "grad_norm": float(grad_norm) if grad_norm is not None else
                          float("nan"), "update_ok": float(bool(update_ok)), "num_items": float(len(items))})
-    return _share_from_last_stage(_combine(per_step))
+    return share_from_last_stage(_combine(per_step))
 
 
 def _combine(per_step: list[dict]) -> dict:

@@ -2,6 +2,8 @@
 LoRA)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megaflow.config.schema import MegaflowConfig
@@ -46,3 +48,20 @@ def lora_settings(cfg: MegaflowConfig):
     from megaflow.config.sections import from_section
     from megaflow.models.common.lora import LoRASettings
     return from_section(LoRASettings, cfg.lora, seed=cfg.run.seed)
+
+
+def scheduled_lr(lr: float, step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """The learning rate at 0-based ``step`` of ``total``: linear warm-up over ``warmup`` steps (step k gets
+    (k + 1) / warmup of ``lr``), then ``schedule``: "constant", or "cosine" from ``lr`` down to 0 at ``total``."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr schedule must be 'constant' or 'cosine', got {schedule!r}")
+    if schedule == "constant" or step < warmup:
+        return lr * min(1.0, (step + 1) / max(1, warmup))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set every param group of a (megatron) optimizer to ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

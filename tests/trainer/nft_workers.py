@@ -74,7 +74,7 @@ def plan_and_noise(trajs, *, num_timesteps: int, num_minibatches: int):
     settings = NFTSettings(loss=NFTConfig(), num_timesteps=num_timesteps, num_minibatches=num_minibatches)
     plan = plan_items([i for i in range(len(trajs)) if bool(KEEP[i])], STEPS, settings, g)
     shape = trajs[0].latents[-1].shape
-    noise = {it: torch.randn(shape, generator=g) for items in plan for it in items}
+    noise = [[torch.randn(shape, generator=g) for _ in items] for items in plan]
     return plan, noise
 
 
@@ -88,14 +88,14 @@ def nft_reference(*, lr: float, num_timesteps: int, num_minibatches: int) -> dic
     plan, noise = plan_and_noise(trajs, num_timesteps=num_timesteps, num_minibatches=num_minibatches)
     before = {k: v.detach().clone() for k, v in dit.state_dict().items()}
     first_grads, states = None, []
-    for items in plan:
+    for items, eps in zip(plan, noise):
         dit.zero_grad(set_to_none=True)
         total = 0.0
-        for i, k in items:
+        for (i, k), e in zip(items, eps):
             tr = trajs[i]
             t = tr.sigmas[k].reshape(1)
             x0 = tr.latents[-1][None]
-            xt = (1 - t) * x0 + t * noise[(i, k)][None]
+            xt = (1 - t) * x0 + t * e[None]
             ehs, pooled = tr.conditioning["encoder_hidden_states"][None], tr.conditioning["pooled_projections"][None]
             with torch.no_grad():
                 v_old, v_ref = _v(old, xt, t, ehs, pooled), _v(ref, xt, t, ehs, pooled)
@@ -121,15 +121,16 @@ def nft_reference(*, lr: float, num_timesteps: int, num_minibatches: int) -> dic
 
 def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     """The same phase through ``megaflow.trainer.nft.nft_update`` at TP=``tp`` (DP = world / tp): θ_old is a
-    ShadowWeights holding the perturbed DiT, the reference a ReferenceEngine; returns the final full state
+    ShadowWeights holding the perturbed DiT, the reference a ReferenceModel; returns the final full state
     (diffusers names), the stats, and an EMA's state after the phase."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.algo.nft import NFTConfig
     from megaflow.models.sd3 import from_diffusers
-    from megaflow.parallel import ParallelDims, destroy_distributed, init_distributed
-    from megaflow.trainer.engine import ReferenceEngine, TrainEngine
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
+    from megaflow.trainer.runner import ReferenceModel, Trainer
     from megaflow.trainer.nft import NFTSettings, nft_update
     from megaflow.trainer.shadow import EMA, ShadowWeights
 
@@ -138,8 +139,8 @@ def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    eng = TrainEngine(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt)
-    ref = ReferenceEngine(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local")
+    eng = Trainer(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt)
+    ref = ReferenceModel(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local")
     ref.load_diffusers_state_dict(ref_dit.state_dict())
     eng.load_diffusers_state_dict(old_dit.state_dict())
     old = ShadowWeights.of(eng.chunks)  # θ_old = the perturbed DiT

@@ -1,0 +1,74 @@
+"""DiffusionNFT as the run's algorithm: ODE rollouts of the sampling policy θ_old, trained on the forward
+process of the clean samples (megaflow.trainer.nft, the loss in megaflow.algo.nft).
+
+θ_old is a shadow of θ (megaflow.trainer.shadow.ShadowWeights) the engines hold: after every iteration's
+update it is blended toward θ with decay d = min(algo.old_decay_rate · iteration, algo.old_decay_max)
+(d = 0: θ_old = θ, on-policy), and the weight sync pushes it. It lives in checkpoints, so a resumed run
+continues exactly.
+
+Staleness: the samples of iteration k come from θ_old as it was after iteration k − 1, and the loss
+measures θ against that same θ_old, so the implicit policies are always anchored to the policy that
+sampled; an asynchronous loop that trains on samples one version older only needs the θ_old they were
+drawn with, which is why θ_old is blended after (not before) each update.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaflow.algo.nft import NFTConfig
+from megaflow.config import MegaflowConfig
+from megaflow.rollout.types import RolloutRequest
+from megaflow.run.flowgrpo import make_requests
+from megaflow.seeds import MINIBATCHES, iteration_seed
+
+OLD = "nft_old"
+"""The checkpoint name of θ_old."""
+
+
+def nft_settings(cfg: MegaflowConfig):
+    """The trainer's NFT settings from ``algo`` and ``train``; ValueError for a config NFT cannot run."""
+    from megaflow.trainer.nft import NFTSettings
+    a, t, r = cfg.algo, cfg.train, cfg.rollout
+    if r.sde_type != "ode":
+        raise ValueError(f"algo.name = 'nft' samples deterministically: set rollout.sde_type = 'ode' "
+                         f"(got {r.sde_type!r})")
+    if a.nft_num_timesteps > r.num_steps:
+        raise ValueError(f"algo.nft_num_timesteps = {a.nft_num_timesteps} exceeds rollout.num_steps = {r.num_steps}")
+    loss = NFTConfig(nft_beta=a.nft_beta, adv_clip=a.adv_clip, kl_beta=a.kl_beta)
+    return NFTSettings(loss=loss, num_timesteps=a.nft_num_timesteps, micro_batch_size=t.micro_batch_size,
+                       num_inner_epochs=t.num_inner_epochs, num_minibatches=t.num_minibatches)
+
+
+class DiffusionNFT:
+    """The DiffusionNFT algorithm of a run (megaflow.run.algorithm.Algorithm)."""
+
+    name = "nft"
+
+    def __init__(self, cfg: MegaflowConfig, trainer, reference=None, ema=None):
+        from megaflow.trainer.shadow import ShadowWeights
+        self.cfg, self.trainer, self.reference, self.ema = cfg, trainer, reference, ema
+        self.settings = nft_settings(cfg)
+        self.old = ShadowWeights.of(trainer.chunks)
+
+    def requests(self, prompts, iteration: int) -> list[RolloutRequest]:
+        return make_requests(self.cfg, prompts, iteration)
+
+    def old_decay(self, iteration: int) -> float:
+        a = self.cfg.algo
+        return min(a.old_decay_rate * iteration, a.old_decay_max)
+
+    def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
+        from megaflow.trainer.nft import nft_update
+        g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
+        metrics = nft_update(self.trainer, trajs, advantages, keep, self.settings, generator=g, old=self.old,
+                             ref=self.reference, ema=self.ema)
+        decay = self.old_decay(iteration)
+        self.old.blend(decay)
+        return {**metrics, "old_decay": decay}
+
+    def engine_weights(self):
+        """The engines sample with θ_old."""
+        return self.old.applied()
+
+    def shadows(self) -> dict:
+        return {OLD: self.old}
