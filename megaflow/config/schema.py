@@ -228,6 +228,8 @@ class EvalConfig:
 
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.", ge=1)
     num_seen: int = opt(60, "Prompts of the categories too small to split, reported apart as seen.", ge=0)
+    num_train: int = opt(300, "TRAIN prompts of the held-out categories, one fixed-seed sample each (how the model "
+                         "does on prompts it trains on, beside the held-out number); 0 = skip.", ge=0)
     seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0)
     num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0)
 

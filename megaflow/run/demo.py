@@ -62,14 +62,18 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     e = cfg.eval
 
     def evaluate(rollout, when: str | int) -> None:
-        res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, seed=e.seed,
-                              num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
-                              max_sequence_length=cfg.rollout.max_sequence_length or None,
-                              out_dir=run_dir / f"eval_{when}")
+        common = dict(seed=e.seed, num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
+                      max_sequence_length=cfg.rollout.max_sequence_length or None)
+        res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, out_dir=run_dir / f"eval_{when}", **common)
+        if e.num_train:
+            res["train"] = evaluate_engine(rollout, num=e.num_train, num_seen=0, split="train",
+                                           out_dir=run_dir / f"eval_{when}_train", **common)
         results[when] = res
         lo, hi = res["ci95"]
+        train = f"; train prompts {res['train']['accuracy']:.3f}" if e.num_train else ""
         print(f"[megaflow] ShapeEval {when}: held-out {res['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
-              f"{res['num']} prompts); seen categories {res['seen'].get('accuracy', float('nan')):.3f}", flush=True)
+              f"{res['num']} prompts); seen categories {res['seen'].get('accuracy', float('nan')):.3f}{train}",
+              flush=True)
 
     metrics = run(cfg, evaluate=evaluate, verbose=verbose)
     wall = time.perf_counter() - t0
@@ -86,10 +90,14 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
         "seen_before": before["seen"].get("per_category", {}), "seen_after": after["seen"].get("per_category", {}),
         "partial_before": before["partial_mean"], "partial_after": after["partial_mean"],
         "num_eval_prompts": before["num"], "wall_s": wall, "peak_rss_gb": rss.stop(),
+        **_train_prompt_summary(before, after),
+        "algorithm": cfg.algo.name, "ema_decay": cfg.train.ema_decay,
+        "evaluated_weights": "ema" if cfg.train.ema_decay > 0 else "trained",
         "iterations": cfg.train.iterations,
         "launch": {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "placement": r.placement,
                    "engine_ranks": r.engine_ranks, "engine_hosts": r.engine_hosts, "bridge": cfg.bridge.mode},
-        "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size + 2 * (e.num + e.num_seen),
+        "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size
+        + 2 * (e.num + e.num_seen + e.num_train),
         "reward_first": rows[0]["reward/total"] if rows else None, "reward_last": rows[-1]["reward/total"] if rows else None,
         "eval_before": brief(before), "eval_after": brief(after), "last_metrics": metrics,
     }
@@ -98,3 +106,14 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     print(f"ShapeEval (held-out, {before['num']} prompts): {before['accuracy']:.2f} -> {after['accuracy']:.2f} "
           f"in {m}m{s:02d}s   (summary: {run_dir / 'summary.json'})", flush=True)
     return summary
+
+
+def _train_prompt_summary(before: dict, after: dict) -> dict:
+    """TRAIN-prompt accuracy before/after (same sampler and seeds as the held-out number), when evaluated."""
+    if "train" not in before:
+        return {}
+    b, a = before["train"], after["train"]
+    return {"train_prompts_before": b["accuracy"], "train_prompts_after": a["accuracy"],
+            "train_prompts_ci95_before": b["ci95"], "train_prompts_ci95_after": a["ci95"],
+            "train_prompts_per_category_before": b["per_category"], "train_prompts_per_category_after": a["per_category"],
+            "num_train_prompts": b["num"]}

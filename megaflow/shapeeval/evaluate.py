@@ -21,10 +21,12 @@ from megaflow.shapeeval.checker import score_image
 from megaflow.shapeeval.score import summarize
 
 
-def eval_prompts(num: int, num_seen: int, seed: int) -> tuple[list[str], list[str]]:
-    """(held-out prompts, seen-category prompts), deterministic in (num, num_seen, seed)."""
-    held = sample_prompts("eval", num, seed=seed, categories=HELD_OUT_CATEGORIES)
-    seen = sample_prompts("eval", num_seen, seed=seed, categories=SEEN_CATEGORIES) if num_seen else []
+def eval_prompts(num: int, num_seen: int, seed: int, *, split: str = "eval") -> tuple[list[str], list[str]]:
+    """(prompts of the held-out categories, seen-category prompts), deterministic in (num, num_seen, seed):
+    from the held-out split (``split="eval"``), or from the TRAIN split of the same categories (``"train"``:
+    how the model does on prompts it trains on, the same sampler and seeds)."""
+    held = sample_prompts(split, num, seed=seed, categories=HELD_OUT_CATEGORIES)
+    seen = sample_prompts(split, num_seen, seed=seed, categories=SEEN_CATEGORIES) if num_seen else []
     return held, seen
 
 
@@ -57,8 +59,11 @@ def score(images: torch.Tensor, prompts: list[str]) -> dict:
     return out
 
 
-def save_images(images: torch.Tensor, prompts: list[str], out_dir: Path, *, columns: int = 10) -> None:
-    """PNG per image + manifest.jsonl + a grid of the first ``columns`` images of each category."""
+def save_images(images: torch.Tensor, prompts: list[str], out_dir: Path, *, columns: int = 10,
+                passed: list[bool] | None = None) -> None:
+    """PNG per image + manifest.jsonl + ``grid.png``: the first ``columns`` images of each category, a row per
+    category, enlarged 4x with each prompt written under its image (``passed``: a pass/fail mark before it),
+    and ``grid.txt``, the same prompts by row and column."""
     from PIL import Image
 
     from megaflow.data.shapes import category_of
@@ -72,23 +77,32 @@ def save_images(images: torch.Tensor, prompts: list[str], out_dir: Path, *, colu
         rows.append(json.dumps({"file": name, "prompt": p}))
         by_cat.setdefault(category_of(parse_prompt(p)), []).append(i)
     (out_dir / "manifest.jsonl").write_text("\n".join(rows) + "\n")
-    picked = [i for idx in by_cat.values() for i in idx[:columns]]
-    save_image_grid(images[picked], out_dir / "grid.png", columns=columns)
+    cells, labels, legend = [], [], []
+    blank = torch.ones_like(images[0])
+    for idx in by_cat.values():
+        row = idx[:columns]
+        mark = (lambda i: ("ok " if passed[i] else "x ")) if passed is not None else (lambda i: "")
+        cells += [images[i] for i in row] + [blank] * (columns - len(row))
+        labels += [mark(i) + prompts[i] for i in row] + [""] * (columns - len(row))
+        legend.append(" | ".join(mark(i) + prompts[i] for i in row))
+    save_image_grid(torch.stack(cells), out_dir / "grid.png", columns=columns, scale=4, labels=labels)
+    (out_dir / "grid.txt").write_text("".join(f"row {r}: {line}\n" for r, line in enumerate(legend)))
 
 
 def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
-                    resolution: int = 32, max_sequence_length: int | None = None, out_dir: Path | None = None) -> dict:
-    """Sample the fixed prompt set through ``engine`` (ODE), score it; JSON-able result."""
-    held, seen = eval_prompts(num, num_seen, seed)
+                    resolution: int = 32, max_sequence_length: int | None = None, out_dir: Path | None = None,
+                    split: str = "eval") -> dict:
+    """Sample the fixed prompt set (``eval_prompts``) through ``engine`` (ODE), score it; JSON-able result."""
+    held, seen = eval_prompts(num, num_seen, seed, split=split)
     prompts = held + seen
     trajs = engine.generate(requests_for(prompts, seed=seed, num_steps=num_steps, resolution=resolution,
                                          max_sequence_length=max_sequence_length))
     images = torch.stack([t.image for t in trajs])
     result = score(images[:len(held)], held)
     result["seen"] = score(images[len(held):], seen) if seen else {}
-    result.update(seed=seed, num_steps=num_steps, resolution=resolution)
+    result.update(seed=seed, num_steps=num_steps, resolution=resolution, split=split)
     if out_dir is not None:
-        save_images(images, prompts, Path(out_dir))
+        save_images(images, prompts, Path(out_dir), passed=result["passed"] + result["seen"].get("passed", []))
         result["images"] = str(out_dir)
     return result
 
@@ -113,8 +127,9 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
 def brief(result: dict) -> dict:
     """The result without per-image lists (for printing)."""
     out = {k: v for k, v in result.items() if k != "passed"}
-    if result.get("seen"):
-        out["seen"] = {k: v for k, v in result["seen"].items() if k != "passed"}
+    for part in ("seen", "train"):
+        if result.get(part):
+            out[part] = brief(result[part])
     return out
 
 
