@@ -143,7 +143,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
-    result = export_run(args.run, args.out, iteration=args.iteration)
+    result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema)
     _print_json(result, args.json)
     return 0
 
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--run", type=Path, required=True, help="Run dir (<run.output_dir>/<run.name>).")
     p_exp.add_argument("--iteration", type=int, default=None, help="Checkpoint iteration (default: the latest).")
     p_exp.add_argument("--out", type=Path, required=True, help="New pipeline dir (must not exist or be empty).")
+    p_exp.add_argument("--no-ema", dest="ema", action="store_false",
+                       help="Export the trained weights, not their EMA (a run with train.ema_decay > 0 exports the EMA).")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_exp.set_defaults(handler=_cmd_export)
 

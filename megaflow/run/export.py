@@ -61,15 +61,15 @@ def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:
         raise ValueError(f"unexpected tensor {extra[0]!r} (wrong architecture?)")
 
 
-def checkpoint_transformer(model_dir: str | Path):
+def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None):
     """(family, diffusers config dict as the family writes it, diffusers state dict) of a megatron dist
     checkpoint's model, read in this process without building a model; the state is checked against
     the diffusers class of the config recorded in the checkpoint. A LoRA run's adapter tensors are not
-    part of it (``checkpoint_adapters`` reads them)."""
+    part of it (``checkpoint_adapters`` reads them). ``shadow`` ("ema"): those weights instead of the trained ones."""
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
-    meta, full = load_full_state_dict(model_dir)
+    meta, full = load_full_state_dict(model_dir, shadow=shadow)
     family = get_family(meta["family"])
     config = family.config_from_diffusers(meta["diffusers_config"])
     base = {k: v for k, v in full.items() if not k.endswith(ADAPTER_SUFFIXES)}
@@ -78,7 +78,7 @@ def checkpoint_transformer(model_dir: str | Path):
     return family, family.config_to_diffusers(config), state
 
 
-def checkpoint_adapters(model_dir: str | Path, lora) -> dict:
+def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = None) -> dict:
     """The LoRA adapters (``LoRASettings`` ``lora``) of a megatron dist checkpoint as a PEFT-named state dict
     (``<module>.lora_A.weight`` ...); ValueError names the first adapter tensor the settings and the
     checkpoint disagree on."""
@@ -86,7 +86,7 @@ def checkpoint_adapters(model_dir: str | Path, lora) -> dict:
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
-    meta, full = load_full_state_dict(model_dir)
+    meta, full = load_full_state_dict(model_dir, shadow=shadow)
     family = get_family(meta["family"])
     config = family.config_from_diffusers(meta["diffusers_config"])
     adapters = {k: v for k, v in full.items() if k.endswith(ADAPTER_SUFFIXES)}
@@ -136,9 +136,10 @@ def _copy_pipeline(pipeline: Path, dst: Path) -> None:
     shutil.copytree(pipeline, dst, ignore=skip)
 
 
-def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None) -> dict:
+def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True) -> dict:
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = the latest) to
-    ``out``; returns what was written (iteration, paths, tensor count, seconds)."""
+    ``out``: the EMA of the trained weights when the run kept one (``train.ema_decay`` > 0) and ``ema``, else
+    the trained weights; returns what was written (iteration, paths, tensor count, which weights, seconds)."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
@@ -148,7 +149,8 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     _check_out(out)
 
     tconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
-    family, _, state = checkpoint_transformer(ckpt / MODEL_DIR)
+    lora, shadow = _run_settings(run_dir, ema)
+    family, _, state = checkpoint_transformer(ckpt / MODEL_DIR, shadow=shadow)
     if tconfig.get("_class_name") != family.diffusers_class:
         raise ValueError(f"{ckpt / MODEL_DIR} holds a {family.diffusers_class} ({family.name}) but "
                          f"{pipeline}/transformer is a {tconfig.get('_class_name')}")
@@ -157,8 +159,7 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     except ValueError as e:
         raise ValueError(f"{ckpt / MODEL_DIR} does not fit {pipeline}/transformer: {e}") from None
 
-    lora = _run_lora(run_dir)
-    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora) if lora is not None else None
+    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow) if lora is not None else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -175,11 +176,14 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
     return {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
             "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
+            "weights": shadow or "trained",
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _run_lora(run_dir: Path):
-    """The run's LoRA settings (its config.toml), None for a full-parameter run."""
+def _run_settings(run_dir: Path, ema: bool):
+    """(the run's LoRA settings or None for a full-parameter run, "ema" when its EMA is to be exported or None),
+    from its config.toml."""
     from megaflow.config import load_config
     from megaflow.trainer.settings import lora_settings
-    return lora_settings(load_config(run_dir / "config.toml"))
+    cfg = load_config(run_dir / "config.toml")
+    return lora_settings(cfg), "ema" if ema and cfg.train.ema_decay > 0 else None
