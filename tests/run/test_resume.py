@@ -1,7 +1,8 @@
 """Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
 step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
 ``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
-and TP=2, and with a disaggregated placement (an engine rank). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
+and TP=2, with a disaggregated placement (an engine rank), and for DiffusionNFT (its sampling policy and the
+EMA included). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
 write leaves the previous checkpoint usable, and no engine worker outlives a killed driver.
 
 Reference: the same config run once without interruption. Tolerance: none (torch.equal).
@@ -123,8 +124,9 @@ def _write_config(tmp: Path, name: str, tp: int) -> Path:
     return path
 
 
-def _final_weights(run_dir: Path) -> dict[str, object]:
-    """The last checkpoint's model entries, flattened to dotted names (tensors and extra states)."""
+def _final_weights(run_dir: Path, shadow: str | None = None) -> dict[str, object]:
+    """The last checkpoint's model entries (``shadow``: with that shadow's tensors in place of the trained ones),
+    flattened to dotted names (tensors and extra states)."""
     from megaflow.trainer.checkpoint import load_full_state_dict
     it, ckpt = list_checkpoints(run_dir)[-1]
     assert it == 5
@@ -135,7 +137,7 @@ def _final_weights(run_dir: Path) -> dict[str, object]:
                 yield from flat(v, f"{prefix}.{k}" if prefix else str(k))
         else:
             yield prefix, x
-    return dict(flat(load_full_state_dict(ckpt / "model")[1]))
+    return dict(flat(load_full_state_dict(ckpt / "model", shadow=shadow)[1]))
 
 
 def _rewards(run_dir: Path) -> list[tuple[int, float | None]]:
@@ -182,14 +184,17 @@ def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool,
     return run_dir
 
 
-def _reference(tmp: Path, tp: int) -> Path:
-    launch = Launch(_write_config(tmp, "reference", tp), nproc=tp, resume=False)
+def _reference(tmp: Path, tp: int, extra: tuple = ()) -> Path:
+    launch = Launch(_write_config(tmp, "reference", tp), nproc=tp, resume=False, extra=extra)
     rc, _, err = launch.wait()
     assert rc == 0, err[-3000:]
     return tmp / "runs" / "reference"
 
 
-def _assert_same_run(reference: Path, crashed: Path) -> None:
+def _assert_same_run(reference: Path, crashed: Path, shadows: tuple = ()) -> None:
+    for shadow in shadows:
+        ref_s, got_s = _final_weights(reference, shadow), _final_weights(crashed, shadow)
+        assert all(torch.equal(ref_s[k], got_s[k]) for k in ref_s if isinstance(ref_s[k], torch.Tensor)), shadow
     ref_w, got_w = _final_weights(reference), _final_weights(crashed)
     assert ref_w.keys() == got_w.keys()
     assert sum(isinstance(v, torch.Tensor) for v in ref_w.values()) > 50
@@ -209,6 +214,22 @@ def test_kill9_resume_is_exact_tp1(tmp_path):
     crashed = _crash_and_resume(tmp_path, 1, ["rollout@3", "sync@3", "checkpoint@4", "train@5"], sigint_first=True)
     _assert_same_run(reference, crashed)
     assert not list((crashed / "checkpoints").glob(".staging-*")), "a killed writer's staging dir was left"
+
+
+NFT = ("--set", "algo.name=nft", "--set", "rollout.sde_type=ode", "--set", "algo.nft_num_timesteps=2",
+       "--set", "algo.old_decay_rate=0.2", "--set", "train.ema_decay=0.9", "--set", "train.warmup_iterations=2",
+       "--set", "train.lr_schedule=cosine")
+
+
+def test_kill9_resume_is_exact_nft(tmp_path):
+    # DiffusionNFT with a lagging sampling policy, an EMA and a warmed-up cosine lr: SIGINT after iteration 1, then
+    # killed midway through iteration 3's sync (the engines hold theta_old) and after iteration 4's update
+    # (theta_old blended, not yet checkpointed); the model, theta_old and the EMA equal the uninterrupted run's
+    reference = _reference(tmp_path, tp=1, extra=NFT)
+    crashed = _crash_and_resume(tmp_path, 1, ["sync@3", "train@4"], sigint_first=True, extra=NFT)
+    _assert_same_run(reference, crashed, shadows=("ema", "nft_old"))
+    ema, trained = _final_weights(reference, "ema"), _final_weights(reference)
+    assert any(not torch.equal(ema[k], trained[k]) for k in trained if isinstance(trained[k], torch.Tensor))
 
 
 @pytest.mark.dist
