@@ -121,12 +121,14 @@ def nft_reference(*, lr: float, num_timesteps: int, num_minibatches: int) -> dic
 
 def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     """The same phase through ``megaflow.trainer.nft.nft_update`` at TP=``tp`` (DP = world / tp): θ_old is a
-    ShadowWeights holding the perturbed DiT, the reference a ReferenceModel; returns the final full state
-    (diffusers names), the stats, and an EMA's state after the phase."""
+    ShadowWeights holding the perturbed DiT (``case["on_policy"]``: θ itself), the reference a ReferenceModel;
+    ``case["lora"]``: rank-4 adapters on a frozen base. Returns the final full state (diffusers names; under LoRA
+    the adapters, PEFT names), the stats, and an EMA's state after the phase."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.algo.nft import NFTConfig
+    from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
@@ -139,21 +141,27 @@ def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    eng = Trainer(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt)
+    lora = LoRASettings(rank=4, alpha=8.0) if case.get("lora") else None
+    eng = Trainer(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt,
+                  lora=lora)
     ref = ReferenceModel(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local")
     ref.load_diffusers_state_dict(ref_dit.state_dict())
-    eng.load_diffusers_state_dict(old_dit.state_dict())
-    old = ShadowWeights.of(eng.chunks)  # θ_old = the perturbed DiT
+    eng.load_diffusers_state_dict((dit if case.get("on_policy") else old_dit).state_dict())
+    old = ShadowWeights.of(eng.chunks)  # θ_old = the perturbed DiT, or (on-policy) θ itself
     eng.load_diffusers_state_dict(dit.state_dict())
     ema = EMA.of(eng.chunks, 0.9)
     settings = NFTSettings(loss=NFTConfig(nft_beta=BETA, adv_clip=ADV_CLIP, kl_beta=KL), num_timesteps=num_timesteps,
                            num_minibatches=num_minibatches, micro_batch_size=micro_batch_size)
     stats = nft_update(eng, trajs, ADV, KEEP, settings, generator=torch.Generator().manual_seed(SEED), old=old,
                        ref=ref, ema=ema, device=torch.device("cpu"))
-    state = eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+    def full_state():
+        if lora is not None:
+            return {k: v.clone() for k, v in eng.iter_full_adapters()}
+        return eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+    state = full_state()
     with ema.applied():
-        ema_state = eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+        ema_state = full_state()
     out = {"state": state, "stats": stats, "ema": ema_state, "ema_updates": ema.num_updates,
-           "rank": dist.get_rank()}
+           "rank": dist.get_rank(), "shadow_names": sorted(old.tensors)}
     destroy_distributed()
     return out

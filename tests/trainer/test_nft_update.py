@@ -66,3 +66,21 @@ def test_nft_phase_is_layout_independent(tp, tp1):
     for out in outs:
         assert _rel_change(out["state"], tp1["state"], before) <= 1e-5
         assert out["stats"]["num_items"] == 12
+
+
+@pytest.mark.slow
+def test_lora_nft_equals_full_before_the_update_and_is_layout_independent():
+    """LoRA (B = 0 at start) computes the full model's velocities, so the on-policy phase's loss and KL equal the
+    full-parameter run's (1e-6); θ_old and the EMA hold only the adapters; TP=2 LoRA equals TP=1 (1e-5)."""
+    case = {**CASE, "num_minibatches": 1, "on_policy": True}
+    (full,) = run_multiprocess(W.nft_rank, 1, 1, 5, case, timeout_s=600)
+    (lora,) = run_multiprocess(W.nft_rank, 1, 1, 5, {**case, "lora": True}, timeout_s=600)
+    for key in ("policy_loss", "kl", "x0_error"):
+        assert lora["stats"][key] == pytest.approx(full["stats"][key], rel=1e-6), key
+    assert lora["stats"]["old_deviation"] == 0.0  # on-policy: θ_old = θ when v_old is taken
+    assert lora["shadow_names"] and all(".lora." in n for n in lora["shadow_names"])
+    assert len(lora["shadow_names"]) < len(full["shadow_names"])
+    tp2 = run_multiprocess(W.nft_rank, 2, 2, 5, {**case, "lora": True}, timeout_s=600)
+    before = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in lora["state"].items()}
+    for out in tp2:
+        assert _rel_change(out["state"], lora["state"], before) <= 1e-5
