@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-from megaflow.bench.learn import plain_backward
+from megaflow.bench.plain import plain_backward
 from megaflow.flow.step import sigma_max_of, transition_log_prob
 from megaflow.testing.dist import run_multiprocess
 
@@ -90,16 +90,18 @@ def test_plain_step_gradient_equals_megaflow_trainer():
 
 
 @pytest.mark.slow
-def test_bench_learn_baseline_runs_and_trains(tmp_path):
+@pytest.mark.parametrize("algo", [[], ["algo.name='nft'", "rollout.sde_type='ode'", "algo.nft_num_timesteps=2",
+                                      "train.ema_decay=0.9", "algo.old_decay_rate=0.3"]], ids=["flowgrpo", "nft"])
+def test_bench_learn_baseline_runs_and_trains(tmp_path, algo):
     """The baseline side, 2 iterations on a tiny SD3 (made for the run) with prompts padded to 8 tokens
-    for every encoder (the SGLang-style encoding path of DiffusersEngine)."""
+    for every encoder (the SGLang-style encoding path of DiffusersEngine), for both algorithms."""
     from megaflow.bench.learn import bench_learn
     from megaflow.config import load_config
     torch.set_num_threads(1)
     cfg = load_config(None, [f"run.output_dir='{tmp_path}'", "run.name='t'", "run.seed=0", "train.iterations=2",
                              "rollout.group_size=3", "rollout.prompts_per_iter=2", "rollout.num_steps=3",
                              "rollout.height=32", "rollout.width=32", "rollout.max_sequence_length=8",
-                             "train.micro_batch_size=4", "train.lr=1e-3", "eval.num=4", "eval.num_seen=2"])
+                             "train.micro_batch_size=4", "train.lr=1e-3", "eval.num=4", "eval.num_seen=2", *algo])
     out = bench_learn(cfg, side="baseline", eval_every=1, eval_num=3, target_gain=0.0)
     json.dumps(out)
     assert set(out["sides"]) == {"baseline"} and out["recipe"]["iterations"] == 2
