@@ -66,8 +66,9 @@ class Launch:
             env["MEGAFLOW_FAULT"] = fault
         args = ["-m", "megaflow.cli", "train", "-c", str(config), *(["--resume"] if resume else []), *extra]
         if nproc > 1:
+            # torchrun SIGKILLs its ranks 30 s after a signal by default: give a loaded machine time to checkpoint
             args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                    str(_free_port()), *args]
+                    str(_free_port()), "--shutdown-timeout", "240", *args]
         self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.descendants: set[int] = set()
