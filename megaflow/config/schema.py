@@ -29,7 +29,8 @@ class RunConfig:
                       "(CUDA hidden from the run, even on a GPU machine) or cuda (error without a device). Applied "
                       "by the megaflow commands (train, demo, pretrain, bench learn).",
                       choices=("auto", "cpu", "cuda"))
-    num_threads: int = opt(1, "torch intra-op threads per process (1 is fastest on small shared CPUs).", ge=1)
+    num_threads: int = opt(1, "torch intra-op threads of the trainer processes (1 is fastest on small shared CPUs "
+                           "when several processes compute at once).", ge=1)
 
 
 @dataclass(kw_only=True)
@@ -124,6 +125,9 @@ class RolloutConfig:
     batch_window_ms: float = opt(5.0, "Engine batching: wait this long for more requests to merge.", ge=0.0)
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
+    engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
+                              "loop is synchronous, so on a CPU the engines and the trainer may each use every "
+                              "core.", ge=0)
 
 
 @dataclass(kw_only=True)

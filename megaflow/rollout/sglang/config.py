@@ -82,4 +82,5 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
     log_dir = None if verbose else str(Path(cfg.run.output_dir) / cfg.run.name / "logs")
     return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,
                               device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
-                              batch_window_ms=r.batch_window_ms, log_level="info", log_dir=log_dir)
+                              batch_window_ms=r.batch_window_ms, log_level="info", log_dir=log_dir,
+                              num_threads=r.engine_threads or cfg.run.num_threads)
