@@ -77,14 +77,17 @@ def test_eval_shapes_pipeline_cli(pretrained, tmp_path):
     assert (tmp_path / "ev" / "grid.png").is_file() and (tmp_path / "ev" / "manifest.jsonl").is_file()
 
 
-def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
-    """``megaflow demo``: before/after evaluation on the same prompts and seeds around a FlowGRPO run;
-    summary.json, grids and curves.png are written and the last line is the before -> after line."""
+@pytest.mark.parametrize("config, algo_sets", [
+    ("shapes_demo.toml", []),
+    ("shapes_demo_flowgrpo.toml", ["rollout.sde_window_size=2", "rollout.sde_window_range=[0,3]"])])
+def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path, config, algo_sets):
+    """``megaflow demo`` (DiffusionNFT, and the FlowGRPO config): before/after evaluation on the same prompts and
+    seeds around the run; summary.json, grids and curves.png are written and the last line is the before -> after
+    line."""
     sets = [f"model.pretrained='{pretrained[0] / 'pipeline'}'", f"run.output_dir='{tmp_path}'", "run.name='d'",
             "train.iterations=2", "rollout.group_size=2", "rollout.prompts_per_iter=2", "rollout.num_steps=4",
-            "eval.num=5", "eval.num_seen=2", "train.micro_batch_size=4", "rollout.sde_window_size=2",
-            "rollout.sde_window_range=[0,3]"]
-    cmd = [sys.executable, "-m", "megaflow.cli", "demo", "-c", "configs/shapes_demo.toml"]
+            "eval.num=5", "eval.num_seen=2", "eval.num_train=3", "train.micro_batch_size=4", *algo_sets]
+    cmd = [sys.executable, "-m", "megaflow.cli", "demo", "-c", f"configs/{config}"]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
@@ -96,7 +99,9 @@ def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path):
     for key in ("shapeeval_before", "shapeeval_after", "ci95_before", "ci95_after", "per_category_before",
                 "per_category_after", "wall_s", "peak_rss_gb", "iterations", "images_sampled"):
         assert key in summary, key
-    assert summary["iterations"] == 2 and summary["images_sampled"] == 2 * 2 * 2 + 2 * 7
+    assert summary["iterations"] == 2 and summary["images_sampled"] == 2 * 2 * 2 + 2 * (7 + 3)
+    assert summary["algorithm"] == ("nft" if config == "shapes_demo.toml" else "flowgrpo")
+    assert summary["num_train_prompts"] == 3 and 0 <= summary["train_prompts_after"] <= 1
     assert 0 < summary["peak_rss_gb"] < 12
     for when in ("before", "after"):
         assert (run_dir / f"eval_{when}" / "grid.png").is_file()
