@@ -206,8 +206,9 @@ def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
     return (list(r.sde_window) or None) if drawn is None else None
 
 
-def _check_nft(cfg: MegaflowConfig) -> None:
-    """DiffusionNFT samples deterministically, without CFG, and trains grid timesteps of the sampler."""
+def check_nft(cfg: MegaflowConfig) -> None:
+    """DiffusionNFT samples deterministically, without CFG, and trains grid timesteps of the sampler (the one
+    home of these rules: preflight and megaflow.run.nft both call it)."""
     r, a = cfg.rollout, cfg.algo
     if r.sde_type != "ode":
         raise ConfigError(f"algo.name = 'nft' trains on clean ODE samples: set rollout.sde_type = 'ode' "
@@ -229,7 +230,7 @@ def _check_nft(cfg: MegaflowConfig) -> None:
 def _check_rollout(cfg: MegaflowConfig) -> None:
     r, n = cfg.rollout, cfg.rollout.num_steps
     if cfg.algo.name == "nft":
-        _check_nft(cfg)
+        check_nft(cfg)
         return
     if r.sde_type == "ode":
         raise ConfigError("rollout.sde_type = 'ode' samples no log-probs: nothing for FlowGRPO to train (use 'sde' "

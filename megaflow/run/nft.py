@@ -26,14 +26,12 @@ OLD = "nft_old"
 
 
 def nft_settings(cfg: MegaflowConfig):
-    """The trainer's NFT settings from ``algo`` and ``train``; ValueError for a config NFT cannot run."""
+    """The trainer's NFT settings from ``algo`` and ``train``; ConfigError (a ValueError) for a config NFT cannot
+    run."""
+    from megaflow.config.preflight import check_nft
     from megaflow.trainer.nft import NFTSettings
-    a, t, r = cfg.algo, cfg.train, cfg.rollout
-    if r.sde_type != "ode":
-        raise ValueError(f"algo.name = 'nft' samples deterministically: set rollout.sde_type = 'ode' "
-                         f"(got {r.sde_type!r})")
-    if a.nft_num_timesteps > r.num_steps:
-        raise ValueError(f"algo.nft_num_timesteps = {a.nft_num_timesteps} exceeds rollout.num_steps = {r.num_steps}")
+    check_nft(cfg)
+    a, t = cfg.algo, cfg.train
     loss = NFTConfig(nft_beta=a.nft_beta, adv_clip=a.adv_clip, kl_beta=a.kl_beta)
     return NFTSettings(loss=loss, num_timesteps=a.nft_num_timesteps, micro_batch_size=t.micro_batch_size,
                        num_inner_epochs=t.num_inner_epochs, num_minibatches=t.num_minibatches)
