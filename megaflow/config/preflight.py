@@ -38,7 +38,7 @@ from megaflow.parallel.placement import launch_layout
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
 # tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10")
+                "shapeeval_partial", "cifar10", "ocr")
 BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
