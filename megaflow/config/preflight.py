@@ -29,6 +29,7 @@ from pathlib import Path
 from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.schema import MegaflowConfig
+from megaflow.data.prompts import read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
@@ -173,6 +174,11 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
                               f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
         if files:
             check_text_file(d.prompts, "data.prompts")
+            if Path(d.prompts).suffix == ".jsonl":
+                try:
+                    read_jsonl_prompts(d.prompts)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
 
 
 def _check_rewards(cfg: MegaflowConfig) -> None:
