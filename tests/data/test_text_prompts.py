@@ -61,3 +61,11 @@ def test_tool_writes_the_set_and_refuses_to_overwrite(tmp_path):
 def _expected(path: Path, seed: int) -> str:
     write_prompt_set(path, seed=seed)
     return (path / "train.txt").read_text()
+
+
+def test_shipped_set_is_the_tools_output_at_seed_0(tmp_path):
+    """assets/text_prompts (configs/sd3_medium_ocr_8xh100.toml trains on it) is what the generator writes."""
+    shipped = Path(__file__).resolve().parents[2] / "assets" / "text_prompts"
+    write_prompt_set(tmp_path, seed=0)
+    for name in ("train.txt", "test.txt", "train.jsonl", "test.jsonl"):
+        assert (shipped / name).read_text() == (tmp_path / name).read_text(), name
