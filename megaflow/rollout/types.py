@@ -59,6 +59,9 @@ class RolloutRequest:
     return_model_outputs: bool = False
     """Also return the per-step velocities (``Trajectory.model_outputs``): for parity checks; the trainer
     does not read them, and an SGLang engine computes and ships them only when asked."""
+    metadata: dict = field(default_factory=dict)
+    """Per-prompt fields for the rewards (e.g. the ``ocr`` reward's ``text``: a ``data.prompts`` .jsonl line's
+    fields other than "prompt"); every sample of the group is scored with it. Engines do not read it."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Identifier copied into every Trajectory of this request (the group id)."""
 

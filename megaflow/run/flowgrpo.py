@@ -14,6 +14,7 @@ from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import MegaflowConfig
 from megaflow.config.sections import from_section
+from megaflow.data.prompts import prompt_and_metadata
 from megaflow.flow.step import TransitionConfig
 from megaflow.flow.window import check_sde_window, sample_sde_window
 from megaflow.models.registry import get_family
@@ -42,14 +43,15 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
     base = iteration_seed(cfg.run.seed, iteration, ROLLOUT)
     window = sde_window(cfg, iteration)
     do_cfg = r.guidance_scale > 1.0 and not get_family(cfg.model.family).embedded_guidance
-    return [RolloutRequest(prompt=next(prompts), num_outputs=r.group_size, seed=base + g * r.group_size,
+    items = [prompt_and_metadata(next(prompts)) for _ in range(r.prompts_per_iter)]
+    return [RolloutRequest(prompt=text, metadata=meta, num_outputs=r.group_size, seed=base + g * r.group_size,
                            num_steps=r.num_steps, height=r.height, width=r.width,
                            guidance_scale=r.guidance_scale, do_cfg=do_cfg,
                            sde_type=r.sde_type, noise_level=r.noise_level,
                            sde_step_indices=window, log_prob_no_const=r.log_prob_no_const,
                            max_sequence_length=r.max_sequence_length or None,
                            request_id=f"it{iteration}-g{g}")  # the same on every rank
-            for g in range(r.prompts_per_iter)]
+            for g, (text, meta) in enumerate(items)]
 
 
 def generate_and_score(rollout, scorer, requests, cfg: MegaflowConfig):

@@ -95,8 +95,8 @@ def _cfg(tmp: Path, text: str) -> Path:
     return tmp / "run.toml"
 
 
-def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False) -> list[str]:
-    path = tmp / "prompts.txt"
+def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str = "prompts.txt") -> list[str]:
+    path = tmp / name
     if as_dir:
         path.mkdir()
     elif data is not None:
@@ -199,6 +199,10 @@ CASES = {
     "prompts blank": (lambda t: [*TRAIN, *_prompts(t, b"\n  \n\t\n")], "prompts.txt is empty"),
     "prompts binary": (lambda t: [*SHOW, *_prompts(t, b"a red circle\n\x00\x01\x02")], "prompts.txt is a binary file"),
     "prompts latin-1": (lambda t: [*TRAIN, *_prompts(t, "a caf\xe9 circle\n".encode("latin-1"))], "prompts.txt is not UTF-8"),
+    "prompts jsonl not JSON": (lambda t: [*TRAIN, *_prompts(t, b'{"prompt": "a"}\n{oops\n', name="p.jsonl")],
+                               "p.jsonl line 2: not JSON"),
+    "prompts jsonl no prompt": (lambda t: [*TRAIN, *_prompts(t, b'{"text": "OPEN"}\n', name="p.jsonl")],
+                                "p.jsonl line 1: needs a non-empty string 'prompt'"),
     # pipelines (model.pretrained)
     "pretrained missing": (lambda t: [*TRAIN, "--set", f'model.pretrained="{t / "nope"}"'], "nope is not a directory"),
     "no model_index.json": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / "model_index.json").unlink())], "has no model_index.json"),

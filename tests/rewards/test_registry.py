@@ -39,8 +39,9 @@ def test_every_registered_reward_builds_and_scores():
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     prompts = ["a red circle", "two blue squares"]
     kwargs = {"cifar10": {"target": "ship"}}  # the prompts name no CIFAR class
+    metadata = {"ocr": [{"text": "circle"}, {"text": "squares"}]}  # nor quoted text
     for name in REWARDS:
-        out = build_reward(name, **kwargs.get(name, {}))(x, prompts)
+        out = build_reward(name, **kwargs.get(name, {}))(x, prompts, metadata.get(name))
         assert out.shape == (2,) and out.dtype == torch.float32, name
 
 

@@ -61,7 +61,7 @@ class FakeEngine:
 class FakeScorer:
     """Two components: mean red, mean image; the total is their weighted sum."""
 
-    def submit(self, images, prompts):
+    def submit(self, images, prompts, metadata=None):
         f = Future()
         comps = {"red": images[:, 0].mean(dim=(1, 2)), "mean": images.mean(dim=(1, 2, 3))}
         f.set_result(RewardScores(total=comps["red"] + 0.5 * comps["mean"], components=comps,
