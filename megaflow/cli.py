@@ -98,6 +98,22 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_reward(args: argparse.Namespace) -> int:
+    from megaflow.config.manifest import check_reward_args, read_manifest
+    kwargs = check_reward_args(args.reward, args.kwargs)
+    entries = read_manifest(args.images)  # one-line errors before torch loads
+    from megaflow.rewards.folder import score_folder
+    result = score_folder(entries, args.reward, kwargs)
+    if args.json:
+        print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
+        return 0
+    fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
+    for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
+        print(f"{fmt(score)}  {file}  {prompt}")
+    print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} images")
+    return 0
+
+
 def _setup_logging(megaflow_level: int, verbose: bool) -> None:
     """megaflow's records from ``megaflow_level`` up; other libraries' from warning up, or (``verbose``)
     everything from info up."""
@@ -318,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_shapes.add_argument("--resolution", type=int, default=32)
     p_shapes.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_shapes.set_defaults(handler=_cmd_eval_shapes)
+    p_rew = eval_sub.add_parser("reward", help="Score a folder of images with one reward: per-image scores and "
+                                "their mean.")
+    p_rew.add_argument("--reward", required=True, help="A built-in reward name (as in reward.weights) or "
+                       "'pkg.module:callable'.")
+    p_rew.add_argument("--kwargs", default=None, metavar="JSON", help="The reward's keyword arguments as a JSON "
+                       "object, e.g. '{\"threads\": 2}'.")
+    p_rew.add_argument("--images", type=Path, required=True, help="Folder with manifest.jsonl: one {\"file\", "
+                       "\"prompt\", ...} a line; the other keys are that image's metadata.")
+    p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
+                       "(null for an image the reward failed on).")
+    p_rew.set_defaults(handler=_cmd_eval_reward)
     return parser
 
 

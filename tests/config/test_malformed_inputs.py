@@ -139,6 +139,18 @@ def _images(tmp: Path, files: dict[str, bytes]) -> list[str]:
     return ["eval", "shapes", "--images", str(d)]
 
 
+def _reward_images(tmp: Path, manifest: bytes | None, *, reward: str = "ocr", kwargs: str | None = None) -> list[str]:
+    """``megaflow eval reward`` on a folder holding one real PNG (a.png) and ``manifest`` (None: no manifest)."""
+    d = tmp / "images"
+    d.mkdir()
+    (d / "a.png").write_bytes(bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de"
+                                            "0000000c4944415408d763f8ffff3f0005fe02fea7d6a4a00000000049454e44ae426082"))
+    if manifest is not None:
+        (d / "manifest.jsonl").write_bytes(manifest)
+    return ["eval", "reward", "--reward", reward, "--images", str(d), *(["--kwargs", kwargs] if kwargs else [])]
+
+
+_A = b'{"file": "a.png", "prompt": "say \\"A\\""}\n'
 TRAIN = ["train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
 SHOW = ["config", "show", "-c", str(REPO / "configs" / "cpu_demo.toml")]
 DEMO = ["demo", "-c", str(REPO / "configs" / "shapes_demo.toml"), "--set", f'model.pretrained="{SHIPPED}"']
@@ -232,6 +244,17 @@ CASES = {
     "images: empty dir": (lambda t: _images(t, {}), "no images"),
     "images: not an image": (lambda t: _images(t, {"a_red_circle.png": b"this is text"}), "cannot read image"),
     "images: manifest not UTF-8": (lambda t: _images(t, {"manifest.jsonl": b"\xff\xfe{}"}), "manifest.jsonl is not UTF-8"),
+    # image folders (megaflow eval reward --images)
+    "reward: missing dir": (lambda t: ["eval", "reward", "--reward", "ocr", "--images", str(t / "nope")], "nope: no such directory"),
+    "reward: no manifest": (lambda t: _reward_images(t, None), "no manifest.jsonl"),
+    "reward: broken jsonl line": (lambda t: _reward_images(t, _A + b'{"file": "a.png",\n'), "manifest.jsonl line 2: not JSON"),
+    "reward: line without prompt": (lambda t: _reward_images(t, _A * 2 + b'{"file": "a.png"}\n'), "line 3: needs a non-empty string 'prompt'"),
+    "reward: file absent": (lambda t: _reward_images(t, _A + b'{"file": "b.png", "prompt": "x"}\n'), "line 2: image 'b.png' not found"),
+    "reward: file outside": (lambda t: _reward_images(t, b'{"file": "../x.png", "prompt": "x"}\n'), "'../x.png' is outside the folder"),
+    "reward: unknown name": (lambda t: _reward_images(t, _A, reward="orc"), "unknown reward 'orc'"),
+    "reward: malformed path": (lambda t: _reward_images(t, _A, reward="mymod:"), "'pkg.module:callable'"),
+    "reward: kwargs a list": (lambda t: _reward_images(t, _A, kwargs="[1, 2]"), "--kwargs: want a JSON object"),
+    "reward: kwargs not JSON": (lambda t: _reward_images(t, _A, kwargs="{threads: 2}"), "--kwargs: not JSON"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
@@ -268,4 +291,4 @@ def test_malformed_input_one_line_exit_2(name, tmp_path):
 def test_table_covers_every_kind_of_input():
     assert len(CASES) >= 25
     assert sum(k.startswith("tool:") for k in CASES) >= 4 and sum(k.startswith("images:") for k in CASES) >= 3
-    assert sum(k.startswith("prompts") for k in CASES) >= 4
+    assert sum(k.startswith("prompts") for k in CASES) >= 4 and sum(k.startswith("reward:") for k in CASES) >= 6

@@ -1,0 +1,84 @@
+"""The inputs of ``megaflow eval reward``, checked with the standard library only (no torch).
+
+A folder of images to score holds ``manifest.jsonl``: one JSON object a line,
+``{"file": "<path relative to the folder>", "prompt": "<prompt>", ...}``; every other key of a line is that
+image's metadata dict (what a reward gets as ``metadata[i]``, e.g. ``{"text": "OPEN"}`` for ``ocr``).
+Blank lines are skipped. Each mistake raises ``ValueError`` with one line naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaflow.config.preflight import REWARD_NAMES
+
+MANIFEST = "manifest.jsonl"
+
+
+@dataclass(frozen=True)
+class ImageEntry:
+    """One image of a folder: its manifest name, its path, its prompt and its metadata (the line's other keys)."""
+
+    file: str
+    path: Path
+    prompt: str
+    metadata: dict = field(default_factory=dict)
+
+
+def _entry(images_dir: Path, where: str, line: str) -> ImageEntry:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: want a JSON object {{\"file\", \"prompt\", ...}}, got {type(row).__name__}")
+    for key in ("file", "prompt"):
+        if not isinstance(row.get(key), str) or not row[key]:
+            raise ValueError(f"{where}: needs a non-empty string {key!r}")
+    path = images_dir / row["file"]
+    if not path.resolve().is_relative_to(images_dir.resolve()):
+        raise ValueError(f"{where}: {row['file']!r} is outside the folder")
+    if not path.is_file():
+        raise ValueError(f"{where}: image {row['file']!r} not found in {images_dir}")
+    metadata = {k: v for k, v in row.items() if k not in ("file", "prompt")}
+    return ImageEntry(row["file"], path, row["prompt"], metadata)
+
+
+def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
+    """The images ``images_dir/manifest.jsonl`` lists, in its order (see module docstring)."""
+    images_dir = Path(images_dir)
+    if not images_dir.is_dir():
+        raise ValueError(f"--images {images_dir}: no such directory")
+    manifest = images_dir / MANIFEST
+    if not manifest.is_file():
+        raise ValueError(f"--images {images_dir}: no {MANIFEST} (one {{\"file\", \"prompt\", ...}} a line)")
+    try:
+        lines = manifest.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{manifest} is not UTF-8 text (want one JSON object a line)") from None
+    entries = [_entry(images_dir, f"{manifest} line {n}", line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not entries:
+        raise ValueError(f"{manifest} lists no images")
+    return entries
+
+
+def check_reward_args(name: str, kwargs_json: str | None) -> dict:
+    """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown built-in
+    name, a malformed ``pkg.module:callable`` or kwargs that are not a JSON object."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        if not module or not attr or " " in name:
+            raise ValueError(f"--reward {name!r}: expected a built-in name or 'pkg.module:callable'")
+    elif name not in REWARD_NAMES:
+        raise ValueError(f"--reward: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
+                         "or 'pkg.module:callable')")
+    if kwargs_json is None:
+        return {}
+    try:
+        kwargs = json.loads(kwargs_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kwargs: not JSON ({e.msg}): {kwargs_json!r}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json!r}")
+    return kwargs
