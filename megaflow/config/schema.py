@@ -219,8 +219,14 @@ class BridgeConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    wandb: bool = opt(False, "Log to Weights & Biases, project 'megaflow'. Mode: WANDB_MODE if set; else online "
-                      "if WANDB_API_KEY is set; else offline (files under the run dir, for 'wandb sync').")
+    wandb: bool = opt(False, "Log metrics (and the first 16 images of each sample grid, captioned with prompt "
+                      "and reward) to Weights & Biases. wandb picks online or offline itself: WANDB_MODE if set, "
+                      "else online after 'wandb login' or with WANDB_API_KEY (neither: a one-line error); files go "
+                      "under <run dir>/wandb. --resume continues the same W&B run (its id is kept in "
+                      "<run dir>/wandb_id).")
+    project: str = opt("megaflow", "W&B project of the run (logging.wandb).")
+    entity: str = opt("", "W&B entity (team or user) of the run; empty = wandb's default entity.")
+    tags: list = opt([], "W&B tags of the run, e.g. [\"sd3\", \"nft\"].", items=str)
     log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
                          "(and at the last).", ge=1)
     sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "

@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, optional wandb; image grids.
+"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, optional wandb (metrics and captioned sample
+images, resumable); image grids.
 
 ``megaflow.report.progress.RunReporter`` writes through ``MetricsLog`` and prints what a person reads; a
 resumed run first rewrites ``metrics.jsonl`` with its checkpoint's rows (``write_metrics_rows``).
@@ -7,22 +8,51 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 
-def wandb_mode(env: Mapping[str, str] = os.environ) -> str:
-    """The wandb mode from the environment: ``WANDB_MODE`` when set, else "online" when ``WANDB_API_KEY``
-    is set, else "offline" (runs are written under the run dir for a later ``wandb sync``)."""
-    if env.get("WANDB_MODE"):
-        return env["WANDB_MODE"]
-    return "online" if env.get("WANDB_API_KEY") else "offline"
+WANDB_ID_FILE = "wandb_id"  # <run dir>/wandb_id: the W&B run id, so --resume continues the same W&B run
+WANDB_MAX_IMAGES = 16  # sample images logged to W&B per sampled iteration (the first ones, groups in order)
+
+
+def wandb_init_kwargs(run_dir: Path, config=None, *, resume: bool = False) -> dict:
+    """``wandb.init`` keyword arguments of a run: ``logging.project`` / ``entity`` (empty: wandb's default) /
+    ``tags`` of ``config`` (a MegaflowConfig; None: the default one), the run dir's name and ``<run dir>/wandb``
+    for files, the config as a dict; ``resume`` with a stored ``<run dir>/wandb_id``: that id, resume="allow".
+    No ``mode``: wandb decides online / offline itself (WANDB_MODE, ``wandb login``, WANDB_API_KEY)."""
+    import dataclasses
+
+    from megaflow.config import MegaflowConfig
+
+    config = MegaflowConfig() if config is None else config
+    kwargs = {"project": config.logging.project, "name": Path(run_dir).name, "dir": str(run_dir),
+              "config": dataclasses.asdict(config), "tags": list(config.logging.tags)}
+    if config.logging.entity:
+        kwargs["entity"] = config.logging.entity
+    id_file = Path(run_dir) / WANDB_ID_FILE
+    if resume and id_file.is_file() and id_file.read_text().strip():
+        kwargs.update(id=id_file.read_text().strip(), resume="allow")
+    return kwargs
+
+
+def _init_wandb(run_dir: Path, config, resume: bool):
+    """``wandb.init`` of the run; its id stored in ``<run dir>/wandb_id``. No W&B credentials (and no
+    WANDB_MODE) is a one-line ValueError."""
+    import wandb as wb
+
+    try:
+        run = wb.init(**wandb_init_kwargs(run_dir, config, resume=resume))
+    except wb.errors.UsageError as e:
+        raise ValueError(f"logging.wandb: {e} (or set WANDB_MODE=offline to log under the run dir)") from None
+    (Path(run_dir) / WANDB_ID_FILE).write_text(f"{run.id}\n")
+    return run
 
 
 class MetricsLog:
-    """Appends one JSON object per ``write`` (``{"iteration": step, **metrics}``) to <run_dir>/metrics.jsonl."""
+    """Appends one JSON object per ``write`` (``{"iteration": step, **metrics}``) to <run_dir>/metrics.jsonl,
+    and with ``wandb`` logs the numbers (and ``log_images``) to a W&B run (``wandb_init_kwargs``)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool = True, wandb: bool = False, config=None):
+    def __init__(self, run_dir: Path, *, enabled: bool = True, wandb: bool = False, config=None, resume: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fh = None
@@ -32,11 +62,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a")
         if wandb:
-            import dataclasses
-
-            import wandb as wb
-            self._wandb = wb.init(project="megaflow", name=Path(run_dir).name, mode=wandb_mode(),
-                                  dir=str(run_dir), config=dataclasses.asdict(config) if config else None)
+            self._wandb = _init_wandb(Path(run_dir), config, resume)
 
     def write(self, step: int, metrics: dict) -> dict:
         """Append one row (numbers as floats) and return it."""
@@ -48,6 +74,19 @@ class MetricsLog:
             if self._wandb is not None:
                 self._wandb.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
         return row
+
+    def log_images(self, step: int, images, captions: list[str]) -> None:
+        """Log the first ``WANDB_MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]) to W&B as
+        ``samples``, each a ``wandb.Image`` with its caption; nothing without W&B."""
+        if self._wandb is None:
+            return
+        import torch
+        import wandb as wb
+
+        pairs = list(zip(images, captions))[:WANDB_MAX_IMAGES]
+        media = [wb.Image((img.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+                          .permute(1, 2, 0).numpy(), caption=caption) for img, caption in pairs]
+        self._wandb.log({"samples": media}, step=step)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -7,7 +7,8 @@ anything). It owns, under the run directory:
 - ``curves.png``: reward mean ± std, each reward component, KL, clip fraction, trainer-vs-engine log-prob
   mismatch and seconds per iteration, redrawn (atomically) with every summary line;
 - ``samples/iterNNNNN.png``: the iteration's images, one group per row, every ``logging.sample_every``
-  iterations and at the last one.
+  iterations and at the last one (with ``logging.wandb`` also logged to W&B, each captioned with its prompt and
+  reward).
 
 On a terminal (stderr is a TTY) a tqdm bar counts iterations (reward in the postfix; tqdm shows s/it
 and the ETA) and closes at the last iteration; elsewhere (logs, CI) and with ``verbose`` (engine logs
@@ -46,12 +47,14 @@ class RunReporter:
         self._drawn = 0  # rows in the last curves.png
         if enabled and start_iteration > 0:
             self.rows = previous_rows(self.run_dir / "metrics.jsonl", start_iteration)
-        self._metrics = MetricsLog(self.run_dir, enabled=enabled, wandb=cfg.logging.wandb, config=cfg)
+        self._metrics = MetricsLog(self.run_dir, enabled=enabled, wandb=cfg.logging.wandb, config=cfg,
+                                   resume=start_iteration > 0)
 
-    def iteration(self, it: int, metrics: dict, images=None) -> None:
+    def iteration(self, it: int, metrics: dict, images=None, captions: list[str] | None = None) -> None:
         """Record iteration ``it``: a metrics.jsonl row always; bar, summary, curves and samples for the
         counted iterations (``it > start_iteration``; the row of the initial weight sync is not one).
-        ``images``: the iteration's samples ([N, 3, H, W] or N [3, H, W] tensors in [0, 1], groups in order)."""
+        ``images``: the iteration's samples ([N, 3, H, W] or N [3, H, W] tensors in [0, 1], groups in order);
+        ``captions``: one per image (prompt and reward), under each image logged to W&B."""
         if not self.enabled:
             return
         row = self._metrics.write(it, metrics)
@@ -74,6 +77,7 @@ class RunReporter:
             from megaflow.report.metrics import save_image_grid
             save_image_grid(torch.stack(list(images)), self.run_dir / "samples" / f"iter{it:05d}.png",
                             columns=self.group_size)
+            self._metrics.log_images(it, list(images), captions or [""] * len(images))
         if last:
             self._close_bar()
 

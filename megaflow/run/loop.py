@@ -86,13 +86,13 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         if evaluate is not None and driver:
             evaluate(run.sampler, "before")  # every weight set is the initial one here
     for it in range(run.start + 1, cfg.train.iterations + 1):
-        metrics, images = iteration(run, it)
+        metrics, images, captions = iteration(run, it)
         signum = stop.agreed()
         last = it == cfg.train.iterations
         run.history.append({"iteration": it, **metrics})
         if last or signum or (cfg.train.save_every and it % cfg.train.save_every == 0):
             metrics["checkpoint/write_s"] = save(run, it)
-        run.reporter.iteration(it, metrics, images=images)
+        run.reporter.iteration(it, metrics, images=images, captions=captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
         if signum:
@@ -129,13 +129,14 @@ def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
             sync_weights(run.trainer, run.sync)
 
 
-def iteration(run: Run, it: int) -> tuple[dict, list]:
+def iteration(run: Run, it: int) -> tuple[dict, list, list[str]]:
     """One iteration on this rank: collect the scored batch, advantages, the algorithm's update, the weight
-    sync; (its metrics, its images)."""
+    sync; (its metrics, its images, a caption per image: prompt and total reward)."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    trajs, advantages, keep, roll_metrics = batch_advantages(
-        *run.rollout.collect(run.algorithm.requests(run.prompts, it), it), cfg)
+    trajs, scores, timings = run.rollout.collect(run.algorithm.requests(run.prompts, it), it)
+    captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(trajs, scores.total.tolist())]
+    trajs, advantages, keep, roll_metrics = batch_advantages(trajs, scores, timings, cfg)
     faults.check("rollout", it)
     t_rollout = time.perf_counter() - t0
     with run.phases.training():
@@ -151,7 +152,7 @@ def iteration(run: Run, it: int) -> tuple[dict, list]:
                **run.phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
     metrics.update(run.rollout.metrics())
-    return metrics, [t.image for t in trajs]
+    return metrics, [t.image for t in trajs], captions
 
 
 def save(run: Run, it: int) -> float:

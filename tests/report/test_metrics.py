@@ -1,47 +1,144 @@
-"""logging.wandb: the wandb mode comes from the environment (WANDB_MODE, else online with WANDB_API_KEY, else
-offline) and reaches wandb.init. Needs: CPU, 1 process, no network (a stand-in wandb module records calls)."""
+"""logging.wandb: wandb.init gets logging.project / entity / tags and no forced mode (wandb decides online or
+offline itself); the W&B run id is kept in <run dir>/wandb_id and a resumed run continues it (id, resume="allow");
+sample images reach W&B as wandb.Image with their captions; missing credentials are one line. Needs: CPU, 1
+process, no network (a stand-in wandb module records calls; one test runs the real wandb with WANDB_MODE=offline)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
+import torch
 
-from megaflow.report.metrics import MetricsLog, wandb_mode
+from megaflow.config import load_config
+from megaflow.report.metrics import WANDB_ID_FILE, MetricsLog
+from megaflow.report.progress import RunReporter
 
-
-@pytest.mark.parametrize("env, mode", [
-    ({}, "offline"),
-    ({"WANDB_API_KEY": "k"}, "online"),
-    ({"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, "disabled"),
-    ({"WANDB_MODE": "offline", "WANDB_API_KEY": "k"}, "offline"),
-    ({"WANDB_MODE": "online"}, "online"),
-    ({"WANDB_MODE": "", "WANDB_API_KEY": ""}, "offline"),
-])
-def test_wandb_mode_from_environment(env, mode):
-    assert wandb_mode(env) == mode
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_metrics_log_initialises_wandb_with_that_mode(tmp_path, monkeypatch):
-    calls = []
+class UsageError(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in ``wandb`` module: ``calls`` records init kwargs, logs and finish; init hands out run ids."""
+    calls: list = []
 
     class Run:
+        def __init__(self, run_id):
+            self.id = run_id
+
         def log(self, data, step):
             calls.append(("log", step, data))
 
         def finish(self):
             calls.append(("finish",))
 
+    class Image:
+        def __init__(self, data, caption=None):
+            self.data, self.caption = data, caption
+
+    def init(**kw):
+        calls.append(("init", kw))
+        if fake.fail:
+            raise UsageError("No API key configured. Use `wandb login` to log in.")
+        return Run(kw.get("id", f"run{len(calls)}"))
+
     fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    fake.init, fake.Image, fake.fail = init, Image, False
+    fake.errors = types.SimpleNamespace(UsageError=UsageError)
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_API_KEY", "k")
-    log = MetricsLog(tmp_path / "run", wandb=True)
+    fake.calls = calls
+    return fake
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["logging.wandb=true", *overrides])
+
+
+def test_init_kwargs_from_config_and_no_forced_mode(tmp_path, fake_wandb):
+    cfg = _cfg('logging.project="flowrl"', 'logging.entity="my-team"', 'logging.tags=["sd3", "nft"]')
+    log = MetricsLog(tmp_path / "run-a", wandb=True, config=cfg)
     log.write(1, {"reward/total": 0.5, "note": "x"})
     log.close()
-    assert calls[0][0] == "init" and calls[0][1]["mode"] == "online" and calls[0][1]["project"] == "megaflow"
-    assert calls[1] == ("log", 1, {"reward/total": 0.5}) and calls[2] == ("finish",)
-    monkeypatch.delenv("WANDB_API_KEY")
-    MetricsLog(tmp_path / "run2", wandb=True).close()
-    assert calls[3][1]["mode"] == "offline"
+    (_, kw), *rest = fake_wandb.calls
+    assert kw["project"] == "flowrl" and kw["entity"] == "my-team" and kw["tags"] == ["sd3", "nft"]
+    assert kw["name"] == "run-a" and kw["dir"] == str(tmp_path / "run-a") and kw["config"]["logging"]["tags"]
+    assert "mode" not in kw and "id" not in kw and "resume" not in kw
+    assert rest == [("log", 1, {"reward/total": 0.5}), ("finish",)]
+    assert (tmp_path / "run-a" / WANDB_ID_FILE).read_text().strip() == "run1"
+    assert json.loads((tmp_path / "run-a" / "metrics.jsonl").read_text()) == {"iteration": 1, "note": "x",
+                                                                              "reward/total": 0.5}
+
+
+def test_defaults_leave_entity_to_wandb(tmp_path, fake_wandb):
+    MetricsLog(tmp_path / "r", wandb=True, config=_cfg()).close()
+    kw = fake_wandb.calls[0][1]
+    assert kw["project"] == "megaflow" and kw["tags"] == [] and "entity" not in kw
+
+
+def test_resume_continues_the_stored_run(tmp_path, fake_wandb):
+    run_dir = tmp_path / "r"
+    MetricsLog(run_dir, wandb=True, config=_cfg()).close()
+    first_id = (run_dir / WANDB_ID_FILE).read_text().strip()
+    MetricsLog(run_dir, wandb=True, config=_cfg(), resume=True).close()
+    inits = [c[1] for c in fake_wandb.calls if c[0] == "init"]
+    assert inits[1]["id"] == first_id and inits[1]["resume"] == "allow"
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == first_id
+    # a run resumed without a stored id (it ran without wandb before) starts a W&B run and keeps its id
+    MetricsLog(tmp_path / "other", wandb=True, config=_cfg(), resume=True).close()
+    assert "id" not in fake_wandb.calls[-2][1] and (tmp_path / "other" / WANDB_ID_FILE).is_file()
+
+
+def test_missing_credentials_are_one_line(tmp_path, fake_wandb):
+    fake_wandb.fail = True
+    with pytest.raises(ValueError, match=r"^logging.wandb: No API key configured.*WANDB_MODE=offline"):
+        MetricsLog(tmp_path / "r", wandb=True, config=_cfg())
+
+
+def test_reporter_logs_sample_images_with_captions(tmp_path, fake_wandb):
+    cfg = _cfg("logging.sample_every=2", "rollout.group_size=2", "rollout.prompts_per_iter=2", "logging.log_every=5")
+    reporter = RunReporter(tmp_path, cfg, enabled=True, verbose=False, total_iterations=3)
+    images = torch.stack([torch.full((3, 4, 4), k / 4) for k in range(4)])
+    for it in (1, 2, 3):
+        reporter.iteration(it, {"reward/total": 0.1 * it, "time/iteration_s": 1.0}, images=images,
+                           captions=[f"prompt {k} | reward {k / 10:.3f}" for k in range(4)])
+    reporter.close()
+    media = [(c[1], c[2]["samples"]) for c in fake_wandb.calls if c[0] == "log" and "samples" in c[2]]
+    assert [step for step, _ in media] == [2, 3]  # every sample_every and the last, as the grids
+    step, imgs = media[0]
+    assert [im.caption for im in imgs] == [f"prompt {k} | reward {k / 10:.3f}" for k in range(4)]
+    assert imgs[3].data.shape == (4, 4, 3) and imgs[3].data.dtype.name == "uint8" and imgs[3].data[0, 0, 0] == 191
+    assert (tmp_path / "samples" / "iter00002.png").is_file()
+
+
+def test_real_wandb_offline_resume(tmp_path):
+    """The real wandb in offline mode (no network): the run id is stored, and a resumed log reuses it."""
+    code = """
+import sys
+from pathlib import Path
+from megaflow.config import load_config
+from megaflow.report.metrics import MetricsLog
+cfg = load_config(None, ["logging.wandb=true", 'logging.tags=["t1"]'])
+log = MetricsLog(Path(sys.argv[1]), wandb=True, config=cfg, resume=sys.argv[2] == "1")
+log.write(int(sys.argv[3]), {"reward/total": 0.5})
+print("ID=" + log._wandb.id)
+log.close()
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+           "WANDB_SILENT": "true", "HOME": str(tmp_path)}
+    env.pop("WANDB_API_KEY", None)
+    ids = []
+    for resume, step in (("0", 1), ("1", 2)):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), resume, str(step)], env=env,
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ids.append([x[3:] for x in r.stdout.splitlines() if x.startswith("ID=")][0])
+    assert ids[0] == ids[1] == (tmp_path / "run" / "wandb_id").read_text().strip()
+    assert list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{ids[0]}"))
