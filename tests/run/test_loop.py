@@ -103,3 +103,25 @@ def test_flux_train_loop_and_resume(tmp_path):
                   "lora.alpha=8.0", **flux)
     assert lora["sync/verified"] == 1.0 and lora["train/logp_abs_diff_rollout"] <= 1e-5, lora
     assert 0 < lora["sync/mbytes"] < m["sync/mbytes"] / 4, (lora["sync/mbytes"], m["sync/mbytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_train_wandb_offline_images_and_resume(tmp_path, monkeypatch):
+    """logging.wandb with WANDB_MODE=offline (no network): metrics and captioned sample images reach the W&B
+    run's files; --resume continues the same W&B run (the id in <run dir>/wandb_id)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    w = ["--set", "logging.wandb=true", "--set", "logging.sample_every=1", "--set", "train.save_every=1",
+         "--set", 'logging.tags=["e2e"]']
+    _train(tmp_path, "wb", *w, "--set", "train.iterations=1")
+    run = tmp_path / "wb"
+    run_id = (run / "wandb_id").read_text().strip()
+    _train(tmp_path, "wb", *w, "--set", "train.iterations=2", "--resume")
+    assert (run / "wandb_id").read_text().strip() == run_id
+    offline = sorted(run.glob(f"wandb/offline-run-*-{run_id}"))
+    assert len(offline) == 2, offline  # two sessions of one W&B run
+    records = b"".join(p.read_bytes() for d in offline for p in d.glob("*.wandb"))
+    assert b"reward/total" in records and b"captions" in records and b"| reward " in records
+    assert len(list(run.glob("wandb/offline-run-*/files/media/images/samples_*.png"))) >= 2 * 6
