@@ -159,7 +159,8 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
-    result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema)
+    result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
+                        max_shard_size=args.max_shard_size)
     _print_json(result, args.json)
     return 0
 
@@ -265,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--out", type=Path, required=True, help="New pipeline dir (must not exist or be empty).")
     p_exp.add_argument("--no-ema", dest="ema", action="store_false",
                        help="Export the trained weights, not their EMA (a run with train.ema_decay > 0 exports the EMA).")
+    p_exp.add_argument("--lora-only", action="store_true", help="A LoRA run: write only "
+                       "pytorch_lora_weights.safetensors and a README.md model card (base pipeline, rank, alpha, "
+                       "targets); refused for a full-parameter run.")
+    p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "
+                       "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_exp.set_defaults(handler=_cmd_export)
 

@@ -16,7 +16,13 @@ pipeline with the checkpoint's (unchanged) base weights plus the adapter in the 
                                                            target_modules in its header (diffusers' save_lora_weights)
 
 so ``pipe = StableDiffusion3Pipeline.from_pretrained(out); pipe.load_lora_weights(out)`` is the trained model
-(with HF_HUB_OFFLINE=1 diffusers wants ``weight_name="pytorch_lora_weights.safetensors"`` too).
+(with HF_HUB_OFFLINE=1 diffusers wants ``weight_name="pytorch_lora_weights.safetensors"`` too). With
+``lora_only`` (``--lora-only``) ``out`` holds only that file and a README.md model card (base pipeline path,
+rank / alpha / targets, iteration); a full-parameter run is refused.
+
+A transformer larger than ``max_shard_size`` (default 5GB) is written as diffusers' ``save_pretrained`` writes
+it: ``diffusion_pytorch_model-00001-of-0000N.safetensors`` ... plus ``diffusion_pytorch_model.safetensors.index.json``
+(tensor -> shard file), which ``from_pretrained`` loads.
 
 Everything that can be checked without loading tensors (run dir, config, pipeline, checkpoint, ``--out``)
 is checked first; the weights must match the pipeline's transformer tensor for tensor (names and shapes)
@@ -34,6 +40,7 @@ from pathlib import Path
 from megaflow.run.checkpoints import MODEL_DIR, find_checkpoint
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
+INDEX_FILE = WEIGHTS_FILE + ".index.json"
 ADAPTER_SUFFIXES = (".lora.a", ".lora.b")  # megatron names of LoRA adapter tensors (megaflow.models.common.lora)
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
@@ -93,13 +100,49 @@ def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = Non
     return lora_weight_map(family.weight_map, lora).to_diffusers(adapters, config)
 
 
-def save_transformer_weights(directory: Path, state: dict) -> Path:
-    """Write ``state`` as the single ``diffusion_pytorch_model.safetensors`` of a diffusers model dir."""
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as ``5GB``, ``500MB``, ``100KB`` (powers of 10, as diffusers / huggingface_hub),
+    ``2GiB`` (powers of 2) or a plain byte count; ValueError (naming --max-shard-size) otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        raw = str(text).strip().upper().replace(" ", "")
+        digits = raw.rstrip("KMGTIB")
+        unit = raw[len(digits):]
+        try:
+            size = int(float(digits) * _SIZE_UNITS[unit]) if digits else 0
+        except (ValueError, KeyError):
+            size = 0
+    if size <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: want a positive size such as 5GB, 500MB, 100KB or 2GiB")
+    return size
+
+
+def save_transformer_weights(directory: Path, state: dict, *, max_shard_size: int | None = None) -> list[Path]:
+    """Write ``state`` into a diffusers model dir: one ``diffusion_pytorch_model.safetensors``, or (``state`` over
+    ``max_shard_size`` bytes) ``diffusion_pytorch_model-0000k-of-0000N.safetensors`` shards plus
+    ``diffusion_pytorch_model.safetensors.index.json``, split and named as diffusers' ``save_pretrained`` does."""
     from safetensors.torch import save_file
 
-    path = directory / WEIGHTS_FILE
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    return path
+    if max_shard_size is None:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / WEIGHTS_FILE))
+        return [directory / WEIGHTS_FILE]
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state, filename_pattern=WEIGHTS_FILE.replace(".safe", "{suffix}.safe"),
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({k: state[k].contiguous() for k in names}, str(directory / filename), metadata={"format": "pt"})
+    written = [directory / f for f in split.filename_to_tensors]
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        written.append(directory / INDEX_FILE)
+        written[-1].write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return written
 
 
 def run_pipeline(run_dir: Path) -> Path:
@@ -133,23 +176,58 @@ def _copy_pipeline(pipeline: Path, dst: Path) -> None:
             return []
         return [n for n in names if n.endswith(_WEIGHT_SUFFIXES)]
 
-    shutil.copytree(pipeline, dst, ignore=skip)
+    shutil.copytree(pipeline, dst, ignore=skip, dirs_exist_ok=True)
 
 
-def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True) -> dict:
+def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True,
+               lora_only: bool = False, max_shard_size: str | int = "5GB") -> dict:
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = the latest) to
     ``out``: the EMA of the trained weights when the run kept one (``train.ema_decay`` > 0) and ``ema``, else
-    the trained weights; returns what was written (iteration, paths, tensor count, which weights, seconds)."""
+    the trained weights; a transformer over ``max_shard_size`` is written in shards with an index.
+    ``lora_only`` (a LoRA run): only the adapter file and a README.md model card. Returns what was written
+    (iteration, paths, tensor counts, which weights, seconds)."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise ValueError(f"--run {run_dir}: no such directory")
     pipeline = run_pipeline(run_dir)
+    shard_bytes = parse_size(max_shard_size)
+    if lora_only:
+        _check_lora_run(run_dir)
     it, ckpt = find_checkpoint(run_dir, iteration)
     _check_out(out)
-
-    tconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
     lora, shadow = _run_settings(run_dir, ema)
+    pipeline_class = json.loads((pipeline / "model_index.json").read_text()).get("_class_name")
+    result = {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
+              "weights": shadow or "trained"}
+    if lora_only:
+        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow)
+        card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"])
+
+        def write_lora(tmp: Path) -> None:
+            _write_adapter(tmp, adapters, lora, pipeline_class)
+            (tmp / "README.md").write_text(card)
+
+        _write_into(out, write_lora)
+        return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
+    family, state = _checked_state(pipeline, ckpt, shadow)
+    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow) if lora is not None else None
+    files: list[Path] = []
+
+    def write(tmp: Path) -> None:
+        _copy_pipeline(pipeline, tmp)
+        files.extend(save_transformer_weights(tmp / "transformer", state, max_shard_size=shard_bytes))
+        if adapters is not None:
+            _write_adapter(tmp, adapters, lora, pipeline_class)
+
+    _write_into(out, write)
+    return {**result, "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
+            "transformer_files": [p.name for p in files], "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None):
+    """(family, diffusers state dict) of the checkpoint, checked against the pipeline's transformer."""
+    tconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
     family, _, state = checkpoint_transformer(ckpt / MODEL_DIR, shadow=shadow)
     if tconfig.get("_class_name") != family.diffusers_class:
         raise ValueError(f"{ckpt / MODEL_DIR} holds a {family.diffusers_class} ({family.name}) but "
@@ -158,26 +236,47 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         check_diffusers_state(state, diffusers_shapes(family, tconfig))
     except ValueError as e:
         raise ValueError(f"{ckpt / MODEL_DIR} does not fit {pipeline}/transformer: {e}") from None
+    return family, state
 
-    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow) if lora is not None else None
 
+def _write_into(out: Path, write) -> None:
+    """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        _copy_pipeline(pipeline, tmp)
-        save_transformer_weights(tmp / "transformer", state)
-        if adapters is not None:
-            from megaflow.models.common.lora_files import write_adapter
-            pipeline_class = json.loads((pipeline / "model_index.json").read_text())["_class_name"]
-            write_adapter(tmp, adapters, rank=lora.rank, alpha=lora.alpha, pipeline_class=pipeline_class)
+        tmp.mkdir()
+        write(tmp)
         _check_out(out)  # still free (nothing appeared while we wrote)
         tmp.rename(out)  # onto an empty dir: replaced atomically
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
-            "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
-            "weights": shadow or "trained",
-            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _write_adapter(directory: Path, adapters: dict, lora, pipeline_class: str) -> None:
+    from megaflow.models.common.lora_files import write_adapter
+    write_adapter(directory, adapters, rank=lora.rank, alpha=lora.alpha, pipeline_class=pipeline_class)
+
+
+def _check_lora_run(run_dir: Path) -> None:
+    from megaflow.config import load_config
+    if load_config(run_dir / "config.toml").lora.rank == 0:
+        raise ValueError(f"--lora-only: {run_dir} is a full-parameter run (lora.rank = 0): it has no adapters; "
+                         "export the whole pipeline without --lora-only")
+
+
+def model_card(pipeline: Path, lora, adapters: dict, *, iteration: int, weights: str) -> str:
+    """A short README.md for a LoRA export: the base pipeline, rank / alpha / targets, how to load it."""
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapters})
+    return "\n".join([
+        "# megaflow LoRA adapter", "",
+        f"- base pipeline: `{pipeline}`",
+        f"- LoRA rank {lora.rank}, alpha {lora.alpha:g} (scale alpha / rank = {lora.alpha / lora.rank:g})",
+        f"- targets (megatron linears, both streams): {', '.join(lora.targets)}; {len(modules)} diffusers modules",
+        f"- checkpoint iteration {iteration}, {weights} weights", "",
+        "```python",
+        "pipe = DiffusionPipeline.from_pretrained(BASE_PIPELINE)",
+        'pipe.load_lora_weights(THIS_DIR, weight_name="pytorch_lora_weights.safetensors")',
+        "```", ""])
 
 
 def _run_settings(run_dir: Path, ema: bool):
