@@ -115,7 +115,7 @@ def parse_size(text: str | int) -> int:
         unit = raw[len(digits):]
         try:
             size = int(float(digits) * _SIZE_UNITS[unit]) if digits else 0
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):
             size = 0
     if size <= 0:
         raise ValueError(f"--max-shard-size {text!r}: want a positive size such as 5GB, 500MB, 100KB or 2GiB")

@@ -48,7 +48,7 @@ def test_parse_size(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "5XB", "GB", "-1MB", "0", "five"])
+@pytest.mark.parametrize("text", ["", "5XB", "GB", "-1MB", "0", "five", "inf", "nanGB", True])
 def test_parse_size_refuses(text):
     with pytest.raises(ValueError, match="--max-shard-size"):
         parse_size(text)
