@@ -16,10 +16,11 @@ from megaflow.rewards.base import safe_score
 from megaflow.rewards.registry import build_reward
 
 
-def _open(entry: ImageEntry) -> Image.Image:
+def _open(entry: ImageEntry, *, decode: bool = True) -> Image.Image | None:
+    """The image as RGB (``decode``), or only its header checked; ValueError naming an unreadable file."""
     try:
         with Image.open(entry.path) as im:
-            return im.convert("RGB")
+            return im.convert("RGB") if decode else None
     except OSError as e:
         raise ValueError(f"cannot read image {entry.path}: {e}") from None
 
@@ -28,10 +29,11 @@ def score_folder(entries: Sequence[ImageEntry], reward: str, kwargs: Mapping[str
     """``{"reward", "files", "prompts", "scores", "mean", "masked"}``: one score per entry (None where the
     reward failed on that image), the mean of the others (None when none was scored)."""
     fn = build_reward(reward, **dict(kwargs or {}))
-    images = [_open(e) for e in entries]  # every file readable before the (possibly slow) scoring
+    for entry in entries:  # every file an image before the (possibly slow) scoring; decoded one at a time
+        _open(entry, decode=False)
     scores: list[float | None] = []
-    for entry, image in zip(entries, images):
-        s = float(safe_score(fn, [image], [entry.prompt], [dict(entry.metadata)], name=reward)[0])
+    for entry in entries:
+        s = float(safe_score(fn, [_open(entry)], [entry.prompt], [dict(entry.metadata)], name=reward)[0])
         scores.append(s if math.isfinite(s) else None)
     kept = [s for s in scores if s is not None]
     return {"reward": reward, "files": [e.file for e in entries], "prompts": [e.prompt for e in entries],

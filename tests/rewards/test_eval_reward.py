@@ -84,3 +84,17 @@ def test_eval_reward_custom_callable_and_masking(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"scores": [2.0, 6.0, None], "mean": 4.0}
+
+
+def test_eval_reward_unreadable_image_is_one_line(tmp_path):
+    """A listed file that is no image stops the command before any scoring: exit 2, one line naming it."""
+    d = tmp_path / "imgs"
+    d.mkdir()
+    Image.new("RGB", (8, 8)).save(d / "ok.png")
+    (d / "bad.png").write_text("not a png")
+    (d / "manifest.jsonl").write_text("".join(json.dumps({"file": f, "prompt": 'say "A"'}) + "\n"
+                                              for f in ("ok.png", "bad.png")))
+    r = _cli("eval", "reward", "--reward", "jpeg_compressibility", "--images", str(d))
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr[-2000:])
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "cannot read image" in lines[0] and "bad.png" in lines[0], r.stderr[-2000:]
