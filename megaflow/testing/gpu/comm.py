@@ -57,25 +57,34 @@ def nccl() -> dict:
     """Collectives and the distributed bridge in a 1-process NCCL world."""
     require_cuda()
     import torch
+
+    torch.cuda.set_device(0)
+    rec = collectives_and_bridge(torch.device("cuda", 0), "nccl")
+    rec["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return rec
+
+
+def collectives_and_bridge(dev, backend: str) -> dict:
+    """``nccl``'s body for any device/backend (the CPU test runs it with gloo)."""
+    import torch
     import torch.distributed as dist
 
     from megaflow.bridge.distributed import DistributedBridge
     from megaflow.bridge.target import ModuleTarget
     from megaflow.testing.dist import free_port
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
     t0 = time.perf_counter()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            **({"device_id": dev} if dev.type == "cuda" else {}))
     try:
         x = torch.arange(1 << 20, dtype=torch.float32, device=dev)
         dist.broadcast(x, src=0)
         y = torch.full((1 << 20,), 3.0, device=dev)
         dist.all_reduce(y)
-        torch.cuda.synchronize()
-        collectives = {"broadcast_ok": bool(torch.equal(x, torch.arange(1 << 20, dtype=torch.float32, device=dev))),
-                       "all_reduce_ok": bool((y == 3.0).all()), "init_and_collectives_s": round(time.perf_counter() - t0, 3)}
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        coll = {"broadcast_ok": bool(torch.equal(x, torch.arange(1 << 20, dtype=torch.float32, device=dev))),
+                "all_reduce_ok": bool((y == 3.0).all()), "init_and_collectives_s": round(time.perf_counter() - t0, 3)}
         sent = _named_tensors(dev, seed=1)
         module = _Holder.build([(n, tuple(t.shape), t.dtype) for n, t in sent], dev)
         bridge = DistributedBridge(group=None, src=0, bucket_bytes=2 << 20, verify=True, device=dev,
@@ -83,10 +92,9 @@ def nccl() -> dict:
         push = _push_ok(bridge.push(sent), dict(module.named_parameters()), sent)
     finally:
         dist.destroy_process_group()
-    ok = collectives["broadcast_ok"] and collectives["all_reduce_ok"] and push["verified"] and push["exact"]
-    return {"status": "pass" if ok else "fail", "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            **collectives, "distributed_bridge": push,
-            "headline": f"collectives ok={collectives['broadcast_ok'] and collectives['all_reduce_ok']}, "
+    ok = coll["broadcast_ok"] and coll["all_reduce_ok"] and push["verified"] and push["exact"]
+    return {"status": "pass" if ok else "fail", "backend": backend, **coll, "distributed_bridge": push,
+            "headline": f"collectives ok={coll['broadcast_ok'] and coll['all_reduce_ok']}, "
                         f"bridge verified={push['verified']} exact={push['exact']} ({push['buckets']} buckets)"}
 
 
@@ -98,14 +106,15 @@ def _gpu_uuid(device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _engine_child(requests, replies, spec: list) -> None:
-    """The engine stand-in (spawned): loads CUDA IPC buckets into its own CUDA module, verifies on request."""
+def _engine_child(requests, replies, spec: list, device: str) -> None:
+    """The engine stand-in (spawned): loads IPC buckets (CUDA IPC; shared memory on CPU) into its own module on
+    ``device``, verifies on request."""
     import torch
 
     from megaflow.bridge.buckets import Bucket
     from megaflow.bridge.target import ModuleTarget
 
-    target = ModuleTarget(_Holder.build(spec, torch.device("cuda", 0)), "ipc-child")
+    target = ModuleTarget(_Holder.build(spec, torch.device(device)), "ipc-child")
     while True:
         msg = requests.get()
         if msg[0] == "stop":
@@ -114,11 +123,12 @@ def _engine_child(requests, replies, spec: list) -> None:
             replies.put(target.verify_weights(msg[1]))
         elif msg[0] == "load":
             _, flat, metadata, sender_uuid = msg
-            if _gpu_uuid(flat.device) != sender_uuid:
+            if flat.is_cuda and _gpu_uuid(flat.device) != sender_uuid:
                 replies.put((False, f"GPU UUID {_gpu_uuid(flat.device)} is not the sender's {sender_uuid}", 0))
             else:
                 r = target.load_bucket(Bucket(flat=flat, metadata=metadata))
-                torch.cuda.synchronize()
+                if flat.is_cuda:
+                    torch.cuda.synchronize()
                 replies.put((r.ok, r.message, r.num_bytes))
             del flat
         elif msg[0] == "payload":
@@ -160,33 +170,39 @@ def cuda_ipc() -> dict:
     """ColocatedBridge -> CUDA IPC -> a child process's CUDA module, verified; the SGLang payload if it imports."""
     require_cuda()
     import torch
+
+    return colocated_to_child(torch.device("cuda", 0))
+
+
+def colocated_to_child(dev) -> dict:
+    """``cuda_ipc``'s body for any device (on CPU the buckets travel as shared memory; the CPU test runs it)."""
     import torch.multiprocessing as mp
 
     from megaflow.bridge.colocated import ColocatedBridge
 
-    dev = torch.device("cuda", 0)
     sent = _named_tensors(dev, seed=2)
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_engine_child, args=(requests, replies, [(n, tuple(t.shape), t.dtype) for n, t in sent]),
-                        daemon=True)
+    spec = [(n, tuple(t.shape), t.dtype) for n, t in sent]
+    child = ctx.Process(target=_engine_child, args=(requests, replies, spec, str(dev)), daemon=True)
     child.start()
     try:
-        engine = _IPCEngine(requests, replies, _gpu_uuid(dev))
+        engine = _IPCEngine(requests, replies, _gpu_uuid(dev) if dev.type == "cuda" else "")
         report = ColocatedBridge([engine], bucket_bytes=2 << 20, verify=True).push(sent)
         push = {"verified": bool(report.verified), "tensors": report.num_tensors, "buckets": report.num_buckets,
                 "mbytes": round(report.num_bytes / 2**20, 2), "push_s": round(report.seconds, 4),
                 "message": report.message}
-        sglang = _sglang_payload(sent, requests, replies)
+        sglang = _sglang_payload(sent, requests, replies) if dev.type == "cuda" else \
+            {"status": "skipped", "reason": "not a CUDA device"}
     finally:
         requests.put(("stop",))
         child.join(timeout=20)
         if child.is_alive():
             child.kill()
     ok = push["verified"] and sglang.get("status") != "fail"
-    return {"status": "pass" if ok else "fail", "colocated_bridge": push, "sglang_payload": sglang,
-            "headline": f"colocated bridge over CUDA IPC verified={push['verified']} ({push['buckets']} buckets); "
-                        f"sglang payload: {sglang['status']}"}
+    return {"status": "pass" if ok else "fail", "device": str(dev), "colocated_bridge": push, "sglang_payload": sglang,
+            "headline": f"colocated bridge to a child process verified={push['verified']} ({push['buckets']} "
+                        f"buckets); sglang payload: {sglang['status']}"}
 
 
 def _sglang_payload(sent: list, requests, replies) -> dict:

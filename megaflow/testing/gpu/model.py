@@ -37,8 +37,8 @@ def _parity_config() -> dict:
                             num_attention_heads=4, caption_projection_dim=64)
 
 
-def _velocity_errors(impl: str) -> dict:
-    """Per dtype: megaflow's velocity vs diffusers' on CUDA (same weights, same inputs)."""
+def _velocity_errors(impl: str, dev) -> dict:
+    """Per dtype: megaflow's velocity vs diffusers' on ``dev`` (same weights, same inputs)."""
     import torch
 
     from megaflow.models.common.tiny import noised
@@ -50,7 +50,6 @@ def _velocity_errors(impl: str) -> dict:
     ref_cpu = tiny.diffusers_model(dcfg, seed=0)
     state = ref_cpu.state_dict()
     b = tiny.sft_batches(dcfg, num_microbatches=1, batch=2, context_len=8, seed=1)[0]
-    dev = torch.device("cuda", 0)
     x, sigma = noised(b).to(dev), b["sigma"].to(dev)
     ehs, pooled = b["encoder_hidden_states"].to(dev), b["pooled_projections"].to(dev)
     out, fp32_ref = {}, None
@@ -76,6 +75,13 @@ def _parity(impl: str) -> dict:
     require_module("diffusers")
     import torch
 
+    return velocity_parity(impl, torch.device("cuda", 0))
+
+
+def velocity_parity(impl: str, dev) -> dict:
+    """``parity_*``'s body on any device (the CPU test runs it with the local spec)."""
+    import torch
+
     import megaflow  # noqa: F401  (import guards before megatron)
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
@@ -84,7 +90,7 @@ def _parity(impl: str) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     init_distributed(ParallelDims(), seed=0)
     try:
-        errors = _velocity_errors(impl)
+        errors = _velocity_errors(impl, dev)
     finally:
         destroy_distributed()
     ok = all(e["ok"] for e in errors.values())
