@@ -6,7 +6,7 @@
 # Writes $OUT/gpu_check.jsonl (one JSON record per line: the env record first, then one per check, status
 # pass | fail | skipped with the numbers, error or reason), $OUT/gpu_check_summary.txt, $OUT/logs/<check>.log and
 # $OUT/install.log. Exits 0 whatever the checks say (non-zero only if the driver itself cannot start).
-# Environment: PYTHON (default python3), GPU_WHEELS (default <repo>/gpu_wheels; absent = install nothing),
+# Environment: PYTHON (default: the first of python3 / python that imports torch), GPU_WHEELS (default <repo>/gpu_wheels; absent = install nothing),
 # GPU_CHECK_BUDGET_S (seconds for the checks together, default 400), GPU_CHECK_ONLY (comma-separated names).
 #
 # Install: pip --target into a fresh directory put first on PYTHONPATH (works with any base interpreter, venv or
@@ -19,7 +19,13 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT="${OUT:-$REPO/gpu_check_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then  # the image's interpreter: the first of python3 / python that imports torch
+  for c in python3 python; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c "import torch" >/dev/null 2>&1; then PY="$c"; break; fi
+  done
+  PY="${PY:-python3}"
+fi
 WHEELS="${GPU_WHEELS:-$REPO/gpu_wheels}"
 SITE="${TMPDIR:-/tmp}/megaflow-gpu-site"
 INSTALL_LOG="$OUT/install.log"
@@ -37,7 +43,15 @@ deps = {"psutil": "psutil", "importlib_metadata": "importlib_metadata", "zipp": 
         "charset_normalizer": "charset_normalizer", "regex": "regex", "safetensors": "safetensors",
         "huggingface_hub": "huggingface_hub", "PIL": "pillow", "einops": "einops", "tqdm": "tqdm",
         "typing_extensions": "typing_extensions"}
-print(" ".join(w for m, w in deps.items() if importlib.util.find_spec(m) is None))
+import importlib.metadata as md
+missing = [w for m, w in deps.items() if importlib.util.find_spec(m) is None]
+try:  # diffusers needs huggingface-hub >= 0.34: an older one on the image is shadowed by ours
+    hub = tuple(int(x) for x in md.version("huggingface_hub").split(".")[:2])
+    if hub < (0, 34) and "huggingface_hub" not in missing:
+        missing.append("huggingface_hub")
+except (md.PackageNotFoundError, ValueError):
+    pass
+print(" ".join(missing))
 PYEOF
 )"
   local wanted=(megatron_core diffusers megaflow $missing)
