@@ -6,8 +6,8 @@ scripts/gpu_wheels.sh has built gpu_wheels/; the slow ones ~20-40 s each). Check
   (CUDA hidden), and a summary table;
 - the driver's failure, skip and need logic in-process;
 - the SD3.5-M memory prediction of the step check equals ``megaflow plan``'s trainer items for that setting;
-- the bodies of the NCCL and CUDA IPC checks on CPU (gloo; shared memory to a spawned child), and (slow) the
-  parity body (megatron local spec vs diffusers) on CPU.
+- (slow) the bodies of the NCCL and CUDA IPC checks on CPU (gloo; shared memory to a spawned child), of the
+  parity check (megatron local spec vs diffusers) and of the step check (a tiny model of the same input shapes).
 """
 from __future__ import annotations
 
@@ -119,3 +119,20 @@ def test_parity_body_on_cpu():
     rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
                 "print(json.dumps(model.velocity_parity('local', torch.device('cpu')), default=str))")
     assert rec["status"] == "pass" and rec["fp32"]["rel"] <= 1e-5 and rec["bf16"]["rel"] <= 2e-2, rec
+
+
+@pytest.mark.slow
+def test_step_body_on_cpu():
+    """The SD3.5-M step's path (bf16, distributed Adam, recompute none / full) with a 2-block, hidden-16 model of
+    the same input shapes; CPU has no CUDA memory figures, so only the run itself is checked."""
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
+                "from megaflow.plan.dit import BUILTIN\n"
+                "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
+                "            caption_projection_dim=16, dual_attention_layers=[0])\n"
+                "out = {r: model.measure_step(r, torch.device('cpu'), conf, steps=1) for r in ('none', 'full')}\n"
+                "print(json.dumps(out, default=str))")
+    for recompute, r in rec.items():
+        assert r["recompute"] == recompute and r["spec"] == "local" and r["losses_finite"], r
+        assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0], r
+    assert rec["none"]["losses"] == rec["full"]["losses"]  # recompute changes memory, not numbers
+    assert rec["full"]["predicted_gib"]["activations"] < rec["none"]["predicted_gib"]["activations"]

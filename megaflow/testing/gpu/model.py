@@ -130,29 +130,28 @@ def predicted(recompute: str) -> dict:
     return {"items": items, "info": info, "train_step_bytes": step, "image_tokens": image, "text_tokens": text}
 
 
-def _sd35m_trainer(recompute: str):
-    """(Trainer, megaflow config, megatron config) of the SD3.5-M step, random weights on CUDA."""
+def _sd35m_trainer(recompute: str, conf: dict):
+    """(Trainer, megaflow config) of the step check for diffusers config ``conf``, random weights."""
     from megaflow.config import load_config
     from megaflow.models.registry import get_family
-    from megaflow.plan.dit import BUILTIN
     from megaflow.trainer.runner import Trainer
     from megaflow.trainer.settings import optimizer_config, transformer_kwargs
 
     cfg = load_config(None, [*SETTING, f"train.recompute={recompute}"])
-    mcfg = get_family("sd3").config_from_diffusers(dict(BUILTIN["sd3"][1]), **transformer_kwargs(cfg))
-    return Trainer(mcfg, family="sd3", spec=cfg.model.spec, optimizer_config=optimizer_config(cfg)), cfg, mcfg
+    mcfg = get_family("sd3").config_from_diffusers(dict(conf), **transformer_kwargs(cfg))
+    return Trainer(mcfg, family="sd3", spec=cfg.model.spec, optimizer_config=optimizer_config(cfg)), cfg
 
 
-def _microbatch(image_tokens: int, text_tokens: int, dev) -> dict:
+def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev) -> dict:
     import torch
 
     from megaflow.trainer.runner import rectified_flow_microbatch
 
-    side = int(image_tokens ** 0.5) * 2  # latent side at patch 2
+    side = int(image_tokens ** 0.5) * conf["patch_size"]  # latent side
     g = torch.Generator(device=dev).manual_seed(0)
-    x0, noise = (torch.randn(1, 16, side, side, device=dev, generator=g) for _ in range(2))
-    ehs = torch.randn(1, text_tokens, 4096, device=dev, generator=g, dtype=torch.bfloat16)
-    pooled = torch.randn(1, 2048, device=dev, generator=g, dtype=torch.bfloat16)
+    x0, noise = (torch.randn(1, conf["in_channels"], side, side, device=dev, generator=g) for _ in range(2))
+    ehs = torch.randn(1, text_tokens, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+    pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
     return rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
 
 
@@ -161,31 +160,45 @@ def _step(recompute: str) -> dict:
     require_module("megatron.core")
     import torch
 
+    return measure_step(recompute, torch.device("cuda", 0))
+
+
+def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS) -> dict:
+    """The step check's body: ``conf`` (default: SD3.5-M, megaflow plan's built-in table) on ``dev``; memory
+    figures are CUDA's (0 on CPU, where the CPU test runs a tiny ``conf`` through the same path)."""
+    import torch
+
     import megaflow  # noqa: F401
     from megaflow.models.common.spec import resolve_impl
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
+    from megaflow.plan.dit import BUILTIN
 
+    conf, cuda = conf or BUILTIN["sd3"][1], dev.type == "cuda"
+    mem = (lambda: torch.cuda.memory_allocated()) if cuda else (lambda: 0)
+    peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     plan = predicted(recompute)
     init_distributed(ParallelDims(), seed=0)
     try:
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        trainer, cfg, _ = _sd35m_trainer(recompute)
-        build_s, built = time.perf_counter() - t0, torch.cuda.memory_allocated()
-        mb = _microbatch(plan["image_tokens"], plan["text_tokens"], torch.device("cuda", 0))
+        trainer, cfg = _sd35m_trainer(recompute, conf)
+        build_s, built = time.perf_counter() - t0, mem()
+        mb = _microbatch(conf, plan["image_tokens"], plan["text_tokens"], dev)
         times, losses, steady, peak_before = [], [], 0, 0
-        for i in range(WARMUP + STEPS):
+        for i in range(WARMUP + steps):
             if i == WARMUP:  # optimizer states exist now: what a step adds on top is activations + temporaries
-                steady = torch.cuda.memory_allocated()
-                peak_before = torch.cuda.max_memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
+                steady, peak_before = mem(), peak()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            sync()
             t = time.perf_counter()
             losses.append(float(trainer.train_step([mb])["loss"]))
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t)
-        step_peak = torch.cuda.max_memory_allocated()
+        step_peak = peak()
         params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
         spec = resolve_impl(cfg.model.spec)
     finally:
