@@ -134,5 +134,6 @@ def test_step_body_on_cpu():
     for recompute, r in rec.items():
         assert r["recompute"] == recompute and r["spec"] == "local" and r["losses_finite"], r
         assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0], r
+        assert set(r["phase_peak_over_steady_gib"]) == {"forward_backward", "optimizer_step"}, r
     assert rec["none"]["losses"] == rec["full"]["losses"]  # recompute changes memory, not numbers
     assert rec["full"]["predicted_gib"]["activations"] < rec["none"]["predicted_gib"]["activations"]

@@ -199,12 +199,36 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
             sync()
             times.append(time.perf_counter() - t)
         step_peak = peak()
+        phases = _phase_peaks(trainer, mb, steady, peak, sync, cuda)
         params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
         spec = resolve_impl(cfg.model.spec)
     finally:
         destroy_distributed()
-    return _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
-                        peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses)
+    record = _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
+                          peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses)
+    return {**record, "phase_peak_over_steady_gib": phases}
+
+
+def _phase_peaks(trainer, mb: dict, steady: int, peak, sync, cuda: bool) -> dict:
+    """One more step, its two halves measured apart: forward + backward (activations, which recompute
+    shrinks) and the optimizer step (its temporaries); GiB over the steady state."""
+    import torch
+
+    from megaflow.trainer.runner import rectified_flow_loss
+
+    def over() -> float:
+        sync()
+        return (peak() - steady) / 2**30
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.optimizer.zero_grad()
+    trainer.forward_backward([mb], rectified_flow_loss)
+    fwd_bwd = over()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.optimizer.step()
+    return {"forward_backward": fwd_bwd, "optimizer_step": over()}
 
 
 def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, steady, peak, step_peak, times,
