@@ -204,9 +204,9 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
         spec = resolve_impl(cfg.model.spec)
     finally:
         destroy_distributed()
-    record = _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
-                          peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses)
-    return {**record, "phase_peak_over_steady_gib": phases}
+    return _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
+                        peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses,
+                        phases=phases)
 
 
 def _phase_peaks(trainer, mb: dict, steady: int, peak, sync, cuda: bool) -> dict:
@@ -232,11 +232,11 @@ def _phase_peaks(trainer, mb: dict, steady: int, peak, sync, cuda: bool) -> dict
 
 
 def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, steady, peak, step_peak, times,
-                 losses) -> dict:
+                 losses, phases: dict) -> dict:
     gib = 2**30
     act_pred = plan["items"]["activations"]
     ratio = peak / plan["train_step_bytes"]
-    ratio_act = (step_peak - steady) / act_pred
+    ratio_act = phases["forward_backward"] * gib / act_pred  # the activations live in forward + backward only
     finite = all(loss == loss and abs(loss) < float("inf") for loss in losses)
     ok = finite and RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]
     median = statistics.median(times)
@@ -250,7 +250,7 @@ def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, st
         "predicted_info_gib": {k: v / gib for k, v in plan["info"].items()},
         "predicted_train_step_gib": plan["train_step_bytes"] / gib,
         "ratio_peak_vs_predicted": round(ratio, 3), "ratio_activations_vs_predicted": round(ratio_act, 3),
-        "ratio_bounds": RATIO_BOUNDS, "losses_finite": finite,
+        "ratio_bounds": RATIO_BOUNDS, "losses_finite": finite, "phase_peak_over_steady_gib": phases,
         "headline": f"step {median * 1000:.0f} ms, peak {peak / gib:.1f} GiB vs predicted "
                     f"{plan['train_step_bytes'] / gib:.1f} (x{ratio:.2f}), activations x{ratio_act:.2f}",
     }
