@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import socket
+import urllib.parse
 from pathlib import Path
 
 from megaflow.config.files import check_pipeline, check_text_file
@@ -39,7 +41,9 @@ from megaflow.parallel.placement import launch_layout
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
 # tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10", "ocr")
+                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge")
+SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
+SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
@@ -84,7 +88,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
     _check_data(cfg, files=files)
-    _check_rewards(cfg)
+    _check_rewards(cfg, probe=command in ("train", "demo"))
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
@@ -181,7 +185,7 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
                     raise ConfigError(str(e)) from None
 
 
-def _check_rewards(cfg: MegaflowConfig) -> None:
+def _check_rewards(cfg: MegaflowConfig, *, probe: bool) -> None:
     r = cfg.reward
     if not r.weights:
         raise ConfigError("reward.weights is empty: name at least one reward")
@@ -198,6 +202,34 @@ def _check_rewards(cfg: MegaflowConfig) -> None:
                               f"({', '.join(r.weights)})")
         if not isinstance(kwargs, dict):
             raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
+    for name in r.weights:
+        if name in SERVER_REWARDS:
+            _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
+
+
+def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:
+    """A remote reward's url (and, with ``probe``, that a TCP connect to it succeeds within SERVER_PROBE_S),
+    the pickle trust flag, the judge's model."""
+    url = kwargs.get("url")
+    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"reward.kwargs.{name}.url: the {name} reward needs its server's http(s) URL, "
+                          f"got {url!r}")
+    if name == "remote" and kwargs.get("format", "pickle") == "pickle" and kwargs.get("trust_pickle") is not True:
+        raise ConfigError(f"reward.kwargs.{name}.trust_pickle: the pickle protocol runs code the server sends; "
+                          "set it to true for a server you trust, or use format = \"json\" (or 'remote_json')")
+    if name == "vlm_judge" and not kwargs.get("model"):
+        raise ConfigError(f"reward.kwargs.{name}.model: name the model the server serves")
+    if probe:
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as e:
+            raise ConfigError(f"reward.kwargs.{name}.url: {e} in {url!r}") from None
+        try:
+            socket.create_connection((parts.hostname, port), timeout=SERVER_PROBE_S).close()
+        except OSError as e:
+            raise ConfigError(f"reward.kwargs.{name}.url: cannot reach {parts.hostname}:{port} ({e}); start the "
+                              "reward server first or fix the URL") from None
 
 
 def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:

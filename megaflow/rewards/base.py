@@ -2,7 +2,9 @@
 
 A reward is a callable ``reward(images, prompts, metadata) -> Tensor[B]`` (float32), where
 ``images`` is a float tensor [B, 3, H, W] in [0, 1], a list of PIL images, or a uint8 numpy array
-[B, H, W, 3]; ``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts.
+[B, H, W, 3]; ``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts. A reward may
+also return ``(scores, info)``: ``info`` maps a key to a scalar or a per-sample list, and is reported as
+its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_with_info``).
 
 Rewards must never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
 for the affected samples (a batch that raises is retried sample by sample, so only the samples
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -85,10 +87,39 @@ def _as_scores(out, num: int, name: str) -> torch.Tensor:
     return t
 
 
+def _split(out, name: str) -> tuple[object, dict[str, float]]:
+    """A reward's output as (scores, info means): ``scores`` alone or a ``(scores, info dict)`` pair."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
+        return out, {}
+    info = {}
+    for key, value in out[1].items():
+        try:
+            arr = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value,
+                             dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            logger.warning("reward %s: info %r is not a number or a list of numbers: not reported", name, key)
+            continue
+        finite = arr[np.isfinite(arr)]
+        info[str(key)] = float(finite.mean()) if finite.size else float("nan")
+    return out[0], info
+
+
+def _mean_info(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over the parts that report it (the info of a batch retried sample by sample)."""
+    keys = dict.fromkeys(k for part in parts for k in part)
+    return {k: float(np.mean([part[k] for part in parts if k in part])) for k in keys}
+
+
 def safe_score(reward, images: ImageBatch, prompts: Sequence[str],
                metadata: Sequence[dict] | None = None, *, name: str | None = None) -> torch.Tensor:
     """Run ``reward`` on a batch; never raises for reward failures. Returns float32 [B] with NaN
     for masked samples (the reward raised on that sample, or returned NaN/inf for it)."""
+    return score_with_info(reward, images, prompts, metadata, name=name)[0]
+
+
+def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
+                    *, name: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``safe_score``'s scores and the reward's info as means, ``{key: float}`` (empty when it gives none)."""
     name = name or getattr(reward, "name", type(reward).__name__)
     num = batch_size(images)
     if len(prompts) != num or (metadata is not None and len(metadata) != num):
@@ -97,20 +128,24 @@ def safe_score(reward, images: ImageBatch, prompts: Sequence[str],
     meta = list(metadata) if metadata is not None else [{} for _ in range(num)]
     raised: set[int] = set()
     try:
-        scores = _as_scores(reward(images, list(prompts), meta), num, name)
+        out, info = _split(reward(images, list(prompts), meta), name)
+        scores = _as_scores(out, num, name)
     except Exception as e:  # noqa: BLE001 - a reward must never stop the run
         logger.warning("reward %s raised on a batch of %d (%s: %s); retrying per sample",
                        name, num, type(e).__name__, e)
-        scores = torch.full((num,), float("nan"))
+        scores, infos = torch.full((num,), float("nan")), []
         for i in range(num):
             try:
-                scores[i] = _as_scores(reward(select(images, i), [prompts[i]], [meta[i]]), 1, name)[0]
+                out, info_i = _split(reward(select(images, i), [prompts[i]], [meta[i]]), name)
+                scores[i] = _as_scores(out, 1, name)[0]
+                infos.append(info_i)
             except Exception as e_i:  # noqa: BLE001
                 raised.add(i)
                 logger.warning("reward %s masked sample %d (prompt %r): %s: %s",
                                name, i, prompts[i], type(e_i).__name__, e_i)
+        info = _mean_info(infos)
     bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in raised]
     if bad:
         logger.warning("reward %s returned non-finite values for samples %s: masked", name, bad)
         scores[bad] = float("nan")
-    return scores
+    return scores, info

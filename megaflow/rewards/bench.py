@@ -15,6 +15,7 @@ import torch
 from megaflow.shapeeval.render import CORRUPTIONS, render_prompts
 from megaflow.data.shapes import sample_prompts
 from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth
+from megaflow.config.preflight import SERVER_REWARDS
 from megaflow.rewards.registry import REWARDS, build_reward
 
 _KWARGS = {"cifar10": {"target": "ship"}, "color_target": {"target": "red"}}  # prompts name neither
@@ -26,6 +27,8 @@ def time_rewards(batch: int, resolution: int, repeats: int) -> dict[str, float]:
     x = torch.from_numpy(render_prompts(prompts, resolution=resolution, seed=0)).permute(0, 3, 1, 2).float() / 255
     out = {}
     for name in REWARDS:
+        if name in SERVER_REWARDS:  # scored by a server elsewhere: its time is the server's
+            continue
         reward = build_reward(name, **_KWARGS.get(name, {}))
         reward(x, prompts)  # warm-up
         times = []

@@ -22,6 +22,7 @@ from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.color import ColorTarget
 from megaflow.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from megaflow.rewards.ocr import OcrReward
+from megaflow.rewards.remote import RemoteJsonReward, RemoteReward, VlmJudge
 from megaflow.rewards.scorer import MultiReward
 from megaflow.rewards.shapes import ShapeEvalReward
 
@@ -33,6 +34,9 @@ REWARDS: dict[str, Callable[..., object]] = {
     "shapeeval_partial": functools.partial(ShapeEvalReward, graded=True),
     "cifar10": Cifar10Reward,
     "ocr": OcrReward,
+    "remote": RemoteReward,
+    "remote_json": RemoteJsonReward,
+    "vlm_judge": VlmJudge,
 }
 
 

@@ -1,7 +1,8 @@
 """Weighted multi-reward and the asynchronous scorer that keeps rewards off the critical path.
 
 ``MultiReward`` runs each component through ``safe_score`` and returns ``RewardScores``: the total
-sum_i w_i * r_i plus every raw component and its wall time. A sample masked (NaN) by any weighted
+sum_i w_i * r_i plus every raw component, its wall time and the info it reported (``(scores, info)``
+rewards: ``info["<label>/<key>"]``, logged as ``reward/<label>/<key>``). A sample masked (NaN) by any weighted
 component is NaN in the total, so the mask propagates to advantages (the caller drops NaN samples);
 a weight-0 component is only reported.
 
@@ -19,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from megaflow.rewards.base import ImageBatch, Reward, safe_score
+from megaflow.rewards.base import ImageBatch, Reward, score_with_info
 from megaflow.rollout.types import RewardScores
 
 
@@ -42,17 +43,18 @@ class MultiReward(Reward):
 
     def score(self, images: ImageBatch, prompts: Sequence[str],
               metadata: Sequence[dict] | None = None) -> RewardScores:
-        comps, secs = {}, {}
+        comps, secs, info = {}, {}, {}
         for label, _, reward in self.components:
             t0 = time.perf_counter()
-            comps[label] = safe_score(reward, images, prompts, metadata, name=label)
+            comps[label], extra = score_with_info(reward, images, prompts, metadata, name=label)
             secs[label] = time.perf_counter() - t0
+            info.update({f"{label}/{key}": value for key, value in extra.items()})
         total = torch.zeros(len(prompts))
         for label, w, _ in self.components:
             if w != 0.0:  # weight 0 = reported only: neither counted nor masking
                 total = total + w * comps[label]
         return RewardScores(total=total, components=comps, seconds=secs,
-                            weights={label: w for label, w, _ in self.components})
+                            weights={label: w for label, w, _ in self.components}, info=info)
 
     def __call__(self, images: ImageBatch, prompts: Sequence[str],
                  metadata: Sequence[dict] | None = None) -> torch.Tensor:

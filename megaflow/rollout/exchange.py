@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megaflow.parallel.groups import as_group
 from megaflow.rollout.types import RewardScores, RolloutRequest, Trajectory
 
-_TRAJ, _COMPONENT = "traj.", "reward.component."
+_TRAJ, _COMPONENT, _INFO = "traj.", "reward.component.", "reward.info."
 
 
 def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
@@ -44,6 +44,7 @@ def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
     out.update({_COMPONENT + label: scores.components[label] for label in labels})
     out["reward.seconds"] = torch.tensor([scores.seconds[label] for label in labels], dtype=torch.float64)
     out["reward.weights"] = torch.tensor([scores.weights[label] for label in labels], dtype=torch.float64)
+    out.update({_INFO + key: torch.tensor([value], dtype=torch.float64) for key, value in scores.info.items()})
     return out
 
 
@@ -103,5 +104,6 @@ def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutReque
     labels = [n[len(_COMPONENT):] for n in share if n.startswith(_COMPONENT)]
     scores = RewardScores(total=share["reward.total"], components={k: share[_COMPONENT + k] for k in labels},
                           weights=dict(zip(labels, share["reward.weights"].tolist())),
-                          seconds=dict(zip(labels, share["reward.seconds"].tolist())))
+                          seconds=dict(zip(labels, share["reward.seconds"].tolist())),
+                          info={n[len(_INFO):]: float(v[0]) for n, v in share.items() if n.startswith(_INFO)})
     return trajs, scores

@@ -11,6 +11,7 @@ noise, 0 = data, ``sigmas`` has T+1 entries ending in 0, ``latents[0]`` is the i
 """
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,16 +162,21 @@ class RewardScores:
     components: dict[str, torch.Tensor]  # label -> [B] raw (unweighted) reward
     weights: dict[str, float]
     seconds: dict[str, float]  # label -> wall time of that component on this batch
+    info: dict[str, float] = field(default_factory=dict)  # "<label>/<key>" -> a reward's reported mean
 
     @classmethod
     def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
-        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed."""
+        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed, info
+        averaged over the batches that report it, weighted by their sizes."""
         if not parts:
             raise ValueError("concat needs at least one RewardScores")
         labels = list(parts[0].components)
+        info = {k: _weighted_mean([(p.info[k], len(p.total)) for p in parts if k in p.info])
+                for k in dict.fromkeys(k for p in parts for k in p.info)}
         return cls(total=torch.cat([p.total for p in parts]),
                    components={k: torch.cat([p.components[k] for p in parts]) for k in labels},
-                   weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels})
+                   weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels},
+                   info=info)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -185,7 +191,14 @@ class RewardScores:
         for label, v in self.components.items():
             out[f"reward/{label}"] = _nanmean(v)
             out[f"reward/{label}_seconds"] = self.seconds[label]
+        out.update({f"reward/{key}": value for key, value in self.info.items()})
         return out
+
+
+def _weighted_mean(pairs: Sequence[tuple[float, int]]) -> float:
+    """The mean of the finite values, weighted (NaN when none is finite)."""
+    finite = [(v, w) for v, w in pairs if math.isfinite(v)]
+    return sum(v * w for v, w in finite) / sum(w for _, w in finite) if finite else float("nan")
 
 
 def _nanmean(t: torch.Tensor) -> float:

@@ -1,0 +1,262 @@
+"""Remote scorers as rewards: a reward server over HTTP, and a vision-language model as a judge.
+
+``remote`` speaks the reward-server protocol of flow_grpo: one POST per batch to ``url`` with the pickled dict
+``{"images": [JPEG bytes per image], "prompts": [...], "meta_datas": [dict per sample]}``; the answer is a
+pickled dict with ``"scores"`` (a list of floats) or ``"outputs"`` (a list; each item a number, a bool, or a
+text read by the judge rule below). Unpickling runs whatever code the server sends, so this reward is built
+only with ``trust_pickle = true``. ``remote_json`` (or ``remote`` with ``format = "json"``) is the same
+exchange in JSON: ``{"images": [base64 JPEG], "prompts", "meta_datas"}`` -> ``{"scores": [...]}``; it needs
+no trust flag (metadata values JSON cannot hold are sent as their ``str``).
+
+``vlm_judge`` asks an OpenAI-compatible chat-completions server (e.g. ``python -m sglang.launch_server``) one
+question per image: a user message with the image (a ``data:image/jpeg;base64`` URL) and ``question`` with
+``{prompt}`` replaced by the sample's prompt, ``temperature = 0``. ``url`` is the server (``/v1/chat/completions``
+is appended unless it already ends in ``/chat/completions``); ``api_key_env`` names an environment variable
+holding a bearer token. Judge rule: an answer whose first word is "yes" / "no" (any case) scores 1 / 0;
+otherwise its first number divided by ``max_score`` must lie in [0, 1]; any other answer masks the sample.
+
+Failures never stop a run: each request has ``timeout`` seconds (per socket operation) and up to ``retries``
+more attempts after the first, waiting ``backoff * 2**k`` seconds before retry k; when every attempt failed
+the request's samples are NaN (masked by ``safe_score``) with a warning. An answer of the wrong length, or
+one that cannot be decoded, masks the whole batch with an error naming the server. The reward itself does
+not raise on these, so ``safe_score`` does not retry a dead server once per sample. Whether the server is up
+is checked once before the run starts (a TCP connect in megaflow.config.preflight, ``train`` / ``demo``).
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megaflow.rewards.base import ImageBatch, Reward, to_pil
+
+logger = logging.getLogger("megaflow.rewards")
+
+DEFAULT_QUESTION = 'Does this image match the description "{prompt}"? Answer yes or no.'
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+_WORD = re.compile(r"[a-z]+")
+
+
+def check_url(name: str, url: object) -> str:
+    """``url`` if it is an http(s) URL with a host; else a one-line ValueError naming the reward."""
+    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"reward {name!r}: url must be an http(s) URL with a host, got {url!r}")
+    return url
+
+
+def _check_common(name: str, timeout: object, retries: object, backoff: object) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"reward {name!r}: timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"reward {name!r}: retries must be an integer >= 0, got {retries!r}")
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or backoff < 0:
+        raise ValueError(f"reward {name!r}: backoff must be a number of seconds >= 0, got {backoff!r}")
+
+
+def jpegs(images: ImageBatch, quality: int = 95) -> list[bytes]:
+    """Each image of the batch as JPEG bytes (RGB, ``quality``)."""
+    out = []
+    for im in to_pil(images):
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def post(url: str, body: bytes, *, content_type: str, timeout: float, retries: int, backoff: float,
+         name: str, headers: dict | None = None) -> bytes | None:
+    """The answer's body to a POST of ``body``, or None (with a warning) after ``1 + retries`` failed attempts
+    (a connection error, a timeout or an HTTP error status each count as one)."""
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": content_type, **(headers or {})})
+    error: Exception | None = None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                return answer.read()
+        except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+            error = e
+    logger.warning("reward %s: POST %s failed %d time(s), last with %s: %s; its samples are masked",
+                   name, url, retries + 1, type(error).__name__, error)
+    return None
+
+
+def judge_score(text: str, max_score: float = 1.0) -> float:
+    """The judge rule (module docstring): "yes" / "no" -> 1 / 0, else the first number / ``max_score`` in
+    [0, 1]; ValueError otherwise."""
+    word = _WORD.match(text.strip().lower().lstrip("\"'*`([ "))
+    if word and word.group() in ("yes", "no"):
+        return 1.0 if word.group() == "yes" else 0.0
+    number = _NUMBER.search(text)
+    if number is None:
+        raise ValueError(f"no yes/no and no number in the answer {text[:80]!r}")
+    value = float(number.group()) / max_score
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"answer {text[:80]!r} gives {value:g}, outside [0, 1] (max_score {max_score:g})")
+    return value
+
+
+def _nan(num: int) -> torch.Tensor:
+    return torch.full((num,), float("nan"))
+
+
+def _item_score(item: object, name: str, i: int) -> float:
+    """One item of a server's ``scores`` / ``outputs`` as a float (NaN, with a warning, when unusable)."""
+    try:
+        if isinstance(item, str):
+            return judge_score(item)
+        value = float(item)
+        return value if math.isfinite(value) else float("nan")
+    except (TypeError, ValueError) as e:
+        logger.warning("reward %s: unusable score for sample %d (%s): masked", name, i, e)
+        return float("nan")
+
+
+class RemoteReward(Reward):
+    """A reward server (module docstring): ``url``, ``format`` ("pickle" needs ``trust_pickle = true``, or
+    "json"), ``timeout`` / ``retries`` / ``backoff`` (seconds, attempts after the first, first wait),
+    ``jpeg_quality`` of the images sent."""
+
+    name = "remote"
+
+    def __init__(self, *, url: str, format: str = "pickle", trust_pickle: bool = False, timeout: float = 60.0,
+                 retries: int = 2, backoff: float = 1.0, jpeg_quality: int = 95):
+        if format not in ("pickle", "json"):
+            raise ValueError(f"reward {self.name!r}: format must be 'pickle' or 'json', got {format!r}")
+        if format == "pickle" and trust_pickle is not True:
+            raise ValueError(f"reward {self.name!r}: the pickle protocol unpickles the server's answer, which runs "
+                             "any code the server sends; set trust_pickle = true for a server you trust, or use "
+                             "format = 'json' (the 'remote_json' reward)")
+        if format == "json" and trust_pickle:
+            raise ValueError(f"reward {self.name!r}: trust_pickle is for format = 'pickle' only")
+        _check_common(self.name, timeout, retries, backoff)
+        if isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
+            raise ValueError(f"reward {self.name!r}: jpeg_quality must be an integer in [1, 100], got {jpeg_quality!r}")
+        self.url, self.format = check_url(self.name, url), format
+        self.timeout, self.retries, self.backoff, self.quality = float(timeout), retries, float(backoff), jpeg_quality
+
+    def _body(self, images: ImageBatch, prompts: list[str], meta: list[dict]) -> tuple[bytes, str]:
+        data = jpegs(images, self.quality)
+        if self.format == "pickle":
+            body = {"images": data, "prompts": prompts, "meta_datas": meta}
+            return pickle.dumps(body), "application/octet-stream"
+        body = {"images": [base64.b64encode(b).decode("ascii") for b in data], "prompts": prompts, "meta_datas": meta}
+        return json.dumps(body, default=str).encode(), "application/json"
+
+    def _decode(self, raw: bytes) -> list:
+        answer = pickle.loads(raw) if self.format == "pickle" else json.loads(raw)  # noqa: S301 - trust_pickle
+        if not isinstance(answer, dict) or not isinstance(answer.get("scores", answer.get("outputs")), list):
+            raise ValueError(f"expected a dict with a 'scores' or 'outputs' list, got {type(answer).__name__}"
+                             + (f" with keys {sorted(map(str, answer))}" if isinstance(answer, dict) else ""))
+        return answer["scores"] if "scores" in answer else answer["outputs"]
+
+    def __call__(self, images: ImageBatch, prompts: Sequence[str],
+                 metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        num = len(prompts)
+        meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in range(num)]
+        body, content_type = self._body(images, list(prompts), meta)
+        raw = post(self.url, body, content_type=content_type, timeout=self.timeout, retries=self.retries,
+                   backoff=self.backoff, name=self.name)
+        if raw is None:
+            return _nan(num)
+        try:
+            items = self._decode(raw)
+        except Exception as e:  # noqa: BLE001 - a bad answer masks the batch, never stops the run
+            logger.error("reward %s: cannot decode the answer of %s (%s: %s): %d samples masked",
+                         self.name, self.url, type(e).__name__, e, num)
+            return _nan(num)
+        if len(items) != num:
+            logger.error("reward %s: %s answered %d scores for %d samples: all %d masked",
+                         self.name, self.url, len(items), num, num)
+            return _nan(num)
+        return torch.tensor([_item_score(x, self.name, i) for i, x in enumerate(items)], dtype=torch.float32)
+
+
+class RemoteJsonReward(RemoteReward):
+    """``remote`` with ``format = "json"`` (no trust flag needed)."""
+
+    name = "remote_json"
+
+    def __init__(self, *, url: str, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
+                 jpeg_quality: int = 95):
+        super().__init__(url=url, format="json", timeout=timeout, retries=retries, backoff=backoff,
+                         jpeg_quality=jpeg_quality)
+
+
+def chat_url(url: str) -> str:
+    """The chat-completions endpoint of a server URL (kept when it already ends in ``/chat/completions``)."""
+    return url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/v1/chat/completions"
+
+
+class VlmJudge(Reward):
+    """A VLM's answer to ``question`` about each image, scored by the judge rule (module docstring);
+    ``concurrency`` requests in flight at most."""
+
+    name = "vlm_judge"
+
+    def __init__(self, *, url: str, model: str, question: str = DEFAULT_QUESTION, timeout: float = 60.0,
+                 retries: int = 2, backoff: float = 1.0, max_score: float = 1.0, max_tokens: int = 16,
+                 concurrency: int = 8, api_key_env: str | None = None):
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"reward {self.name!r}: model must be the served model's name, got {model!r}")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"reward {self.name!r}: question must be a non-empty string, got {question!r}")
+        _check_common(self.name, timeout, retries, backoff)
+        if isinstance(max_score, bool) or not isinstance(max_score, (int, float)) or not max_score > 0:
+            raise ValueError(f"reward {self.name!r}: max_score must be a number > 0, got {max_score!r}")
+        for key, value in (("max_tokens", max_tokens), ("concurrency", concurrency)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"reward {self.name!r}: {key} must be an integer >= 1, got {value!r}")
+        self.headers = {}
+        if api_key_env is not None:
+            if not os.environ.get(api_key_env):
+                raise ValueError(f"reward {self.name!r}: api_key_env names {api_key_env!r}, which is not set")
+            self.headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
+        self.url, self.model, self.question = chat_url(check_url(self.name, url)), model, question
+        self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
+        self.max_score, self.max_tokens, self.concurrency = float(max_score), max_tokens, concurrency
+
+    def request(self, jpeg: bytes, prompt: str) -> dict:
+        """The chat-completions request body for one image and its prompt."""
+        image = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
+        content = [{"type": "image_url", "image_url": {"url": image}},
+                   {"type": "text", "text": self.question.replace("{prompt}", prompt)}]
+        return {"model": self.model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": self.max_tokens, "temperature": 0}
+
+    def _one(self, i: int, jpeg: bytes, prompt: str) -> float:
+        raw = post(self.url, json.dumps(self.request(jpeg, prompt)).encode(), content_type="application/json",
+                   timeout=self.timeout, retries=self.retries, backoff=self.backoff, name=self.name,
+                   headers=self.headers)
+        if raw is None:
+            return float("nan")
+        try:
+            text = json.loads(raw)["choices"][0]["message"]["content"]
+            return judge_score(str(text), self.max_score)
+        except Exception as e:  # noqa: BLE001 - one bad answer masks its sample
+            logger.warning("reward %s: sample %d (prompt %r) masked: %s: %s", self.name, i, prompt,
+                           type(e).__name__, e)
+            return float("nan")
+
+    def __call__(self, images: ImageBatch, prompts: Sequence[str],
+                 metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        data = jpegs(images)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(data)))) as pool:
+            scores = list(pool.map(self._one, range(len(data)), data, prompts))
+        return torch.tensor(scores, dtype=torch.float32)

@@ -1,0 +1,228 @@
+"""GPU checks of the communication paths, without SGLang.
+
+- ``nccl``: a 1-process NCCL world (TCP store on 127.0.0.1): broadcast and all_reduce of CUDA tensors, then
+  megaflow's ``DistributedBridge`` pushing CUDA tensors (several buckets, verified) into a local
+  ``ModuleTarget`` on the GPU over that world (the source is its own only member: no receiver rank).
+- ``cuda_ipc``: the colocated bridge (``ColocatedBridge``) pushing CUDA buckets to an engine stand-in in a
+  spawned child process: each bucket's flat CUDA tensor travels as a CUDA IPC handle (torch.multiprocessing),
+  the child checks the sender's GPU UUID against the tensor's device (as SGLang's ``payload_gpu_uuids``), copies
+  into its own CUDA module (``ModuleTarget``) and re-hashes what it holds for the bridge's verification. If
+  SGLang imports, the real payload (``megaflow.rollout.sglang.weights.update_request``) is also deserialized in
+  the child and its bytes compared; otherwise that part is reported as skipped.
+"""
+from __future__ import annotations
+
+import time
+
+from megaflow.testing.gpu.common import error_line, probe_import, require_cuda
+
+
+def _named_tensors(device, seed: int, n: int = 12, width: int = 512) -> list:
+    """Mixed-dtype named tensors (fp32 weights, bf16 weights, fp32 vectors) on ``device``."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for i in range(n):
+        dtype = torch.bfloat16 if i % 3 == 1 else torch.float32
+        shape = (width,) if i % 3 == 2 else (width, width + 16 * i)
+        out.append((f"w{i}", torch.randn(shape, generator=g).to(device=device, dtype=dtype)))
+    return out
+
+
+class _Holder:
+    """A module holding zero tensors with given names/shapes/dtypes (the engine side's DiT stand-in)."""
+
+    @staticmethod
+    def build(spec: list, device):
+        import torch
+
+        module = torch.nn.Module()
+        for name, shape, dtype in spec:
+            module.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
+                                                               requires_grad=False))
+        return module
+
+
+def _push_ok(report, targets: dict, sent: list) -> dict:
+    import torch
+
+    exact = all(torch.equal(targets[n], t) for n, t in sent)
+    return {"verified": bool(report.verified), "exact": exact, "tensors": report.num_tensors,
+            "buckets": report.num_buckets, "mbytes": round(report.num_bytes / 2**20, 2),
+            "push_s": round(report.seconds, 4), "message": report.message}
+
+
+def nccl() -> dict:
+    """Collectives and the distributed bridge in a 1-process NCCL world."""
+    require_cuda()
+    import torch
+
+    torch.cuda.set_device(0)
+    rec = collectives_and_bridge(torch.device("cuda", 0), "nccl")
+    rec["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return rec
+
+
+def collectives_and_bridge(dev, backend: str) -> dict:
+    """``nccl``'s body for any device/backend (the CPU test runs it with gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    from megaflow.bridge.distributed import DistributedBridge
+    from megaflow.bridge.target import ModuleTarget
+    from megaflow.testing.dist import free_port
+
+    t0 = time.perf_counter()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            **({"device_id": dev} if dev.type == "cuda" else {}))
+    try:
+        x = torch.arange(1 << 20, dtype=torch.float32, device=dev)
+        dist.broadcast(x, src=0)
+        y = torch.full((1 << 20,), 3.0, device=dev)
+        dist.all_reduce(y)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        coll = {"broadcast_ok": bool(torch.equal(x, torch.arange(1 << 20, dtype=torch.float32, device=dev))),
+                "all_reduce_ok": bool((y == 3.0).all()), "init_and_collectives_s": round(time.perf_counter() - t0, 3)}
+        sent = _named_tensors(dev, seed=1)
+        module = _Holder.build([(n, tuple(t.shape), t.dtype) for n, t in sent], dev)
+        bridge = DistributedBridge(group=None, src=0, bucket_bytes=2 << 20, verify=True, device=dev,
+                                   engines=[ModuleTarget(module, "local")])
+        push = _push_ok(bridge.push(sent), dict(module.named_parameters()), sent)
+    finally:
+        dist.destroy_process_group()
+    ok = coll["broadcast_ok"] and coll["all_reduce_ok"] and push["verified"] and push["exact"]
+    return {"status": "pass" if ok else "fail", "backend": backend, **coll, "distributed_bridge": push,
+            "headline": f"collectives ok={coll['broadcast_ok'] and coll['all_reduce_ok']}, "
+                        f"bridge verified={push['verified']} exact={push['exact']} ({push['buckets']} buckets)"}
+
+
+def _gpu_uuid(device) -> str:
+    """The physical GPU's UUID as torch reports it (``megaflow.rollout.sglang.weights.gpu_uuid``, which needs
+    SGLang to import)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _engine_child(requests, replies, spec: list, device: str) -> None:
+    """The engine stand-in (spawned): loads IPC buckets (CUDA IPC; shared memory on CPU) into its own module on
+    ``device``, verifies on request."""
+    import torch
+
+    from megaflow.bridge.buckets import Bucket
+    from megaflow.bridge.target import ModuleTarget
+
+    target = ModuleTarget(_Holder.build(spec, torch.device(device)), "ipc-child")
+    while True:
+        msg = requests.get()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "verify":
+            replies.put(target.verify_weights(msg[1]))
+        elif msg[0] == "load":
+            _, flat, metadata, sender_uuid = msg
+            if flat.is_cuda and _gpu_uuid(flat.device) != sender_uuid:
+                replies.put((False, f"GPU UUID {_gpu_uuid(flat.device)} is not the sender's {sender_uuid}", 0))
+            else:
+                r = target.load_bucket(Bucket(flat=flat, metadata=metadata))
+                if flat.is_cuda:
+                    torch.cuda.synchronize()
+                replies.put((r.ok, r.message, r.num_bytes))
+            del flat
+        elif msg[0] == "payload":
+            replies.put(_read_sglang_payload(msg[1]))
+
+
+def _read_sglang_payload(serialized: str):
+    """(sha256 of the payload's flat bytes, its device's UUID) from an SGLang update request's serialized payload."""
+    import hashlib
+
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    payload = MultiprocessingSerializer.deserialize(serialized)["transformer"]
+    flat = payload["flattened_tensor"]
+    return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(), _gpu_uuid(flat.device)
+
+
+class _IPCEngine:
+    """Parent side of the child: the engine methods ``ColocatedBridge`` calls."""
+
+    engine_id = "ipc-child"
+
+    def __init__(self, requests, replies, uuid: str):
+        self.requests, self.replies, self.uuid = requests, replies, uuid
+
+    def load_bucket(self, bucket, *, verify: bool = True):
+        from megaflow.bridge.base import WeightUpdateResult
+
+        self.requests.put(("load", bucket.flat, bucket.metadata, self.uuid))
+        ok, message, nbytes = self.replies.get(timeout=60)
+        return WeightUpdateResult(ok=ok, num_bytes=nbytes, message=message)
+
+    def verify_weights(self, expected_sha256: dict) -> tuple[bool, str]:
+        self.requests.put(("verify", expected_sha256))
+        return self.replies.get(timeout=60)
+
+
+def cuda_ipc() -> dict:
+    """ColocatedBridge -> CUDA IPC -> a child process's CUDA module, verified; the SGLang payload if it imports."""
+    require_cuda()
+    import torch
+
+    return colocated_to_child(torch.device("cuda", 0))
+
+
+def colocated_to_child(dev) -> dict:
+    """``cuda_ipc``'s body for any device (on CPU the buckets travel as shared memory; the CPU test runs it)."""
+    import torch.multiprocessing as mp
+
+    from megaflow.bridge.colocated import ColocatedBridge
+
+    sent = _named_tensors(dev, seed=2)
+    ctx = mp.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    spec = [(n, tuple(t.shape), t.dtype) for n, t in sent]
+    child = ctx.Process(target=_engine_child, args=(requests, replies, spec, str(dev)), daemon=True)
+    child.start()
+    try:
+        engine = _IPCEngine(requests, replies, _gpu_uuid(dev) if dev.type == "cuda" else "")
+        report = ColocatedBridge([engine], bucket_bytes=2 << 20, verify=True).push(sent)
+        push = {"verified": bool(report.verified), "tensors": report.num_tensors, "buckets": report.num_buckets,
+                "mbytes": round(report.num_bytes / 2**20, 2), "push_s": round(report.seconds, 4),
+                "message": report.message}
+        sglang = _sglang_payload(sent, requests, replies) if dev.type == "cuda" else \
+            {"status": "skipped", "reason": "not a CUDA device"}
+    finally:
+        requests.put(("stop",))
+        child.join(timeout=20)
+        if child.is_alive():
+            child.kill()
+    ok = push["verified"] and sglang.get("status") != "fail"
+    return {"status": "pass" if ok else "fail", "device": str(dev), "colocated_bridge": push, "sglang_payload": sglang,
+            "headline": f"colocated bridge to a child process verified={push['verified']} ({push['buckets']} "
+                        f"buckets); sglang payload: {sglang['status']}"}
+
+
+def _sglang_payload(sent: list, requests, replies) -> dict:
+    """SGLang's update request for one CUDA bucket, deserialized in the child: same bytes, same GPU."""
+    found = probe_import("sglang", really=True)
+    if not found["ok"]:
+        return {"status": "skipped", "reason": f"sglang does not import: {found['error']}"}
+    import hashlib
+
+    from megaflow.bridge.buckets import pack
+
+    try:
+        from megaflow.rollout.sglang.weights import gpu_uuid, update_request
+
+        bucket = pack(sent[:3])
+        req = update_request(bucket.flat, bucket.metadata)
+        requests.put(("payload", req.serialized_named_tensors[0]))
+        digest, uuid = replies.get(timeout=60)
+    except Exception as e:  # noqa: BLE001 - reported in the record
+        return {"status": "fail", "error": error_line(e)}
+    same = digest == hashlib.sha256(bucket.flat.cpu().numpy().tobytes()).hexdigest()
+    same_gpu = uuid == gpu_uuid(bucket.flat.device) and list(req.payload_gpu_uuids or []) == [uuid]
+    return {"status": "pass" if same and same_gpu else "fail", "same_bytes": same, "same_gpu": same_gpu}

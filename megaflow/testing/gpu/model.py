@@ -1,0 +1,266 @@
+"""GPU checks of the megatron DiT.
+
+- ``parity_local`` / ``parity_te``: a tiny SD3.5-like DiT (q/k RMSNorm, one dual-attention block; hidden 64,
+  4 heads, 16 image + 8 text tokens, batch 2) built by megaflow (``ReferenceModel``, megatron's local or
+  Transformer Engine spec) on CUDA from the same random weights as diffusers' ``SD3Transformer2DModel``
+  (``megaflow.models.sd3.tiny``); velocity max abs error and that relative to max |reference|, at fp32 (TF32
+  off; tolerance ``TOLERANCE["fp32"]``) and bf16 (both sides bf16; ``TOLERANCE["bf16"]``).
+- ``step_recompute_none`` / ``step_recompute_full``: an SD3.5-Medium-shaped DiT (megaflow plan's built-in
+  table: 24 blocks, hidden 1536, 24 heads, 13 dual-attention blocks), random weights, bf16, Adam (megatron's
+  distributed optimizer, as ``megaflow train`` builds it), batch 1 of 1024 image (64x64 latent, patch 2) + 333
+  text tokens: median train-step time, CUDA peak memory, and ``megaflow plan``'s trainer items for the same
+  setting (``SETTING``), as measured/predicted ratios.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+from megaflow.testing.gpu.common import Skip, rel_err, require_cuda, require_module
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+"""Largest velocity error relative to max |diffusers velocity| that passes."""
+RATIO_BOUNDS = (0.6, 1.6)
+"""measured / predicted trainer memory that passes (tests/plan/test_plan.py's bounds on CPU)."""
+SETTING = ["model.family=sd3", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
+           "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=1.0", "parallel.tp=1"]
+"""``--set`` overrides of the SD3.5-M step (plus train.recompute): 512 px = 64x64 latent = 1024 tokens at patch 2,
+no CFG (batch 1), no KL reference; text 77 + 256 = 333 tokens (the default without rollout.max_sequence_length)."""
+STEPS, WARMUP = 5, 2
+
+
+def _parity_config() -> dict:
+    from megaflow.models.sd3 import tiny
+
+    return tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(1,), attention_head_dim=16,
+                            num_attention_heads=4, caption_projection_dim=64)
+
+
+def _velocity_errors(impl: str, dev) -> dict:
+    """Per dtype: megaflow's velocity vs diffusers' on ``dev`` (same weights, same inputs)."""
+    import torch
+
+    from megaflow.models.common.tiny import noised
+    from megaflow.models.registry import get_family
+    from megaflow.models.sd3 import tiny
+    from megaflow.trainer.runner import ReferenceModel
+
+    dcfg = _parity_config()
+    ref_cpu = tiny.diffusers_model(dcfg, seed=0)
+    state = ref_cpu.state_dict()
+    b = tiny.sft_batches(dcfg, num_microbatches=1, batch=2, context_len=8, seed=1)[0]
+    x, sigma = noised(b).to(dev), b["sigma"].to(dev)
+    ehs, pooled = b["encoder_hidden_states"].to(dev), b["pooled_projections"].to(dev)
+    out, fp32_ref = {}, None
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        kwargs = {} if dtype == torch.float32 else {"bf16": True, "params_dtype": torch.bfloat16}
+        engine = ReferenceModel(get_family("sd3").config_from_diffusers(dcfg, **kwargs), family="sd3", spec=impl)
+        engine.load_diffusers_state_dict(state)
+        got = engine.velocity(x, sigma, ehs, pooled)
+        ref_model = copy.deepcopy(ref_cpu).to(device=dev, dtype=dtype)
+        with torch.no_grad():
+            ref = tiny.diffusers_velocity(ref_model, x.to(dtype), sigma, ehs.to(dtype), pooled.to(dtype))
+        fp32_ref = ref if fp32_ref is None else fp32_ref
+        err, rel = rel_err(got, ref)
+        out[name] = {"max_abs": err, "rel": rel, "tol": TOLERANCE[name], "ok": rel <= TOLERANCE[name],
+                     "rel_vs_fp32_diffusers": rel_err(got, fp32_ref)[1], "ref_max_abs": float(ref.float().abs().max())}
+        del engine, ref_model
+    return out
+
+
+def _parity(impl: str) -> dict:
+    require_cuda()
+    require_module("megatron.core")
+    require_module("diffusers")
+    import torch
+
+    return velocity_parity(impl, torch.device("cuda", 0))
+
+
+def velocity_parity(impl: str, dev) -> dict:
+    """``parity_*``'s body on any device (the CPU test runs it with the local spec)."""
+    import torch
+
+    import megaflow  # noqa: F401  (import guards before megatron)
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity: no TF32 in GEMMs or the patch conv
+    torch.backends.cudnn.allow_tf32 = False
+    init_distributed(ParallelDims(), seed=0)
+    try:
+        errors = _velocity_errors(impl, dev)
+    finally:
+        destroy_distributed()
+    ok = all(e["ok"] for e in errors.values())
+    head = ", ".join(f"{k} rel {v['rel']:.2e} (tol {v['tol']:g})" for k, v in errors.items())
+    return {"status": "pass" if ok else "fail", "spec": impl, "config": _parity_config(), **errors, "headline": head}
+
+
+def parity_local() -> dict:
+    """megatron local spec (torch SDPA, megatron's own linears) vs diffusers on CUDA."""
+    return _parity("local")
+
+
+def parity_te() -> dict:
+    """Transformer Engine spec vs diffusers on CUDA (skipped where transformer_engine does not import)."""
+    require_module("transformer_engine")
+    from megaflow.models.common.spec import HAVE_TE
+
+    if not HAVE_TE:
+        raise Skip("megatron.core.extensions.transformer_engine.HAVE_TE is False")
+    return _parity("te")
+
+
+def predicted(recompute: str) -> dict:
+    """``megaflow plan``'s trainer items (bytes) for ``SETTING`` + ``train.recompute``, SD3.5-M built-in dims, 1 GPU.
+    Standard library + megaflow config only (no torch), so the CPU test calls it too."""
+    from megaflow.config import load_config
+    from megaflow.plan.dit import BUILTIN, DEFAULT_TEXT_TOKENS, dims_from_config
+    from megaflow.plan.memory import trainer_items
+
+    cfg = load_config(None, [*SETTING, f"train.recompute={recompute}"])
+    source, conf = BUILTIN["sd3"]
+    dims = dims_from_config("sd3", conf, source)
+    image = (cfg.rollout.height // 8 // dims.patch) * (cfg.rollout.width // 8 // dims.patch)
+    text = DEFAULT_TEXT_TOKENS["sd3"]  # CLIP 77 + T5 256: rollout.max_sequence_length unset
+    items, info = trainer_items(cfg, dims, world=1, stage=0, image=image, text=text)
+    step = sum(v for k, v in items.items() if k not in ("runtime", "GRPO microbatches (1 step)"))
+    return {"items": items, "info": info, "train_step_bytes": step, "image_tokens": image, "text_tokens": text}
+
+
+def _sd35m_trainer(recompute: str, conf: dict):
+    """(Trainer, megaflow config) of the step check for diffusers config ``conf``, random weights."""
+    from megaflow.config import load_config
+    from megaflow.models.registry import get_family
+    from megaflow.trainer.runner import Trainer
+    from megaflow.trainer.settings import optimizer_config, transformer_kwargs
+
+    cfg = load_config(None, [*SETTING, f"train.recompute={recompute}"])
+    mcfg = get_family("sd3").config_from_diffusers(dict(conf), **transformer_kwargs(cfg))
+    return Trainer(mcfg, family="sd3", spec=cfg.model.spec, optimizer_config=optimizer_config(cfg)), cfg
+
+
+def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev) -> dict:
+    import torch
+
+    from megaflow.trainer.runner import rectified_flow_microbatch
+
+    side = int(image_tokens ** 0.5) * conf["patch_size"]  # latent side
+    g = torch.Generator(device=dev).manual_seed(0)
+    x0, noise = (torch.randn(1, conf["in_channels"], side, side, device=dev, generator=g) for _ in range(2))
+    ehs = torch.randn(1, text_tokens, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+    pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+    return rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
+
+
+def _step(recompute: str) -> dict:
+    require_cuda()
+    require_module("megatron.core")
+    import torch
+
+    return measure_step(recompute, torch.device("cuda", 0))
+
+
+def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS) -> dict:
+    """The step check's body: ``conf`` (default: SD3.5-M, megaflow plan's built-in table) on ``dev``; memory
+    figures are CUDA's (0 on CPU, where the CPU test runs a tiny ``conf`` through the same path)."""
+    import torch
+
+    import megaflow  # noqa: F401
+    from megaflow.models.common.spec import resolve_impl
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
+    from megaflow.plan.dit import BUILTIN
+
+    conf, cuda = conf or BUILTIN["sd3"][1], dev.type == "cuda"
+    mem = (lambda: torch.cuda.memory_allocated()) if cuda else (lambda: 0)
+    peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    plan = predicted(recompute)
+    init_distributed(ParallelDims(), seed=0)
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        trainer, cfg = _sd35m_trainer(recompute, conf)
+        build_s, built = time.perf_counter() - t0, mem()
+        mb = _microbatch(conf, plan["image_tokens"], plan["text_tokens"], dev)
+        times, losses, steady, peak_before = [], [], 0, 0
+        for i in range(WARMUP + steps):
+            if i == WARMUP:  # optimizer states exist now: what a step adds on top is activations + temporaries
+                steady, peak_before = mem(), peak()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            sync()
+            t = time.perf_counter()
+            losses.append(float(trainer.train_step([mb])["loss"]))
+            sync()
+            times.append(time.perf_counter() - t)
+        step_peak = peak()
+        phases = _phase_peaks(trainer, mb, steady, peak, sync, cuda)
+        params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+        spec = resolve_impl(cfg.model.spec)
+    finally:
+        destroy_distributed()
+    return _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
+                        peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses,
+                        phases=phases)
+
+
+def _phase_peaks(trainer, mb: dict, steady: int, peak, sync, cuda: bool) -> dict:
+    """One more step, its two halves measured apart: forward + backward (activations, which recompute
+    shrinks) and the optimizer step (its temporaries); GiB over the steady state."""
+    import torch
+
+    from megaflow.trainer.runner import rectified_flow_loss
+
+    def over() -> float:
+        sync()
+        return (peak() - steady) / 2**30
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.optimizer.zero_grad()
+    trainer.forward_backward([mb], rectified_flow_loss)
+    fwd_bwd = over()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.optimizer.step()
+    return {"forward_backward": fwd_bwd, "optimizer_step": over()}
+
+
+def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, steady, peak, step_peak, times,
+                 losses, phases: dict) -> dict:
+    gib = 2**30
+    act_pred = plan["items"]["activations"]
+    ratio = peak / plan["train_step_bytes"]
+    ratio_act = phases["forward_backward"] * gib / act_pred  # the activations live in forward + backward only
+    finite = all(loss == loss and abs(loss) < float("inf") for loss in losses)
+    ok = finite and RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]
+    median = statistics.median(times)
+    return {
+        "status": "pass" if ok else "fail", "recompute": recompute, "spec": spec, "params": params,
+        "tokens": {"image": plan["image_tokens"], "text": plan["text_tokens"], "batch": 1},
+        "build_s": round(build_s, 2), "step_s_median": round(median, 4), "step_s_all": [round(t, 4) for t in times],
+        "losses": losses, "measured_gib": {"after_build": built / gib, "steady_before_step": steady / gib,
+                                           "peak_total": peak / gib, "step_peak_over_steady": (step_peak - steady) / gib},
+        "predicted_gib": {k: v / gib for k, v in plan["items"].items()},
+        "predicted_info_gib": {k: v / gib for k, v in plan["info"].items()},
+        "predicted_train_step_gib": plan["train_step_bytes"] / gib,
+        "ratio_peak_vs_predicted": round(ratio, 3), "ratio_activations_vs_predicted": round(ratio_act, 3),
+        "ratio_bounds": RATIO_BOUNDS, "losses_finite": finite, "phase_peak_over_steady_gib": phases,
+        "headline": f"step {median * 1000:.0f} ms, peak {peak / gib:.1f} GiB vs predicted "
+                    f"{plan['train_step_bytes'] / gib:.1f} (x{ratio:.2f}), activations x{ratio_act:.2f}",
+    }
+
+
+def step_recompute_none() -> dict:
+    """SD3.5-M train step, every block keeps its activations."""
+    return _step("none")
+
+
+def step_recompute_full() -> dict:
+    """SD3.5-M train step, every block recomputed in backward (train.recompute = full)."""
+    return _step("full")

@@ -1,0 +1,139 @@
+"""scripts/gpu_check.sh and megaflow.testing.gpu on a machine without CUDA.
+
+Needs: CPU; subprocesses (the script: ~10 s, mostly importing torch; the wheelhouse install: ~10 s, only where
+scripts/gpu_wheels.sh has built gpu_wheels/; the slow ones ~20-40 s each). Checks:
+- the script exits 0 and writes an env record plus one record per check, every check ``skipped`` with a reason
+  (CUDA hidden), and a summary table;
+- the driver's failure, skip and need logic in-process;
+- the SD3.5-M memory prediction of the step check equals ``megaflow plan``'s trainer items for that setting;
+- (slow) the bodies of the NCCL and CUDA IPC checks on CPU (gloo; shared memory to a spawned child), of the
+  parity check (megatron local spec vs diffusers) and of the step check (a tiny model of the same input shapes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaflow.testing.gpu import run
+from megaflow.testing.gpu.common import Skip
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path / "out"
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "",
+            "TMPDIR": str(tmp_path), **env}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=full, capture_output=True, text=True,
+                          timeout=300)
+    lines = (out / "gpu_check.jsonl").read_text().splitlines() if (out / "gpu_check.jsonl").is_file() else []
+    return proc, [json.loads(line) for line in lines]
+
+
+def test_script_skips_every_check_without_cuda(tmp_path):
+    proc, records = _script(tmp_path, GPU_WHEELS=str(tmp_path / "no-wheels"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env, checks = records[0], records[1:]
+    assert env["check"] == "env" and env["cuda_available"] is False and env["torch"], env
+    assert set(env["imports"]) == set(run.PROBED)
+    assert [r["check"] for r in checks] == list(run.CHECKS)
+    for r in checks:
+        assert r["status"] == "skipped" and r["reason"], r
+    summary = (tmp_path / "out" / "gpu_check_summary.txt").read_text()
+    assert all(name in summary for name in run.CHECKS)
+    assert "no wheelhouse" in (tmp_path / "out" / "install.log").read_text()
+
+
+@pytest.mark.skipif(not (REPO / "gpu_wheels").is_dir(), reason="no gpu_wheels/ (run scripts/gpu_wheels.sh)")
+def test_script_installs_the_wheelhouse(tmp_path):
+    proc, records = _script(tmp_path, GPU_CHECK_ONLY="nccl")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    site = tmp_path / "megaflow-gpu-site"
+    assert (site / "megatron" / "core").is_dir() and (site / "diffusers").is_dir() and (site / "megaflow").is_dir()
+    assert [r["check"] for r in records] == ["env", "nccl"] and records[1]["status"] == "skipped"
+
+
+def test_driver_reports_failures_and_skips(monkeypatch):
+    def boom():
+        raise RuntimeError("first line\nthe last line")
+
+    def skip():
+        raise Skip("nothing to do here")
+
+    monkeypatch.setitem(sys.modules, "fake_checks", type(sys)("fake_checks"))
+    sys.modules["fake_checks"].boom, sys.modules["fake_checks"].skip = boom, skip
+    monkeypatch.setitem(run.CHECKS, "boom", run.Check("fake_checks:boom", 5, ()))
+    monkeypatch.setitem(run.CHECKS, "skip", run.Check("fake_checks:skip", 5, ()))
+    failed = run.run_in_process("boom")
+    assert failed["status"] == "fail" and failed["error"] == "the last line", failed
+    assert run.run_in_process("skip") == {"check": "skip", "status": "skipped", "reason": "nothing to do here",
+                                          "seconds": pytest.approx(0, abs=1)}
+    env = {"torch": "2", "cuda_available": True, "imports": {"diffusers": {"ok": False, "error": "not installed"}}}
+    assert run.unmet_need(run.Check("x:y", 1, ("cuda", "diffusers")), env) == "diffusers does not import: not installed"
+    assert run.unmet_need(run.Check("x:y", 1, ("cuda",)), env) is None
+    assert "no CUDA" in run.unmet_need(run.Check("x:y", 1, ("cuda",)), {**env, "cuda_available": False})
+
+
+def test_step_prediction_is_megaflow_plans():
+    from megaflow.config import load_config
+    from megaflow.plan.memory import plan
+    from megaflow.testing.gpu import model
+
+    for recompute in ("none", "full"):
+        ours = model.predicted(recompute)
+        cfg = load_config(None, [*model.SETTING, f"train.recompute={recompute}", "model.pretrained=no-such-dir"])
+        result = plan(cfg, gpus=1, gpu_mem_gib=80)
+        (group,) = result["groups"]
+        assert (ours["image_tokens"], ours["text_tokens"]) == (result["image_tokens"], result["text_tokens"]) == (1024, 333)
+        assert {k: group.items[k] for k in ours["items"]} == ours["items"]
+        assert ours["info"] == group.info
+    assert model.predicted("full")["items"]["activations"] < model.predicted("none")["items"]["activations"]
+
+
+def _body(code: str, timeout: int = 240) -> dict:
+    """Run ``code`` (which prints one JSON record last) in a fresh interpreter; the record."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # ~20 s: a spawned child imports torch and megaflow
+def test_comm_bodies_on_cpu():
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import comm\n"
+                "if __name__ == '__main__':\n"
+                "    a = comm.collectives_and_bridge(torch.device('cpu'), 'gloo')\n"
+                "    b = comm.colocated_to_child(torch.device('cpu'))\n"
+                "    print(json.dumps({'a': a, 'b': b}))")
+    assert rec["a"]["status"] == "pass" and rec["a"]["distributed_bridge"]["buckets"] > 1, rec["a"]
+    assert rec["b"]["status"] == "pass" and rec["b"]["colocated_bridge"]["verified"], rec["b"]
+
+
+@pytest.mark.slow
+def test_parity_body_on_cpu():
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
+                "print(json.dumps(model.velocity_parity('local', torch.device('cpu')), default=str))")
+    assert rec["status"] == "pass" and rec["fp32"]["rel"] <= 1e-5 and rec["bf16"]["rel"] <= 2e-2, rec
+
+
+@pytest.mark.slow
+def test_step_body_on_cpu():
+    """The SD3.5-M step's path (bf16, distributed Adam, recompute none / full) with a 2-block, hidden-16 model of
+    the same input shapes; CPU has no CUDA memory figures, so only the run itself is checked."""
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
+                "from megaflow.plan.dit import BUILTIN\n"
+                "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
+                "            caption_projection_dim=16, dual_attention_layers=[0])\n"
+                "out = {r: model.measure_step(r, torch.device('cpu'), conf, steps=1) for r in ('none', 'full')}\n"
+                "print(json.dumps(out, default=str))")
+    for recompute, r in rec.items():
+        assert r["recompute"] == recompute and r["spec"] == "local" and r["losses_finite"], r
+        assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0], r
+        assert set(r["phase_peak_over_steady_gib"]) == {"forward_backward", "optimizer_step"}, r
+    assert rec["none"]["losses"] == rec["full"]["losses"]  # recompute changes memory, not numbers
+    assert rec["full"]["predicted_gib"]["activations"] < rec["none"]["predicted_gib"]["activations"]
