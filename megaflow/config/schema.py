@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Upper bounds of integer fields: beyond them a value is a typo, and would overflow or exhaust memory later.
+SEED_MAX = 2**32 - 1  # seeds reach torch.Generator.manual_seed as seed * 1_000_003 + ... (megaflow.seeds)
+MAX_STEPS = 1000  # denoising steps: the sigma grid and the per-step trajectories are built in memory
+MAX_SIDE = 8192  # image side in pixels
+MAX_ITERS = 100_000_000  # iteration and optimizer-step counts
+
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
     """A dataclass field with a help string and optional checks (ge, gt, le, lt, choices; ``items``: the
@@ -24,13 +30,13 @@ def opt(default: Any, help: str, **checks: Any) -> Any:
 class RunConfig:
     name: str = opt("megaflow", "Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = opt("runs", "Parent directory for run directories (resolved config, checkpoints, metrics).")
-    seed: int = opt(1234, "Global seed (model init, noise, prompt order).", ge=0)
+    seed: int = opt(1234, "Global seed (model init, noise, prompt order).", ge=0, le=SEED_MAX)
     device: str = opt("auto", "Compute device of the trainer and the engines: auto (cuda if present, else cpu), cpu "
                       "(CUDA hidden from the run, even on a GPU machine) or cuda (error without a device). Applied "
                       "by the megaflow commands (train, demo, pretrain, bench learn).",
                       choices=("auto", "cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads of the trainer processes (1 is fastest on small shared CPUs "
-                           "when several processes compute at once).", ge=1)
+                           "when several processes compute at once).", ge=1, le=1024)
 
 
 @dataclass(kw_only=True)
@@ -49,7 +55,7 @@ class LoRAConfig:
     rank: int = opt(0, "LoRA rank r; 0 = full-parameter training (every weight trains, a frozen second model "
                     "is the KL reference). r > 0: every DiT weight is frozen and rank-r adapters on the targeted "
                     "linears of both streams train; the KL reference is the same model with the adapters off, "
-                    "and the weight sync moves only the adapters (SGLang merges them into its base).", ge=0)
+                    "and the weight sync moves only the adapters (SGLang merges them into its base).", ge=0, le=4096)
     alpha: float = opt(64.0, "LoRA alpha: the adapter's output is scaled by alpha / rank.", gt=0.0)
     targets: list = opt(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
                         "Adapted linears, in both streams: linear_qkv (q, k, v), linear_proj (attention output), "
@@ -69,11 +75,11 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    tp: int = opt(1, "Tensor-parallel degree.", ge=1)
-    pp: int = opt(1, "Pipeline-parallel degree.", ge=1)
-    cp: int = opt(1, "Context-parallel degree.", ge=1)
+    tp: int = opt(1, "Tensor-parallel degree.", ge=1, le=1024)
+    pp: int = opt(1, "Pipeline-parallel degree.", ge=1, le=1024)
+    cp: int = opt(1, "Context-parallel degree.", ge=1, le=1024)
     sp: bool = opt(False, "Sequence parallelism (requires tp > 1).")
-    vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0)
+    vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0, le=64)
     timeout_s: float = opt(1800.0, "Timeout in seconds of every collective: the default process group "
                            "(init_process_group) and the rollout and weight-sync groups megaflow creates. Ranks "
                            "waiting for other hosts' rollouts wait on the gloo rollout group under it, so it must "
@@ -85,7 +91,7 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     num_engines: int = opt(1, "SGLang diffusion engines per engine host (rollout.engine_hosts), run as "
-                           "data-parallel replicas.", ge=1)
+                           "data-parallel replicas.", ge=1, le=64)
     placement: str = opt("colocated", "Where engines run. colocated: every launched rank trains and "
                          "rollout.engine_hosts picks which trainer ranks also host engines (sharing their GPU). "
                          "disaggregated: the last rollout.engine_ranks launched ranks only sample and score (each "
@@ -94,18 +100,18 @@ class RolloutConfig:
                          choices=("colocated", "disaggregated"))
     engine_ranks: int = opt(0, "With placement = disaggregated: how many launched ranks (the last ones, e.g. "
                             "the whole last node) only sample; must leave at least one trainer rank. 0 with "
-                            "colocated.", ge=0)
+                            "colocated.", ge=0, le=4096)
     engine_hosts: str = opt("rank0", "With placement = colocated: which ranks start engines, each pinned to the "
                             "rank's local GPU (on CPU nothing is pinned): rank0 (global rank 0 only), node (local "
                             "rank 0 of every node) or rank (every rank). With either placement, prompt groups are "
                             "split over the hosts (seeded, group-atomic, fewest samples per engine first); each "
                             "host samples and scores its share and every rank receives every trajectory and "
                             "reward as tensors.", choices=("rank0", "node", "rank"))
-    group_size: int = opt(4, "Samples per prompt (the GRPO group); one request per group.", ge=2)
-    prompts_per_iter: int = opt(4, "Prompt groups sampled per training iteration.", ge=1)
-    num_steps: int = opt(10, "Denoising steps per rollout.", ge=1)
-    height: int = opt(64, "Image height in pixels.", ge=8)
-    width: int = opt(64, "Image width in pixels.", ge=8)
+    group_size: int = opt(4, "Samples per prompt (the GRPO group); one request per group.", ge=2, le=1024)
+    prompts_per_iter: int = opt(4, "Prompt groups sampled per training iteration.", ge=1, le=4096)
+    num_steps: int = opt(10, "Denoising steps per rollout.", ge=1, le=MAX_STEPS)
+    height: int = opt(64, "Image height in pixels.", ge=8, le=MAX_SIDE)
+    width: int = opt(64, "Image width in pixels.", ge=8, le=MAX_SIDE)
     guidance_scale: float = opt(1.0, "Guidance scale of every rollout request. SD3: classifier-free guidance, "
                                 "on when > 1.0 (two DiT branches). FLUX.1: the embedded guidance the DiT takes "
                                 "as an input (models with guidance_embeds), never CFG.", ge=1.0)
@@ -115,20 +121,21 @@ class RolloutConfig:
     sde_window_size: int = opt(0, "FlowGRPO-Fast: > 0 draws a fresh window of this many consecutive SDE steps every "
                                "iteration (seeded by run.seed and the iteration; start uniform in sde_window_range); "
                                "the engine samples SDE only there, ODE elsewhere, and only window steps are trained. "
-                               "0 = off. Excludes sde_window.", ge=0)
+                               "0 = off. Excludes sde_window.", ge=0, le=MAX_STEPS)
     sde_window_range: list = opt([], "FlowGRPO-Fast: [lo, hi], the window lies inside steps lo .. hi-1 "
                                  "(0 <= lo < hi <= num_steps); empty = [0, num_steps].", items=int)
     log_prob_no_const: bool = opt(False, "Use -mean((x'-mu)^2) log-probs (required with CPS).")
     max_sequence_length: int = opt(0, "Prompt length in tokens for every text encoder (SGLang pads each to it); "
-                                   "0 = what the pipeline declares in its megaflow.json, else the engine default.", ge=0)
+                                   "0 = what the pipeline declares in its megaflow.json, else the engine default.",
+                                   ge=0, le=4096)
     max_batch_outputs: int = opt(16, "Engine batching: most samples merged into one denoising call (a group "
-                                 "larger than this still runs whole).", ge=1)
+                                 "larger than this still runs whole).", ge=1, le=4096)
     batch_window_ms: float = opt(5.0, "Engine batching: wait this long for more requests to merge.", ge=0.0)
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
     engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
                               "loop is synchronous, so on a CPU the engines and the trainer may each use every "
-                              "core.", ge=0)
+                              "core.", ge=0, le=1024)
 
 
 @dataclass(kw_only=True)
@@ -140,7 +147,7 @@ class AlgoConfig:
     nft_beta: float = opt(1.0, "nft: beta, how far the implicit policies b*v + (1-b)*v_old and (1+b)*v_old - b*v "
                           "reach from the sampling policy.", gt=0.0)
     nft_num_timesteps: int = opt(4, "nft: timesteps of the sampler's grid trained per sample (drawn without "
-                                 "replacement, fresh noise each).", ge=1)
+                                 "replacement, fresh noise each).", ge=1, le=MAX_STEPS)
     old_decay_rate: float = opt(0.0, "nft: the sampling policy theta_old <- d*theta_old + (1-d)*theta after every "
                                 "iteration, with d = min(old_decay_rate * iteration, old_decay_max); 0 keeps "
                                 "theta_old = theta (on-policy).", ge=0.0)
@@ -168,31 +175,34 @@ class AlgoConfig:
 class RewardConfig:
     weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
     kwargs: dict = opt({}, "Reward name -> constructor arguments, e.g. {color_target = {target = \"red\"}}.")
-    num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1)
+    num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1, le=256)
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    iterations: int = opt(10, "RL iterations (rollout -> reward -> train -> sync).", ge=1)
+    iterations: int = opt(10, "RL iterations (rollout -> reward -> train -> sync).", ge=1, le=MAX_ITERS)
     lr: float = opt(3e-4, "AdamW learning rate.", gt=0.0)
     weight_decay: float = opt(1e-4, "AdamW weight decay.", ge=0.0)
     grad_clip: float = opt(1.0, "Global grad-norm clip (0 = off).", ge=0.0)
-    micro_batch_size: int = opt(4, "Samples per micro-batch in the trainer.", ge=1)
+    micro_batch_size: int = opt(4, "Samples per micro-batch in the trainer.", ge=1, le=4096)
     num_inner_epochs: int = opt(1, "Passes over each rollout batch (flow_grpo train.num_inner_epochs); kept samples "
-                                "are reshuffled each pass (seeded by run.seed and the iteration).", ge=1)
+                                "are reshuffled each pass (seeded by run.seed and the iteration).", ge=1, le=1000)
     num_minibatches: int = opt(1, "Optimizer steps per pass: kept samples are split into this many minibatches "
                                "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
-                               "sampling policy, so from the second step on the clip acts on a stale policy.", ge=1)
+                               "sampling policy, so from the second step on the clip acts on a stale policy.",
+                               ge=1, le=4096)
     warmup_iterations: int = opt(0, "Linear learning-rate warm-up over the first N iterations (a fresh Adam's first "
-                                 "steps are its largest relative to the gradient's signal).", ge=0)
+                                 "steps are its largest relative to the gradient's signal).", ge=0, le=MAX_ITERS)
     lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (down to 0 at the last "
                            "iteration).", choices=("constant", "cosine"))
     ema_decay: float = opt(0.0, "EMA of the trained weights, blended after every optimizer step with decay "
                            "min(ema_decay, (1 + n) / (10 + n)) (n = steps so far); evaluation (megaflow demo's after), "
                            "and megaflow export use it. It lives in checkpoints. 0 = off.", ge=0.0, lt=1.0)
     save_every: int = opt(0, "Checkpoint (model, optimizer, RNGs, prompt position, metrics) every N iterations, "
-                          "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.", ge=0)
-    keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.", ge=1)
+                          "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.",
+                          ge=0, le=MAX_ITERS)
+    keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.",
+                                ge=1, le=1000)
     recompute: str = opt("none", "Activation recompute of the megatron DiT blocks (train, pretrain): none (each block's internal "
                          "activations are kept for backward) or full (a block keeps only its inputs in the forward "
                          "and runs its forward again during backward, through megatron's tensor_parallel.checkpoint: "
@@ -201,7 +211,7 @@ class TrainConfig:
                          "model, old log-probs) are unaffected.", choices=("none", "full"))
     recompute_num_layers: int = opt(0, "With recompute = full: 0 = every block; N > 0 = only the first N blocks of each "
                                     "pipeline chunk (megatron's 'block' method), the others keep their activations.",
-                                    ge=0)
+                                    ge=0, le=1000)
 
 
 @dataclass(kw_only=True)
@@ -228,21 +238,23 @@ class LoggingConfig:
     entity: str = opt("", "W&B entity (team or user) of the run; empty = wandb's default entity.")
     tags: list = opt([], "W&B tags of the run, e.g. [\"sd3\", \"nft\"].", items=str)
     log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
-                         "(and at the last).", ge=1)
+                         "(and at the last).", ge=1, le=MAX_ITERS)
     sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "
-                            "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.", ge=0)
+                            "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.",
+                            ge=0, le=MAX_ITERS)
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
     """ShapeEval of the model before and after training (``megaflow demo``)."""
 
-    num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.", ge=1)
-    num_seen: int = opt(60, "Prompts of the categories too small to split, reported apart as seen.", ge=0)
+    num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.",
+                   ge=1, le=100_000)
+    num_seen: int = opt(60, "Prompts of the categories too small to split, reported apart as seen.", ge=0, le=100_000)
     num_train: int = opt(300, "TRAIN prompts of the held-out categories, one fixed-seed sample each (how the model "
-                         "does on prompts it trains on, beside the held-out number); 0 = skip.", ge=0)
-    seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0)
-    num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0)
+                         "does on prompts it trains on, beside the held-out number); 0 = skip.", ge=0, le=100_000)
+    seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0, le=SEED_MAX)
+    num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0, le=MAX_STEPS)
 
 
 @dataclass(kw_only=True)
@@ -253,25 +265,27 @@ class PretrainConfig:
                          "text/VAE phases are skipped and the DiT size fields are taken from it); empty = from scratch.")
     resolution: int = opt(32, "Image side in pixels (latents are resolution/2 with the trained VAE).",
                           choices=(32, 64))
-    num_layers: int = opt(5, "DiT (SD3 MMDiT) blocks.", ge=1)
-    num_heads: int = opt(4, "DiT attention heads.", ge=1)
-    head_dim: int = opt(32, "DiT attention head width (hidden = num_heads * head_dim).", ge=8)
-    text_steps: int = opt(300, "Optimizer steps of the CLIP scene-parsing objective (megaflow.pretrain.text).", ge=0)
-    vae_steps: int = opt(500, "Optimizer steps of the VAE autoencoder training.", ge=1)
-    num_images: int = opt(40000, "Ground-truth renders pre-encoded once (the training pool).", ge=64)
-    batch_size: int = opt(64, "Images per optimizer step (global, split over data-parallel ranks).", ge=1)
+    num_layers: int = opt(5, "DiT (SD3 MMDiT) blocks.", ge=1, le=256)
+    num_heads: int = opt(4, "DiT attention heads.", ge=1, le=256)
+    head_dim: int = opt(32, "DiT attention head width (hidden = num_heads * head_dim).", ge=8, le=1024)
+    text_steps: int = opt(300, "Optimizer steps of the CLIP scene-parsing objective (megaflow.pretrain.text).",
+                          ge=0, le=MAX_ITERS)
+    vae_steps: int = opt(500, "Optimizer steps of the VAE autoencoder training.", ge=1, le=MAX_ITERS)
+    num_images: int = opt(40000, "Ground-truth renders pre-encoded once (the training pool).", ge=64, le=1_000_000)
+    batch_size: int = opt(64, "Images per optimizer step (global, split over data-parallel ranks).", ge=1, le=65536)
     lr: float = opt(1e-3, "AdamW learning rate (linear warm-up, then constant).", gt=0.0)
-    warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.", ge=0)
+    warmup_steps: int = opt(200, "Linear learning-rate warm-up steps.", ge=0, le=MAX_ITERS)
     lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (from lr down to 0 at "
                            "max_steps, so set max_steps to the planned length).", choices=("constant", "cosine"))
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0.0)
     ema_decay: float = opt(0.999, "EMA of the weights; evaluation and the saved pipeline use the EMA.", ge=0.0, lt=1.0)
     prompt_dropout: float = opt(0.1, "Share of images trained with the empty prompt (enables CFG).", ge=0.0, lt=1.0)
     minutes: float = opt(60.0, "Wall-clock budget of the DiT phase (stops at minutes or max_steps).", gt=0.0)
-    max_steps: int = opt(1_000_000, "Most DiT optimizer steps.", ge=1)
-    eval_every: int = opt(500, "Evaluate on held-out prompts and save the pipeline every N steps.", ge=1)
-    eval_prompts: int = opt(100, "Held-out prompts sampled per evaluation (balanced over held-out categories).", ge=1)
-    sample_steps: int = opt(10, "Deterministic (ODE) sampling steps in evaluations.", ge=1)
+    max_steps: int = opt(1_000_000, "Most DiT optimizer steps.", ge=1, le=MAX_ITERS)
+    eval_every: int = opt(500, "Evaluate on held-out prompts and save the pipeline every N steps.", ge=1, le=MAX_ITERS)
+    eval_prompts: int = opt(100, "Held-out prompts sampled per evaluation (balanced over held-out categories).",
+                            ge=1, le=100_000)
+    sample_steps: int = opt(10, "Deterministic (ODE) sampling steps in evaluations.", ge=1, le=MAX_STEPS)
 
 
 @dataclass(kw_only=True)
