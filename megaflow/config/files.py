@@ -3,7 +3,8 @@
 Each check raises :class:`~megaflow.config.load.ConfigError` with ONE line naming the file and what is
 wrong, so a broken input stops a command before any heavy import or any engine starts:
 
-* ``check_text_file``: a prompt file that is missing, not a file, empty, binary (NUL bytes) or not UTF-8;
+* ``check_text_file``: a prompt file that is missing, not a file, empty, binary (NUL bytes), not UTF-8, larger
+  than ``MAX_TEXT_BYTES`` or with a line longer than ``max_line`` characters;
 * ``check_safetensors``: the 8-byte header length, the JSON header, every tensor's byte range against its
   dtype and shape, and the data offsets against the file size (a truncated or padded file);
 * ``check_weights_dir``: a diffusers model folder's safetensors (a single file, or the shards an
@@ -24,16 +25,22 @@ from megaflow.config.load import ConfigError
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
 _MAX_HEADER = 100_000_000  # the safetensors library's own limit
+MAX_TEXT_BYTES = 64 << 20  # a prompt file larger than this is refused before it is read
 CKPT_META = "megaflow_model.json"  # megaflow.trainer.checkpoint.META_FILE (a test keeps them equal)
 
 
-def check_text_file(path: str | Path, key: str) -> list[str]:
-    """The non-blank lines of a UTF-8 text file; ConfigError (``key: path: why``) when it has none."""
+def check_text_file(path: str | Path, key: str, *, max_line: int | None = None) -> list[str]:
+    """The non-blank lines of a UTF-8 text file; ConfigError (``key: path: why``) when it has none, is over
+    ``MAX_TEXT_BYTES`` or (``max_line``) has a line longer than ``max_line`` characters."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{key}: no such file {path}")
     if not path.is_file():
         raise ConfigError(f"{key}: {path} is not a file")
+    size = path.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise ConfigError(f"{key}: {path} is {size / 2**20:.0f} MiB, larger than the {MAX_TEXT_BYTES >> 20} MiB "
+                          "a prompt file may be")
     data = path.read_bytes()
     if b"\0" in data:
         raise ConfigError(f"{key}: {path} is a binary file (NUL bytes), expected text, one prompt a line")
@@ -41,6 +48,11 @@ def check_text_file(path: str | Path, key: str) -> list[str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{key}: {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    if max_line is not None:
+        for n, line in enumerate(text.splitlines(), 1):
+            if len(line.strip()) > max_line:
+                raise ConfigError(f"{key}: {path} line {n}: {len(line.strip())} characters, longer than the "
+                                  f"{max_line} a prompt may have")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         raise ConfigError(f"{key}: {path} is empty (no non-blank line)")

@@ -31,7 +31,7 @@ from pathlib import Path
 from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.schema import MegaflowConfig
-from megaflow.data.prompts import read_jsonl_prompts
+from megaflow.data.prompts import MAX_PROMPT_CHARS, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
@@ -177,8 +177,9 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
             raise ConfigError(f"data.shapes_categories = {d.shapes_categories} is only read with "
                               f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
         if files:
-            check_text_file(d.prompts, "data.prompts")
-            if Path(d.prompts).suffix == ".jsonl":
+            jsonl = Path(d.prompts).suffix == ".jsonl"  # a line holds the prompt and its metadata
+            check_text_file(d.prompts, "data.prompts", max_line=None if jsonl else MAX_PROMPT_CHARS)
+            if jsonl:
                 try:
                     read_jsonl_prompts(d.prompts)
                 except ValueError as e:

@@ -69,7 +69,8 @@ class LoRAConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts), a text file (one prompt a line) "
-                       "or a .jsonl file (one object a line: 'prompt' plus fields the rewards get as metadata).")
+                       "or a .jsonl file (one object a line: 'prompt' plus fields the rewards get as metadata); "
+                       "at most 2000 characters a prompt and 64 MiB a file.")
     shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).", items=str)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 SHAPES = "shapes"
 SHAPES_POOL = 512  # training prompts drawn from the ShapeEval grammar
+MAX_PROMPT_CHARS = 2000  # a longer prompt is a mistake (text encoders read 77 to 512 tokens)
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,9 @@ def prompt_and_metadata(item: str | PromptRecord) -> tuple[str, dict]:
 
 
 def read_jsonl_prompts(path: str | Path) -> list[PromptRecord]:
-    """The records of a ``.jsonl`` prompt file: one JSON object a line with a non-empty string ``"prompt"``
-    (blank lines skipped); ValueError naming the file and line of the first bad one."""
+    """The records of a ``.jsonl`` prompt file: one JSON object a line with a non-empty string ``"prompt"`` of
+    at most ``MAX_PROMPT_CHARS`` characters (blank lines skipped); ValueError naming the file and line of the
+    first bad one."""
     path, records = Path(path), []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -44,6 +46,9 @@ def read_jsonl_prompts(path: str | Path) -> list[PromptRecord]:
         prompt = obj.pop("prompt", None)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"data.prompts: {path} line {n}: needs a non-empty string 'prompt'")
+        if len(prompt.strip()) > MAX_PROMPT_CHARS:
+            raise ValueError(f"data.prompts: {path} line {n}: a prompt of {len(prompt.strip())} characters, longer "
+                             f"than the {MAX_PROMPT_CHARS} a prompt may have")
         records.append(PromptRecord(prompt.strip(), obj))
     return records
 

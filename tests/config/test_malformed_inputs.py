@@ -95,10 +95,14 @@ def _cfg(tmp: Path, text: str) -> Path:
     return tmp / "run.toml"
 
 
-def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str = "prompts.txt") -> list[str]:
+def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str = "prompts.txt",
+             size: int = 0) -> list[str]:
     path = tmp / name
     if as_dir:
         path.mkdir()
+    elif size:  # a sparse file: no disk written, no memory used
+        with open(path, "wb") as fh:
+            fh.truncate(size)
     elif data is not None:
         path.write_bytes(data)
     return ["--set", f'data.prompts="{path}"']
@@ -216,6 +220,11 @@ CASES = {
     "prompts blank": (lambda t: [*TRAIN, *_prompts(t, b"\n  \n\t\n")], "prompts.txt is empty"),
     "prompts binary": (lambda t: [*SHOW, *_prompts(t, b"a red circle\n\x00\x01\x02")], "prompts.txt is a binary file"),
     "prompts latin-1": (lambda t: [*TRAIN, *_prompts(t, "a caf\xe9 circle\n".encode("latin-1"))], "prompts.txt is not UTF-8"),
+    "prompts 10 MB on one line": (lambda t: [*TRAIN, *_prompts(t, b"a red circle " * 769_231)],
+                                  "prompts.txt line 1: 10000002 characters, longer than the 2000"),
+    "prompts jsonl prompt too long": (lambda t: [*TRAIN, *_prompts(t, b'{"prompt": "%s"}\n' % (b"x" * 2001),
+                                                                   name="p.jsonl")], "p.jsonl line 1: a prompt of 2001"),
+    "prompts over 64 MiB": (lambda t: [*SHOW, *_prompts(t, None, size=65 << 20)], "prompts.txt is 65 MiB, larger than"),
     "prompts jsonl not JSON": (lambda t: [*TRAIN, *_prompts(t, b'{"prompt": "a"}\n{oops\n', name="p.jsonl")],
                                "p.jsonl line 2: not JSON"),
     "prompts jsonl no prompt": (lambda t: [*TRAIN, *_prompts(t, b'{"text": "OPEN"}\n', name="p.jsonl")],
