@@ -59,10 +59,11 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megaflow.plan.memory import format_plan, plan
+    from megaflow.plan.memory import check_plan_args, format_plan, plan
+    given = check_plan_args(args.gpus, args.gpu_mem_gb)
     cfg = preflight(load_config(args.config, args.overrides), "show", files=False)
     p = cfg.parallel
-    gpus = args.gpus or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    gpus = given or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
     print(format_plan(plan(cfg, gpus=gpus, gpu_mem_gib=args.gpu_mem_gb)))
     return 0
 

@@ -15,9 +15,11 @@ in tests/plan/test_plan.py and the README.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaflow.config.load import ConfigError
 from megaflow.config.schema import MegaflowConfig
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
@@ -176,6 +178,20 @@ def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image:
         "engine sampling activations": batch * (image + text) * d.hidden * eb * INFERENCE_LIVE,
         "engine VAE decode": r.max_batch_outputs * r.height * r.width * VAE_DECODE_PER_PIXEL * eb,
     }
+
+
+MAX_GPUS = 100_000  # --gpus beyond this is a typo (the plan walks every rank)
+
+
+def check_plan_args(gpus: int, gpu_mem_gib: float) -> int:
+    """``--gpus`` (0: not given) and ``--gpu-mem-gb`` of ``megaflow plan``; ConfigError naming the flag when
+    either is out of range. Returns ``gpus``."""
+    if not 0 <= gpus <= MAX_GPUS:
+        raise ConfigError(f"--gpus {gpus}: must be a GPU count from 1 to {MAX_GPUS} (omitted: WORLD_SIZE if set, "
+                          "else parallel.tp * pp * cp)")
+    if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
+        raise ConfigError(f"--gpu-mem-gb {gpu_mem_gib}: must be a positive, finite memory per GPU in GiB")
+    return gpus
 
 
 def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
