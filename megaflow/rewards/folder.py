@@ -14,12 +14,15 @@ from PIL import Image
 from megaflow.config.manifest import ImageEntry
 from megaflow.rewards.base import safe_score
 from megaflow.rewards.registry import build_reward
+from megaflow.shapeeval.score import open_image
 
 
 def _open(entry: ImageEntry, *, decode: bool = True) -> Image.Image | None:
-    """The image as RGB (``decode``), or only its header checked; ValueError naming an unreadable file."""
+    """The image as RGB (``decode``), or only its header checked; ValueError naming an unreadable file or
+    one larger than ShapeEval's MAX_PIXELS (refused from its header)."""
+    lazy = open_image(entry.path)
     try:
-        with Image.open(entry.path) as im:
+        with lazy as im:
             return im.convert("RGB") if decode else None
     except OSError as e:
         raise ValueError(f"cannot read image {entry.path}: {e}") from None

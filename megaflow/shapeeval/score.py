@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +74,34 @@ def list_images(images_dir: Path) -> list[tuple[Path, str]]:
 
 
 MAX_SIDE = 256  # larger images are box-downscaled first (the checker needs no more; 4000 px took 115 s)
+MAX_PIXELS = 8192 * 8192  # larger images are refused from their header, before decoding (PIL warns from 89 M)
+
+
+def open_image(path: Path) -> Image.Image:
+    """The image opened lazily (only its header read); ValueError naming the file when it is not an image or
+    has more than MAX_PIXELS pixels (checked before anything is decoded)."""
+    too_big = f"cannot read image {path}: more than {MAX_PIXELS} pixels (8192 x 8192), refused before decoding"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ValueError(too_big) from None
+    except OSError as e:
+        raise ValueError(f"cannot read image {path}: {e}") from None
+    if im.width * im.height > MAX_PIXELS:
+        im.close()
+        raise ValueError(f"{too_big} ({im.width} x {im.height})")
+    return im
 
 
 def load_image(path: Path) -> np.ndarray:
     """uint8 [H, W, 3]; transparency is composited onto the white background (a fully transparent
     image is blank, not whatever its hidden RGB says); images larger than MAX_SIDE are box-downscaled.
-    ValueError naming the file when it cannot be read."""
+    ValueError naming the file when it cannot be read or is larger than MAX_PIXELS (``open_image``)."""
+    lazy = open_image(path)
     try:
-        with Image.open(path) as im:
+        with lazy as im:
             im.load()
             if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
                 rgba = im.convert("RGBA")

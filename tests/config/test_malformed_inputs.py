@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,15 @@ def _transformer(tmp: Path, damage=None, *, shards: int = 0) -> Path:
     if damage:
         damage(t)
     return t
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that claims width x height RGB pixels and holds none (signature, IHDR, IEND): what a reader sees
+    before it decodes anything."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
 def _images(tmp: Path, files: dict[str, bytes]) -> list[str]:
@@ -260,6 +270,10 @@ CASES = {
     "images: missing dir": (lambda t: ["eval", "shapes", "--images", str(t / "nope")], "images dir does not exist"),
     "images: empty dir": (lambda t: _images(t, {}), "no images"),
     "images: not an image": (lambda t: _images(t, {"a_red_circle.png": b"this is text"}), "cannot read image"),
+    "images: 20000 x 20000 png": (lambda t: _images(t, {"a_red_circle.png": png_header(20000, 20000)}),
+                                  "more than 67108864 pixels (8192 x 8192), refused before decoding"),
+    "images: 9000 x 9000 png": (lambda t: _images(t, {"a_red_circle.png": png_header(9000, 9000)}),
+                                "refused before decoding (9000 x 9000)"),
     "images: manifest not UTF-8": (lambda t: _images(t, {"manifest.jsonl": b"\xff\xfe{}"}), "manifest.jsonl is not UTF-8"),
     # image folders (megaflow eval reward --images)
     "reward: missing dir": (lambda t: ["eval", "reward", "--reward", "ocr", "--images", str(t / "nope")], "nope: no such directory"),

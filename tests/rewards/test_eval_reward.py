@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,22 @@ def test_eval_reward_unreadable_image_is_one_line(tmp_path):
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr[-2000:])
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "cannot read image" in lines[0] and "bad.png" in lines[0], r.stderr[-2000:]
+
+
+def test_eval_reward_huge_image_refused_from_its_header(tmp_path):
+    """A file whose PNG header claims 20000 x 20000 pixels is refused before anything is decoded: exit 2, one
+    line naming it (the file holds no pixel data, so the test stays small)."""
+    ihdr = b"IHDR" + (20000).to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    iend = b"IEND"
+    png = b"\x89PNG\r\n\x1a\n" + b"".join(len(c[4:]).to_bytes(4, "big") + c + zlib.crc32(c).to_bytes(4, "big")
+                                          for c in (ihdr, iend))
+    d = tmp_path / "imgs"
+    d.mkdir()
+    Image.new("RGB", (8, 8)).save(d / "ok.png")
+    (d / "huge.png").write_bytes(png)
+    (d / "manifest.jsonl").write_text("".join(json.dumps({"file": f, "prompt": 'say "A"'}) + "\n"
+                                              for f in ("ok.png", "huge.png")))
+    r = _cli("eval", "reward", "--reward", "jpeg_compressibility", "--images", str(d))
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr[-2000:])
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "huge.png: more than 67108864 pixels" in lines[0], r.stderr[-2000:]
