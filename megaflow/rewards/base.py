@@ -21,6 +21,13 @@ import torch
 from PIL import Image
 
 logger = logging.getLogger("megaflow.rewards")
+_LAST_FAILURE: dict[str, str] = {}  # reward name -> why it last masked a sample in this process
+
+
+def last_failure(name: str) -> str | None:
+    """Why reward ``name`` last masked a sample in this process (``TypeError: ...``, ``returned non-finite
+    values``), or None when it never did here: the loop's one-line stop of a useless run names it."""
+    return _LAST_FAILURE.get(name)
 
 ImageBatch = torch.Tensor | np.ndarray | Sequence[Image.Image]
 
@@ -144,8 +151,11 @@ def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata
                 logger.warning("reward %s masked sample %d (prompt %r): %s: %s",
                                name, i, prompts[i], type(e_i).__name__, e_i)
         info = _mean_info(infos)
+        if raised:
+            _LAST_FAILURE[name] = f"{type(e).__name__}: {e}"
     bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in raised]
     if bad:
         logger.warning("reward %s returned non-finite values for samples %s: masked", name, bad)
         scores[bad] = float("nan")
+        _LAST_FAILURE[name] = "returned non-finite values (NaN or inf)"
     return scores, info

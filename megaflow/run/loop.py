@@ -27,6 +27,7 @@ from megaflow.run.build import Run, build_run, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
 from megaflow.run.flowgrpo import batch_advantages
 from megaflow.run.interrupt import Interrupted, StopRequests
+from megaflow.run.masked import MaskedWatch, UselessRun
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
 from megaflow.trainer.settings import scheduled_lr, set_lr
 
@@ -85,12 +86,13 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         run.history.append({"iteration": 0, **initial_sync})
         if evaluate is not None and driver:
             evaluate(run.sampler, "before")  # every weight set is the initial one here
+    watch = MaskedWatch(cfg.train.max_masked_iterations)
     for it in range(run.start + 1, cfg.train.iterations + 1):
-        metrics, images, captions = iteration(run, it)
-        signum = stop.agreed()
+        metrics, images, captions = iteration(run, it, watch)
+        signum, useless = stop.agreed(), watch.verdict(it)
         last = it == cfg.train.iterations
         run.history.append({"iteration": it, **metrics})
-        if last or signum or (cfg.train.save_every and it % cfg.train.save_every == 0):
+        if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
             metrics["checkpoint/write_s"] = save(run, it)
         run.reporter.iteration(it, metrics, images=images, captions=captions)
         if claim is not None and claim.owned is not None:
@@ -99,6 +101,9 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
             interrupted = (signum, it, str(checkpoint_dir(run.run_dir, it)))
             run.rollout.release(interrupted)
             raise Interrupted(*interrupted)
+        if useless:
+            run.rollout.release()
+            raise UselessRun(f"{useless}; checkpoint {checkpoint_dir(run.run_dir, it)}")
         if evaluate is not None and not last and evaluate_every and it % evaluate_every == 0:
             evaluate_weights(run, evaluate, it)
     if evaluate is not None:
@@ -129,12 +134,14 @@ def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
             sync_weights(run.trainer, run.sync)
 
 
-def iteration(run: Run, it: int) -> tuple[dict, list, list[str]]:
-    """One iteration on this rank: collect the scored batch, advantages, the algorithm's update, the weight
-    sync; (its metrics, its images, a caption per image: prompt and total reward)."""
+def iteration(run: Run, it: int, watch: MaskedWatch | None = None) -> tuple[dict, list, list[str]]:
+    """One iteration on this rank: collect the scored batch (shown to ``watch``), advantages, the algorithm's
+    update, the weight sync; (its metrics, its images, a caption per image: prompt and total reward)."""
     cfg = run.cfg
     t0 = time.perf_counter()
     trajs, scores, timings = run.rollout.collect(run.algorithm.requests(run.prompts, it), it)
+    if watch is not None:
+        watch.see(scores)
     captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(trajs, scores.total.tolist())]
     trajs, advantages, keep, roll_metrics = batch_advantages(trajs, scores, timings, cfg)
     faults.check("rollout", it)
