@@ -17,6 +17,7 @@ from pathlib import Path
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
+MODEL_META = "megaflow_model.json"  # family + diffusers config, in MODEL_DIR (megaflow.trainer.checkpoint.META_FILE)
 _NAME = re.compile(r"^iter_(\d{6,})$")
 
 

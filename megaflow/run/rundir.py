@@ -8,23 +8,31 @@
   a larger ``train.iterations``. A run dir without checkpoints (a run killed before its first save)
   starts over.
 - Resuming needs the same config as the checkpointed run, except ``train.iterations`` and logging.
-- A run that fails before its first iteration completes leaves nothing behind (if it created the dir).
+- A run that fails before its first iteration completes leaves nothing behind: the dir if it created it, else
+  the ``config.toml`` it found (put back byte for byte, or removed) and the lock file it made.
+- The run dir is ``<run.output_dir>/<run.name>`` itself: a symlink resolving outside ``run.output_dir`` is
+  refused, as is a dangling one. OS errors (``run.output_dir`` a file, not writable, a name too long for the
+  file system) are one line naming the path and the OS's reason, never a traceback.
 
 The checks are made twice by one set of functions: by the CLI before anything heavy is imported
 (:func:`check_run_dir`, nothing created or locked) and again by rank 0's claim under the lock (:class:`RunDir`).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import shutil
+import stat
 import tomllib
 from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
-from megaflow.run.checkpoints import list_checkpoints
+from megaflow.run.checkpoints import MODEL_DIR, MODEL_META, STATE_FILE, list_checkpoints
 
 LOCK_FILE = ".lock"
+CONFIG_FILE = "config.toml"
 # Sections and keys a resumed run may change: how long it runs and what it prints.
 _RESUMABLE_CHANGES = {("train", "iterations"), ("train", "save_every"), ("train", "keep_checkpoints")}
 _RESUMABLE_SECTIONS = {"logging"}
@@ -39,12 +47,18 @@ class RunDir:
         self.resume_from: Path | None = None
         self.resume_iteration = 0
         self._lock_fh = None
-        if not _check_path(self.path, resume=resume):
-            self.path.mkdir(parents=True)
-            self.created = True
-        self._lock()
+        self._undo = True  # until the first iteration is done a failure puts back what the claim found
+        with _os_errors(self.path):
+            if not _check_path(self.path, resume=resume):
+                self.path.mkdir(parents=True)
+                self.created = True
+            self._made_lock = not os.path.lexists(self.path / LOCK_FILE)
+            self._config_before = _read_bytes(self.path / CONFIG_FILE)
+            self._lock()
         try:
-            self._check_history(cfg, resume=resume)
+            with _os_errors(self.path):
+                self._check_history(cfg, resume=resume)
+                self._write_pid()
         except BaseException:
             self.release(failed=True)
             raise
@@ -56,11 +70,14 @@ class RunDir:
         except ValueError:
             fh.close()
             raise
+        self._lock_fh = fh
+
+    def _write_pid(self) -> None:
+        fh = self._lock_fh
         fh.seek(0)
         fh.truncate()
         fh.write(f"{os.getpid()}\n")
         fh.flush()
-        self._lock_fh = fh
 
     def _check_history(self, cfg: MegaflowConfig, *, resume: bool) -> None:
         found = _resumable(self.path, cfg, resume=resume)
@@ -68,7 +85,13 @@ class RunDir:
             self.resume_iteration, self.resume_from = found
 
     def release(self, *, failed: bool) -> None:
-        """Unlock; a run that ``failed`` before its first iteration removes the dir it created."""
+        """Unlock; a run that ``failed`` before its first iteration removes the dir it created, or else puts
+        back the ``config.toml`` it found and removes the lock file it made."""
+        if failed and self._undo and not self.created:
+            _put_back(self.path / CONFIG_FILE, self._config_before)
+            if self._made_lock:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path / LOCK_FILE)
         if self._lock_fh is not None:
             self._lock_fh.close()
             self._lock_fh = None
@@ -78,6 +101,7 @@ class RunDir:
     def first_iteration_done(self) -> None:
         """From now on a failure keeps the dir (its metrics and checkpoints are the run's record)."""
         self.created = False
+        self._undo = False
 
 
 def with_unused_name(cfg: MegaflowConfig) -> MegaflowConfig:
@@ -96,24 +120,80 @@ def check_run_dir(cfg: MegaflowConfig, *, resume: bool) -> None:
     """The claim's checks without taking it (nothing created or locked): the CLI runs this before any
     heavy import so a refused run dir is one line at once; :class:`RunDir` makes the same checks under the lock."""
     path = run_dir_of(cfg)
-    if not _check_path(path, resume=resume):
-        return
-    lock = path / LOCK_FILE
-    if lock.is_file():
-        with open(lock) as fh:
-            _take_lock(fh, path, fcntl.LOCK_SH)
-    _resumable(path, cfg, resume=resume)
+    with _os_errors(path):
+        if not _check_path(path, resume=resume):
+            return
+        lock = path / LOCK_FILE
+        if lock.is_file():
+            with open(lock) as fh:
+                _take_lock(fh, path, fcntl.LOCK_SH)
+        _resumable(path, cfg, resume=resume)
+
+
+@contextlib.contextmanager
+def _os_errors(path: Path):
+    """An OSError inside becomes one ValueError line naming the file and the OS's reason."""
+    try:
+        yield
+    except OSError as e:
+        where = "" if e.filename in (None, str(path)) else f"{str(e.filename)!r}: "
+        raise ValueError(f"run dir {str(path)!r}: {where}{_reason(e)}") from None
+
+
+def _reason(e: OSError) -> str:
+    text = e.strerror or type(e).__name__
+    return text[:1].lower() + text[1:]
 
 
 def _check_path(path: Path, *, resume: bool) -> bool:
-    """Whether the run dir exists; ValueError when it is not a directory, or ``resume`` finds none."""
-    if not path.exists():
+    """Whether the run dir exists; ValueError when it is not a directory (or a symlink out of
+    ``run.output_dir``, or a dangling one), when ``run.output_dir`` cannot hold it, or ``resume`` finds none."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:  # run.output_dir, or a folder above it, is a file
+        mode = None
+    except OSError as e:
+        raise ValueError(f"run dir {str(path)!r}: {_reason(e)}") from None
+    if mode is None:
         if resume:
             raise ValueError(f"--resume: no run dir {path} (nothing to resume)")
+        _check_creatable(path.parent)
         return False
+    if stat.S_ISLNK(mode):
+        _check_link(path)
     if not path.is_dir():
         raise ValueError(f"run dir {path} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"run dir {str(path)!r}: not writable (permission denied)")
     return True
+
+
+def _check_link(path: Path) -> None:
+    """A symlinked run dir must lead to a directory in ``run.output_dir``: a run writes nowhere else."""
+    target = os.readlink(path)
+    if not path.exists():
+        raise ValueError(f"run dir {path} is a dangling symlink (to {target!r}); remove it or choose another run.name")
+    real, out = path.resolve(), path.parent.resolve()
+    if real.parent != out:
+        raise ValueError(f"run dir {path} is a symlink to {real}, outside run.output_dir = {str(path.parent)!r}; "
+                         "a run writes only inside run.output_dir: remove the link or choose another run.name")
+
+
+def _check_creatable(out: Path) -> None:
+    """``run.output_dir`` (made with its parents when missing) can hold a new run dir; ValueError naming it and
+    the first existing folder above it that cannot."""
+    where = out
+    while not os.path.lexists(where) and where.parent != where:
+        where = where.parent
+    said = f"run.output_dir = {str(out)!r}: " + ("" if where == out else f"{str(where)!r} is ")
+    if os.path.islink(where) and not where.exists():
+        raise ValueError(f"{said}a dangling symlink (to {os.readlink(where)!r})")
+    if not where.is_dir():
+        raise ValueError(f"{said}not a directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"{said}not writable (permission denied)")
 
 
 def _take_lock(fh, path: Path, mode: int) -> None:
@@ -142,10 +222,56 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, P
     if last_it >= cfg.train.iterations:
         raise ValueError(f"--resume: {path} already finished (iteration {last_it} of "
                          f"train.iterations = {cfg.train.iterations}); raise train.iterations to continue it")
-    saved = path / "config.toml"
+    saved = path / CONFIG_FILE
     if saved.is_file():
         _check_same_run(cfg, saved)
+    else:  # config.toml lost: what the checkpoint itself records
+        _check_checkpoint(cfg, last_dir)
     return last_it, last_dir
+
+
+def _check_checkpoint(cfg: MegaflowConfig, ckpt: Path) -> None:
+    """The model family and tp / pp layout the checkpoint ``ckpt`` was saved with are ``cfg``'s (what can be
+    checked without its run's ``config.toml``)."""
+    meta, state = _read_json(ckpt / MODEL_DIR / MODEL_META), _read_json(ckpt / STATE_FILE)
+    family = meta.get("family", cfg.model.family)
+    if family != cfg.model.family:
+        raise ValueError(f"--resume: model.family = {cfg.model.family!r} differs from the checkpoint's {family!r} "
+                         f"({ckpt / MODEL_DIR / MODEL_META}); resume with the same config")
+    layout = state.get("layout") or {}
+    for key in ("tp", "pp"):
+        value = getattr(cfg.parallel, key)
+        if layout.get(key, value) != value:
+            raise ValueError(f"--resume: parallel.{key} = {value!r} differs from the checkpoint's "
+                             f"{layout[key]!r} ({ckpt / STATE_FILE}); resume with the same config")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``; {} when it is absent or unreadable (the checks that need it are skipped)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _put_back(path: Path, data: bytes | None) -> None:
+    """``path`` as it was: ``data``, or no file when None (best effort: a failing run's cleanup)."""
+    try:
+        if data is None:
+            if os.path.lexists(path):
+                os.unlink(path)
+        elif _read_bytes(path) != data:
+            path.write_bytes(data)
+    except OSError:
+        pass
 
 
 def _check_same_run(cfg: MegaflowConfig, saved: Path) -> None:
