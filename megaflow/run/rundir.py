@@ -159,7 +159,7 @@ def _check_path(path: Path, *, resume: bool) -> bool:
     if mode is None:
         if resume:
             raise ValueError(f"--resume: no run dir {path} (nothing to resume)")
-        _check_creatable(path.parent)
+        _check_creatable(path)
         return False
     if stat.S_ISLNK(mode):
         _check_link(path)
@@ -181,10 +181,10 @@ def _check_link(path: Path) -> None:
                          "a run writes only inside run.output_dir: remove the link or choose another run.name")
 
 
-def _check_creatable(out: Path) -> None:
-    """``run.output_dir`` (made with its parents when missing) can hold a new run dir; ValueError naming it and
-    the first existing folder above it that cannot."""
-    where = out
+def _check_creatable(path: Path) -> None:
+    """The run dir ``path`` can be made (with ``run.output_dir`` and its parents when missing); ValueError naming
+    ``run.output_dir``, the first existing folder above it that cannot hold it, or a name too long for it."""
+    out, where = path.parent, path.parent
     while not os.path.lexists(where) and where.parent != where:
         where = where.parent
     said = f"run.output_dir = {str(out)!r}: " + ("" if where == out else f"{str(where)!r} is ")
@@ -194,6 +194,21 @@ def _check_creatable(out: Path) -> None:
         raise ValueError(f"{said}not a directory")
     if not os.access(where, os.W_OK | os.X_OK):
         raise ValueError(f"{said}not writable (permission denied)")
+    _check_name_lengths(path, where)
+
+
+def _check_name_lengths(path: Path, where: Path) -> None:
+    """The folders of ``path`` below the existing ``where`` fit the file system's name and path limits."""
+    try:
+        name_max, path_max = os.pathconf(where, "PC_NAME_MAX"), os.pathconf(where, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return
+    for part in path.relative_to(where).parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(f"run dir {str(path)!r}: file name too long ({len(os.fsencode(part))} bytes in "
+                             f"{part[:16]!r}..., the limit is {name_max})")
+    if len(os.fsencode(path.absolute())) >= path_max:
+        raise ValueError(f"run dir {str(path)!r}: file name too long (the path is over {path_max} bytes)")
 
 
 def _take_lock(fh, path: Path, mode: int) -> None:

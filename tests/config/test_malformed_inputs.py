@@ -1,11 +1,13 @@
 """Malformed inputs stop every command at once with ONE line: the real CLI (and tools/convert_checkpoint.py)
 run as a subprocess in a temp dir for each row of a table of broken config files, ``--set`` values, prompt
-files, pipelines, checkpoints and image folders. Each must exit with code 2, print exactly one non-empty
-stderr line holding the expected text (naming the key or file), no traceback, nothing on stdout, write
-nothing (the temp dir is unchanged; ``run.output_dir`` is never created), and never import torch,
-megatron, sglang, diffusers or transformers. Needs: CPU, 1 process at a time, no torch (~10 s)."""
+files, pipelines, checkpoints, image folders and run dirs. Each must exit with code 2, print exactly one
+non-empty stderr line holding the expected text (naming the key or file), no traceback, nothing on stdout,
+write nothing (every file in the temp dir byte-identical; ``run.output_dir`` is never created unless the row
+made it), and never import torch, megatron, sglang, diffusers or transformers. Needs: CPU, 1 process at a
+time, no torch (~10 s)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -164,6 +166,43 @@ def _reward_images(tmp: Path, manifest: bytes | None, *, reward: str = "ocr", kw
     return ["eval", "reward", "--reward", reward, "--images", str(d), *(["--kwargs", kwargs] if kwargs else [])]
 
 
+# --- run dirs: each row's run is `train` with run.name = "r" in <tmp>/runs (the harness sets run.output_dir).
+
+def _runs(tmp: Path, make=None, *extra: str) -> list[str]:
+    """``train`` of run "r" after ``make(<tmp>/runs)`` (None: no runs folder)."""
+    if make is not None:
+        make(tmp / "runs")
+    return [*TRAIN, "--set", 'run.name="r"', *extra]
+
+
+def _read_only(runs: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a chmod 0o555 folder; tests/run/test_rundir.py covers an unwritable one")
+    runs.mkdir()
+    runs.chmod(0o555)
+
+
+def _link(runs: Path, target: str, *, at: str = "r") -> None:
+    """``runs/<at>`` a symlink to ``runs/../<target>`` (``at`` = "": ``runs`` itself is the link)."""
+    link = runs / at if at else runs
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(runs.parent / target)
+
+
+def _lost_config(runs: Path) -> None:
+    """A run dir as a run of model.family sd3 left it at iteration 2, its config.toml lost."""
+    ckpt = runs / "r" / "checkpoints" / "iter_000002"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "megaflow_model.json").write_text(json.dumps({"format": 1, "family": "sd3"}))
+    (ckpt / "state.json").write_text(json.dumps({"iteration": 2, "layout": {"tp": 1, "pp": 1}}))
+    (runs / "r" / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
+
+
+def _elsewhere(runs: Path) -> None:
+    (runs.parent / "elsewhere").mkdir()
+    _link(runs, "elsewhere")
+
+
 _A = b'{"file": "a.png", "prompt": "say \\"A\\""}\n'
 TRAIN = ["train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
 SHOW = ["config", "show", "-c", str(REPO / "configs" / "cpu_demo.toml")]
@@ -227,6 +266,17 @@ CASES = {
     "malformed reward path": (lambda t: [*TRAIN, "--set", 'reward.weights={"mymod:" = 1.0}'], "'mymod:'"),
     "reward kwargs without weight": (lambda t: [*TRAIN, "--set", "reward.weights={jpeg_compressibility = 1.0}"], "reward.kwargs.color_target"),
     "unknown shapes category": (lambda t: [*TRAIN, "--set", 'data.shapes_categories=["squares"]'], "unknown category 'squares'"),
+    # run dirs (<run.output_dir>/<run.name>)
+    "run dir: output_dir a file": (lambda t: _runs(t, lambda r: r.write_text("")), "runs': not a directory"),
+    "run dir: output_dir read-only": (lambda t: _runs(t, _read_only), "runs': not writable"),
+    "run dir: output_dir a dangling symlink": (lambda t: _runs(t, lambda r: _link(r, "nowhere", at="")),
+                                               "runs': a dangling symlink"),
+    "run dir: a dangling symlink": (lambda t: _runs(t, lambda r: _link(r, "nowhere")), "r is a dangling symlink"),
+    "run dir: a symlink outside output_dir": (lambda t: _runs(t, _elsewhere), "outside run.output_dir"),
+    "run dir: 300-character name": (lambda t: [*TRAIN, "--set", f'run.name="{"n" * 300}"'], "file name too long"),
+    "run dir: resume, config lost, other family": (lambda t: _runs(t, _lost_config, "--resume", "--set",
+                                                                   "model.family=flux"),
+                                                   "model.family = 'flux' differs from the checkpoint's 'sd3'"),
     # prompt files
     "prompts missing": (lambda t: [*TRAIN, *_prompts(t, None)], "data.prompts: no such file"),
     "prompts a directory": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True)], "prompts.txt is not a file"),
@@ -292,8 +342,19 @@ if not cuda_available():  # valid settings on a GPU machine
     CASES["spec te without a GPU"] = (lambda t: [*TRAIN, "--set", "model.spec=te"], "model.spec = 'te'")
 
 
-def _snapshot(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` (symlinks not followed): a file's SHA-256, a link's target, "dir"."""
+    out = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(top) / name
+            if p.is_symlink():
+                out[str(p.relative_to(root))] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[str(p.relative_to(root))] = "dir"
+            else:
+                out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -304,7 +365,7 @@ def test_malformed_input_one_line_exit_2(name, tmp_path):
     argv = argv[1:] if argv[0] == "tool" else argv
     if argv[0] in ("train", "demo", "config"):
         argv += ["--set", f'run.output_dir="{tmp_path / "runs"}"']
-    before = _snapshot(tmp_path)
+    before, made_runs = _snapshot(tmp_path), os.path.lexists(tmp_path / "runs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     r = subprocess.run([sys.executable, "-c", WRAPPER, target, *argv], cwd=tmp_path, env=env,
@@ -315,7 +376,7 @@ def test_malformed_input_one_line_exit_2(name, tmp_path):
     assert needle in lines[0], lines[0]
     assert "Traceback" not in r.stderr
     assert r.stdout.splitlines() == ["HEAVY="], f"heavy imports or output: {r.stdout[-500:]}"
-    assert not (tmp_path / "runs").exists()
+    assert os.path.lexists(tmp_path / "runs") == made_runs
     assert _snapshot(tmp_path) == before, "the command wrote files"
 
 
@@ -323,3 +384,4 @@ def test_table_covers_every_kind_of_input():
     assert len(CASES) >= 25
     assert sum(k.startswith("tool:") for k in CASES) >= 4 and sum(k.startswith("images:") for k in CASES) >= 3
     assert sum(k.startswith("prompts") for k in CASES) >= 4 and sum(k.startswith("reward:") for k in CASES) >= 6
+    assert sum(k.startswith("run dir:") for k in CASES) >= 6
