@@ -54,7 +54,13 @@ class RunDir:
                 self.created = True
             self._made_lock = not os.path.lexists(self.path / LOCK_FILE)
             self._config_before = _read_bytes(self.path / CONFIG_FILE)
-            self._lock()
+        try:
+            with _os_errors(self.path):
+                self._lock()
+        except BaseException:
+            if self.created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise
         try:
             with _os_errors(self.path):
                 self._check_history(cfg, resume=resume)
