@@ -26,7 +26,7 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
 _MAX_HEADER = 100_000_000  # the safetensors library's own limit
 MAX_TEXT_BYTES = 64 << 20  # a prompt file larger than this is refused before it is read
-CKPT_META = "megaflow_model.json"  # megaflow.trainer.checkpoint.META_FILE (a test keeps them equal)
+CKPT_META = "megaflow_model.json"  # family + diffusers config of a megaflow checkpoint (trainer/checkpoint, run/checkpoints)
 
 
 def check_text_file(path: str | Path, key: str, *, max_line: int | None = None) -> list[str]:

@@ -14,10 +14,11 @@ import json
 import re
 from pathlib import Path
 
+from megaflow.config.files import CKPT_META as MODEL_META  # family + diffusers config, in MODEL_DIR
+
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
-MODEL_META = "megaflow_model.json"  # family + diffusers config, in MODEL_DIR (megaflow.trainer.checkpoint.META_FILE)
 _NAME = re.compile(r"^iter_(\d{6,})$")
 
 

@@ -22,9 +22,9 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
+from megaflow.config.files import CKPT_META as META_FILE  # the one home of the name (stdlib-only room)
 from megaflow.parallel.distributed import barrier, rank
 
-META_FILE = "megaflow_model.json"
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
 # across DP only (resume at the same TP/PP). "fully_reshardable" (any layout) calls .cuda() in
 # get_parameter_state_dp_zero, which megaflow.parallel.cpu does not shim yet; megatron's default
