@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaflow.config.preflight import REWARD_NAMES
+from megaflow.data.prompts import json_object
 
 MANIFEST = "manifest.jsonl"
 
@@ -27,12 +28,7 @@ class ImageEntry:
 
 
 def _entry(images_dir: Path, where: str, line: str) -> ImageEntry:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: want a JSON object {{\"file\", \"prompt\", ...}}, got {type(row).__name__}")
+    row = json_object(line, where, 'want a JSON object {"file", "prompt", ...}')
     for key in ("file", "prompt"):
         if not isinstance(row.get(key), str) or not row[key]:
             raise ValueError(f"{where}: needs a non-empty string {key!r}")

@@ -14,6 +14,18 @@ SHAPES_POOL = 512  # training prompts drawn from the ShapeEval grammar
 MAX_PROMPT_CHARS = 2000  # a longer prompt is a mistake (text encoders read 77 to 512 tokens)
 
 
+def json_object(text: str, where: str, want: str) -> dict:
+    """``text`` parsed as one JSON object; ValueError ``"<where>: not JSON (...)"`` or ``"<where>: <want>, got
+    <type>"`` (the one reading of a JSON-lines row, for prompt files and image manifests)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: {want}, got {type(obj).__name__}")
+    return obj
+
+
 @dataclass(frozen=True)
 class PromptRecord:
     """A prompt with metadata for the rewards (a ``.jsonl`` line's fields other than ``"prompt"``)."""
@@ -37,12 +49,7 @@ def read_jsonl_prompts(path: str | Path) -> list[PromptRecord]:
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"data.prompts: {path} line {n}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"data.prompts: {path} line {n}: expected a JSON object, got {type(obj).__name__}")
+        obj = json_object(line, f"data.prompts: {path} line {n}", "expected a JSON object")
         prompt = obj.pop("prompt", None)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"data.prompts: {path} line {n}: needs a non-empty string 'prompt'")
