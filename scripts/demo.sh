@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The CPU demo: FlowGRPO makes the shipped pretrained ShapeEval model (assets/shapeeval-sd3) better on
-# held-out compositional prompts: ShapeEval before -> FlowGRPO (SGLang rollouts, ShapeEval reward,
+# The CPU demo: RL (configs/shapes_demo.toml: DiffusionNFT) makes the shipped pretrained ShapeEval model
+# (assets/shapeeval-sd3) better on held-out compositional prompts: ShapeEval before -> RL (SGLang rollouts, ShapeEval reward,
 # megatron-core trainer, verified weight sync) -> ShapeEval after, same prompts and seeds.
 # Writes runs/demo/summary.json. Extra arguments go to `megaflow demo` (e.g. --set train.iterations=8).
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (or reuse) megaflow's Python 3.12 venv, then run the test suite.
-#   bash scripts/test.sh                 # everything (~30 min on 2 cores)
+#   bash scripts/test.sh                 # everything (~75 min on 2 cores)
 #   bash scripts/test.sh -m "not slow"   # skip multi-process / real-engine tests (a few minutes)
 # Extra arguments go to pytest; its exit code is the script's (a mistyped -m or path that collects nothing
 # exits 5, a failure).

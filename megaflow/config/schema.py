@@ -135,8 +135,9 @@ class RolloutConfig:
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
     engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
-                              "loop is synchronous, so on a CPU the engines and the trainer may each use every "
-                              "core.", ge=0, le=1024)
+                              "synchronous loop (train.max_staleness = 0) runs one at a time, so the engines and "
+                              "the trainer may each use every core; the asynchronous one runs both at once: split "
+                              "the cores between run.num_threads and this.", ge=0, le=1024)
 
 
 @dataclass(kw_only=True)
@@ -192,6 +193,15 @@ class TrainConfig:
                                "(near-equal sizes), one optimizer step each; the PPO ratio always compares with the "
                                "sampling policy, so from the second step on the clip acts on a stale policy.",
                                ge=1, le=4096)
+    max_staleness: int = opt(0, "0: the synchronous loop (sample, train on it, push the weights). 1: the engines "
+                             "sample the next iteration's batch while the trainer trains on this one; the new weights "
+                             "are pushed once that batch is in, between batches, so every batch after the first "
+                             "was sampled by the policy one update older than the trainer's (rollout/staleness); "
+                             "FlowGRPO's ratio compares with the sampling policy's log-probs (algo.mismatch can "
+                             "correct), NFT's theta_old is one blend newer than the one that sampled. The engines "
+                             "keep their memory during training (no colocated release on GPU). Checkpoints hold "
+                             "the batch collected ahead, so a resumed run equals the uninterrupted one.",
+                             ge=0, le=1)
     warmup_iterations: int = opt(0, "Linear learning-rate warm-up over the first N iterations (a fresh Adam's first "
                                  "steps are its largest relative to the gradient's signal).", ge=0, le=MAX_ITERS)
     lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (down to 0 at the last "

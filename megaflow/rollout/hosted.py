@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -66,6 +66,19 @@ def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
     return [t for group in groups for t in group], scores, timings
 
 
+class PendingCollect:
+    """A collect in flight (:meth:`HostedRollout.start`); ``finish()`` once, on every rank."""
+
+    def __init__(self, hosted: HostedRollout, requests: list[RolloutRequest], plan: list[int],
+                 local: Future | None, t0: float):
+        self.hosted, self.requests, self.plan, self.local, self.t0 = hosted, requests, plan, local, t0
+
+    def finish(self) -> tuple[list[Trajectory], RewardScores, dict[str, float]]:
+        """What :meth:`HostedRollout.collect` returns; ``time/collect_wait_s``: the seconds this rank waited for
+        its own share (near 0 when the sampling ran while it trained)."""
+        return self.hosted._exchange(self)
+
+
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
@@ -77,6 +90,7 @@ class HostedRollout:
             raise ValueError(f"rank {placement.rank}: is_host={placement.is_host} but {len(engines)} engine(s)")
         self.placement, self.engines, self.local, self.scorer = placement, list(engines), local, scorer
         self.group, self.seed, self.commands = as_group(group), seed, commands
+        self._background: ThreadPoolExecutor | None = None
 
     def release(self, interrupted: tuple | None = None) -> None:
         """The run is over, or ``interrupted`` (the Interrupted arguments: signal, iteration, checkpoint) and
@@ -90,16 +104,33 @@ class HostedRollout:
                 iteration: int) -> tuple[list[Trajectory], RewardScores, dict[str, float]]:
         """Every trajectory and reward of ``requests`` (request order) on every rank, plus timings and
         per-host counts (``rollout/host<rank>/images``, ``rollout/host<rank>/sample_s``)."""
+        return self.start(requests, iteration).finish()
+
+    def start(self, requests: Sequence[RolloutRequest], iteration: int) -> PendingCollect:
+        """Begin :meth:`collect`: the engine ranks are told to sample, this host's engines sample and score its
+        share in a background thread; ``finish()`` waits for them and exchanges the shares (the collective part:
+        every rank calls it, in the same order as its other collectives on this group)."""
         p = self.placement
         t0 = time.perf_counter()
         if self.commands is not None:
             self.commands.send("collect", requests=list(requests), iteration=iteration)
         plan = plan_groups(requests, p.hosts, p.engines_per_host, iteration_seed(self.seed, iteration, HOST_PLAN))
         mine = [r for r, h in zip(requests, plan) if h == p.rank]
-        share, timings = None, {}
+        local = None
         if mine:
-            trajs, scores, timings = sample_and_score(self.local, self.scorer, mine)
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="collect")
+            local = self._background.submit(sample_and_score, self.local, self.scorer, mine)
+        return PendingCollect(self, list(requests), plan, local, t0)
+
+    def _exchange(self, pending: PendingCollect) -> tuple[list[Trajectory], RewardScores, dict[str, float]]:
+        p, requests, plan = self.placement, pending.requests, pending.plan
+        t_wait = time.perf_counter()
+        share, timings = None, {}
+        if pending.local is not None:
+            trajs, scores, timings = pending.local.result()
             share = pack_share(trajs, scores, timings["time/sample_s"])
+        t_wait = time.perf_counter() - t_wait
         all_trajs: list[Trajectory] = []
         all_scores: list[RewardScores] = []
         where: dict[str, int] = {}  # request id -> position of its first sample in all_trajs
@@ -122,7 +153,7 @@ class HostedRollout:
         scores = RewardScores(total=merged.total[order], components={k: v[order] for k, v in merged.components.items()},
                               weights=merged.weights, seconds=merged.seconds, info=merged.info)
         metrics.update({"time/sample_s": max(v for k, v in metrics.items() if k.endswith("/sample_s")),
-                        "time/collect_s": time.perf_counter() - t0,
+                        "time/collect_s": time.perf_counter() - pending.t0, "time/collect_wait_s": t_wait,
                         "time/score_after_sample_s": timings.get("time/score_after_sample_s", 0.0)})
         return [all_trajs[i] for i in order], scores, metrics
 
@@ -131,6 +162,8 @@ class HostedRollout:
         return self.local.metrics() if self.local is not None and hasattr(self.local, "metrics") else {}
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         for e in self.engines:
             e.shutdown()
         if self.scorer is not None:

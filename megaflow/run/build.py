@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the builders import these when they build (heavy: megatron,
     from megaflow.report.progress import RunReporter
     from megaflow.rollout.hosted import HostedRollout
     from megaflow.run.phases import Phases
+    from megaflow.run.ahead import Batch
     from megaflow.run.algorithm import Algorithm
     from megaflow.trainer.shadow import EMA
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
@@ -64,6 +65,10 @@ class Run:
     """Every metrics row so far (a resumed run: the checkpoint's)."""
     start: int
     """The iteration the run continues after (0: a fresh run)."""
+    next_batch: Batch | None = None
+    """The batch the asynchronous loop collected ahead before the checkpoint this run resumes from."""
+    engine_version: int = 0
+    """The iterations whose update the engines hold (the policy version they sample)."""
 
     def close(self) -> None:
         """Stop the engines and the scorer, close the reporter."""
@@ -78,6 +83,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     the terminal."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
+    from megaflow.run.ahead import read_batch
     from megaflow.run.algorithm import build_algorithm
     from megaflow.run.phases import Phases
 
@@ -87,6 +93,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     ema = build_ema(cfg, trainer)
     algorithm = build_algorithm(cfg, trainer, reference, ema)
     history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema))
+    next_batch = read_batch(resume_from) if resume_from is not None else None
     rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
     try:
         sampler = rollout.local
@@ -95,7 +102,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
             sampler = RemoteEngines(rollout.commands, placement.engine_ranks)
         sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
         prompts = prompt_stream(cfg, consumed)
-        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated")
+        # the asynchronous loop samples while it trains: the engines keep their memory
+        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated" and cfg.train.max_staleness == 0)
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
@@ -105,7 +113,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         raise
     return Run(cfg=cfg, run_dir=run_dir, placement=placement, trainer=trainer, reference=reference, rollout=rollout,
                sampler=sampler, sync=sync, prompts=prompts, algorithm=algorithm, ema=ema, phases=phases, reporter=reporter,
-               diffusers_config=dconfig, history=history, start=start)
+               diffusers_config=dconfig, history=history, start=start, next_batch=next_batch)
 
 
 def build_ema(cfg: MegaflowConfig, trainer):

@@ -23,6 +23,7 @@ import torch
 
 from megaflow.config import MegaflowConfig, run_dir_of
 from megaflow.run import faults
+from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
 from megaflow.run.flowgrpo import batch_advantages
@@ -81,19 +82,25 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
     metrics: dict = run.history[-1] if run.history else {}
     with run.algorithm.engine_weights():
         initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly what they sample with
+    run.engine_version = run.start
     if run.start == 0:
         run.reporter.iteration(0, initial_sync)
         run.history.append({"iteration": 0, **initial_sync})
         if evaluate is not None and driver:
             evaluate(run.sampler, "before")  # every weight set is the initial one here
     watch = MaskedWatch(cfg.train.max_masked_iterations)
+    ahead = cfg.train.max_staleness > 0
+    batch = run.next_batch  # collected ahead before the checkpoint this run resumes from
     for it in range(run.start + 1, cfg.train.iterations + 1):
-        metrics, images, captions = iteration(run, it, watch)
+        if ahead and batch is None:
+            batch = start_batch(run, it).finish()  # the first batch of an asynchronous run
+        pending = start_batch(run, it + 1) if ahead and it < cfg.train.iterations else None
+        metrics, images, captions, batch = iteration(run, it, watch, batch=batch, pending=pending)
         signum, useless = stop.agreed(), watch.verdict(it)
         last = it == cfg.train.iterations
         run.history.append({"iteration": it, **metrics})
         if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
-            metrics["checkpoint/write_s"] = save(run, it)
+            metrics["checkpoint/write_s"] = save(run, it, batch)
         run.reporter.iteration(it, metrics, images=images, captions=captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
@@ -134,16 +141,20 @@ def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
             sync_weights(run.trainer, run.sync)
 
 
-def iteration(run: Run, it: int, watch: MaskedWatch | None = None) -> tuple[dict, list, list[str]]:
-    """One iteration on this rank: collect the scored batch (shown to ``watch``), advantages, the algorithm's
-    update, the weight sync; (its metrics, its images, a caption per image: prompt and total reward)."""
+def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,
+              pending: PendingBatch | None = None) -> tuple[dict, list, list[str], Batch | None]:
+    """One iteration on this rank: collect the scored batch (unless ``batch`` was collected ahead; shown to
+    ``watch``), advantages, the algorithm's update, then (asynchronous loop) wait for the ``pending`` batch the
+    engines sampled meanwhile, and the weight sync; (its metrics, its images, a caption per image: prompt and
+    total reward, the next iteration's batch or None)."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    trajs, scores, timings = run.rollout.collect(run.algorithm.requests(run.prompts, it), it)
+    if batch is None:
+        batch = start_batch(run, it).finish()
     if watch is not None:
-        watch.see(scores)
-    captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(trajs, scores.total.tolist())]
-    trajs, advantages, keep, roll_metrics = batch_advantages(trajs, scores, timings, cfg)
+        watch.see(batch.scores)
+    captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(batch.trajs, batch.scores.total.tolist())]
+    trajs, advantages, keep, roll_metrics = batch_advantages(batch.trajs, batch.scores, batch.timings, cfg)
     faults.check("rollout", it)
     t_rollout = time.perf_counter() - t0
     with run.phases.training():
@@ -153,22 +164,30 @@ def iteration(run: Run, it: int, watch: MaskedWatch | None = None) -> tuple[dict
         train_metrics = {**run.algorithm.update(trajs, advantages, keep, it), "lr": lr}
     faults.check("train", it)
     t_train = time.perf_counter() - t0 - t_rollout
+    ahead = {"rollout/staleness": float(it - 1 - batch.version)} if cfg.train.max_staleness else {}
+    next_batch = pending.finish() if pending is not None else None  # the engines are idle from here
+    if pending is not None:
+        ahead["time/ahead_wait_s"] = time.perf_counter() - t0 - t_rollout - t_train
     with run.algorithm.engine_weights():
         sync_metrics = sync_weights(run.trainer, run.sync, it)
+    run.engine_version = it
     metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
-               **run.phases.metrics, "time/rollout_s": t_rollout, "time/train_s": t_train,
+               **run.phases.metrics, **ahead, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
     metrics.update(run.rollout.metrics())
-    return metrics, [t.image for t in trajs], captions
+    return metrics, [t.image for t in trajs], captions, next_batch
 
 
-def save(run: Run, it: int) -> float:
-    """Checkpoint iteration ``it`` (collective over the trainer ranks); the seconds it took."""
+def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
+    """Checkpoint iteration ``it`` with the batch collected ahead for the next one (collective over the trainer
+    ranks); the seconds it took."""
     from megaflow.run.build import run_shadows
+    from megaflow.run.ahead import write_batch
     from megaflow.run.state import save as save_state
     return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
                       prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
-                      keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema))
+                      keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema),
+                      write_extra=None if next_batch is None else lambda stage: write_batch(stage, next_batch))
 
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:

@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +44,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
-         metrics_rows: list[dict], keep: int, shadows: dict | None = None) -> float:
+         metrics_rows: list[dict], keep: int, shadows: dict | None = None,
+         write_extra: Callable[[Path], None] | None = None) -> float:
     """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``; ``shadows``
-    (name -> megaflow.trainer.shadow.ShadowWeights: the EMA, NFT's sampling policy) go beside the model.
-    Returns the seconds it took."""
+    (name -> megaflow.trainer.shadow.ShadowWeights: the EMA, NFT's sampling policy) go beside the model;
+    ``write_extra(directory)`` (rank 0) adds the run's other files (the batch collected ahead). Returns the
+    seconds it took."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
@@ -73,6 +76,8 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
              "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
                                                  "pp": tconf.pipeline_model_parallel_size},
              "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
+    if write_extra is not None:
+        write_extra(stage)
     with open(stage / STATE_FILE, "w") as fh:
         json.dump(state, fh, default=float)
         fh.flush()

@@ -1,4 +1,5 @@
-"""The ``megaflow`` command line. argparse lives here only: no Namespace escapes this file.
+"""The ``megaflow`` command line. argparse lives in this package only: no Namespace escapes it
+(megaflow.cli.common: the shared arguments; megaflow.cli.bench: ``megaflow bench``).
 
 Subcommands call plain functions with keyword arguments; heavy imports (torch, megatron, sglang)
 happen inside the handlers so ``megaflow --help`` is instant.
@@ -9,47 +10,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from megaflow.config import ConfigError, MegaflowConfig, dump_config, load_config
+from megaflow.cli.bench import add_bench_parsers
+from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, apply_device, load_checked, print_json,
+                                 run_config)
+from megaflow.config import ConfigError, dump_config, load_config
 from megaflow.config.preflight import preflight
 from megaflow.run.interrupt import Interrupted
-
-Handler = Callable[[argparse.Namespace], int]
-
-
-def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    p.add_argument("--config", "-c", default=default, help="TOML run file (configs/*.toml)"
-                   + (f"; default {default}." if default else "."))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="Override one config value (repeatable), e.g. --set parallel.tp=2.")
-
-
-def _load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
-    """The validated config of ``-c`` / ``--set``, preflight-checked for ``command`` (files it names,
-    the machine, cross-field rules) before anything heavy is imported."""
-    return preflight(load_config(args.config, args.overrides), command)
-
-
-def _apply_device(cfg: MegaflowConfig) -> MegaflowConfig:
-    """Apply ``run.device`` to this process and the engine workers it starts
-    (megaflow.parallel.distributed.select_device) before anything touches CUDA."""
-    from megaflow.parallel.distributed import select_device
-    select_device(cfg.run.device)
-    return cfg
-
-
-def _run_config(args: argparse.Namespace, command: str) -> MegaflowConfig:
-    """The checked config of a command that computes, with ``run.device`` applied."""
-    return _apply_device(_load_checked(args, command))
-
-
-def _add_verbose_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="Show the SGLang engines' logs (per-stage timings of every call), third-party info logs "
-                   "and warnings on the terminal, with no progress bar; by default engine logs go to "
-                   "<run dir>/logs/engine<i>.log.")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -68,14 +36,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_json(result: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-
-
 def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
@@ -85,7 +45,7 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
                                          num_steps=args.steps, resolution=args.resolution, out_dir=out_dir))
-        _print_json(result, True)
+        print_json(result, True)
         return 0
     if args.ground_truth:
         result = evaluate_ground_truth(args.num, seed=args.seed, resolution=args.resolution)
@@ -95,7 +55,7 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
         result = evaluate_images(args.images)
     else:
         raise ValueError("eval shapes needs --pipeline DIR, --images DIR, --ground-truth or --corrupt KIND")
-    _print_json(result, args.json)
+    print_json(result, args.json)
     return 0
 
 
@@ -126,10 +86,10 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.run.rundir import check_run_dir
-    cfg = _load_checked(args, "train")
+    cfg = load_checked(args, "train")
     if os.environ.get("RANK", "0") == "0":
         check_run_dir(cfg, resume=args.resume)
-    _apply_device(cfg)
+    apply_device(cfg)
     import logging
 
     from megaflow.run.loop import run
@@ -142,7 +102,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
-    cfg = _run_config(args, "demo")
+    cfg = run_config(args, "demo")
     from megaflow.run.demo import run_demo
     _setup_logging(logging.WARNING, args.verbose)
     run_demo(cfg, verbose=args.verbose)
@@ -150,7 +110,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    cfg = _run_config(args, "pretrain")
+    cfg = run_config(args, "pretrain")
     from megaflow.pretrain.loop import run
     result = run(cfg)
     if args.json:
@@ -162,69 +122,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
                         max_shard_size=args.max_shard_size)
-    _print_json(result, args.json)
-    return 0
-
-
-def _emit(result: dict, args: argparse.Namespace) -> None:
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, sort_keys=True, indent=2) + "\n")
-    _print_json(result, args.json)
-
-
-def _cmd_bench_train(args: argparse.Namespace) -> int:
-    from megaflow.bench.train import bench_train
-    _emit(bench_train(batch=args.batch, repeats=args.repeats, warmup=args.warmup), args)
-    return 0
-
-
-def _cmd_bench_rollout(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from megaflow.bench.rollout import bench_rollout
-    engines = tuple(int(x) for x in args.engines.split(","))
-    with tempfile.TemporaryDirectory(prefix="megaflow-bench-") as tmp:
-        pipeline = args.pipeline
-        if pipeline is None:
-            from megaflow.models.tiny_pipeline import make_tiny_pipeline
-            pipeline = str(make_tiny_pipeline("sd3", Path(tmp) / "tiny-sd3", seed=0))
-        result = bench_rollout(pipeline, engines=engines, groups=args.groups, group_size=args.group_size,
-                               steps=args.steps, res=args.res, repeats=args.repeats, baseline_threads=args.threads)
-    _emit(result, args)
-    return 0
-
-
-def _cmd_bench_hosts(args: argparse.Namespace) -> int:
-    _load_checked(args, "train")  # one-line errors before two launches start
-    from megaflow.bench.hosts import bench_hosts
-    _emit(bench_hosts(args.config, args.overrides, iterations=args.iterations), args)
-    return 0
-
-
-def _cmd_bench_sync(args: argparse.Namespace) -> int:
-    from megaflow.bench.sync import bench_sync
-    _emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines,
-                     repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny), args)
-    return 0
-
-
-def _cmd_bench_learn(args: argparse.Namespace) -> int:
-    cfg = _run_config(args, "train")
-    from megaflow.bench.learn import bench_learn
-    _emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
-                      target_gain=args.target_gain), args)
+    print_json(result, args.json)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: FlowGRPO post-training of diffusion transformers (megatron-core trainer, SGLang rollout).")
+    parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: RL post-training of flow-matching diffusion transformers (FlowGRPO, DiffusionNFT; megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_cfg = sub.add_parser("config", help="Inspect configs.")
     cfg_sub = p_cfg.add_subparsers(dest="config_command", required=True)
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
-    _add_config_args(p_show)
+    add_config_args(p_show)
     p_show.add_argument("--no-files", action="store_true",
                         help="Skip the checks of files the config names (model.pretrained, a data.prompts file): "
                         "show a config for a machine where its weights live.")
@@ -232,31 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_plan = sub.add_parser("plan", help="GPU memory per rank of a run (weights, grads, optimizer, activations with "
                             "and without recompute, KL reference, engines) and whether it fits; nothing starts.")
-    _add_config_args(p_plan)
+    add_config_args(p_plan)
     p_plan.add_argument("--gpus", type=int, default=0,
                         help="GPUs of the launch (default: WORLD_SIZE if set, else parallel.tp * pp * cp).")
     p_plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
     p_plan.set_defaults(handler=_cmd_plan)
 
-    p_train = sub.add_parser("train", help="FlowGRPO training: SGLang rollouts -> rewards -> megatron step -> "
-                             "weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
-    _add_config_args(p_train)
+    p_train = sub.add_parser("train", help="RL training (algo.name: flowgrpo or nft): SGLang rollouts -> rewards -> "
+                             "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
+    add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
     p_train.add_argument("--resume", action="store_true",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
                          "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
-    _add_verbose_arg(p_train)
+    add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
-    p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out "
-                            "ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
-    _add_config_args(p_demo, default="configs/shapes_demo.toml")
-    _add_verbose_arg(p_demo)
+    p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> RL on TRAIN prompts (the config's algorithm) "
+                            "-> held-out ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
+    add_config_args(p_demo, default="configs/shapes_demo.toml")
+    add_verbose_arg(p_demo)
     p_demo.set_defaults(handler=_cmd_demo)
 
     p_pre = sub.add_parser("pretrain", help="Supervised rectified-flow pretraining of the ShapeEval pipeline "
                            "(text encoders, VAE, then the DiT through megatron-core); writes <run dir>/pipeline.")
-    _add_config_args(p_pre)
+    add_config_args(p_pre)
     p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
     p_pre.set_defaults(handler=_cmd_pretrain)
 
@@ -275,48 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_exp.set_defaults(handler=_cmd_export)
 
-    p_bench = sub.add_parser("bench", help="Benchmarks (print / write one JSON object).")
-    bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
-    p_bt = bench_sub.add_parser("train", help="megaflow megatron SFT step vs diffusers SD3 step, same weights, TP=1.")
-    p_bt.add_argument("--batch", type=int, default=8)
-    p_bt.add_argument("--warmup", type=int, default=3)
-    p_bt.add_argument("--repeats", type=int, default=10)
-    p_br = bench_sub.add_parser("rollout", help="Images/s of 1 and 2 SGLang engines vs a batched diffusers loop.")
-    p_br.add_argument("--pipeline", default=None, help="Diffusers pipeline dir (default: a tiny SD3 made on the fly).")
-    p_br.add_argument("--engines", default="1,2", help="Comma-separated engine counts.")
-    p_br.add_argument("--groups", type=int, default=2)
-    p_br.add_argument("--group-size", type=int, default=8)
-    p_br.add_argument("--steps", type=int, default=4)
-    p_br.add_argument("--res", type=int, default=64)
-    p_br.add_argument("--repeats", type=int, default=5)
-    p_br.add_argument("--threads", type=int, default=1,
-                      help="Torch threads of the baseline loop and of each engine worker (equal on both sides).")
-    p_bs = bench_sub.add_parser("sync", help="Weight-sync seconds into SGLang engines (verify off / on) vs a plain "
-                                "copy of the same bytes: a scaled-up random SD3 DiT and the tiny one.")
-    p_bs.add_argument("--layers", type=int, default=6, help="Joint blocks of the large DiT.")
-    p_bs.add_argument("--heads", type=int, default=12, help="Attention heads of the large DiT.")
-    p_bs.add_argument("--head-dim", type=int, default=64, help="Head width of the large DiT.")
-    p_bs.add_argument("--engines", type=int, default=1, help="SGLang engines synced at once.")
-    p_bs.add_argument("--repeats", type=int, default=5, help="Timed pushes (the median is reported).")
-    p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")
-    p_bs.add_argument("--bucket-mb", type=float, default=64.0, help="Bucket size, MiB.")
-    p_bs.add_argument("--no-tiny", action="store_true", help="Skip the tiny model.")
-    p_bl = bench_sub.add_parser("learn", help="The demo's RL recipe through a plain diffusers + torch loop vs "
-                                "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")
-    _add_config_args(p_bl, default="configs/shapes_demo.toml")
-    p_bl.add_argument("--side", choices=("baseline", "megaflow", "both"), default="both")
-    p_bl.add_argument("--eval-every", type=int, default=0, help="Held-out eval every N iterations (0 = off).")
-    p_bl.add_argument("--eval-num", type=int, default=100, help="Held-out prompts of those intermediate evals.")
-    p_bl.add_argument("--target-gain", type=float, default=0.05, help="Report the RL time to this held-out gain.")
-    p_bh = bench_sub.add_parser("hosts", help="Whole-loop images/s of megaflow train with 2 engine hosts / 1 "
-                                "(two torchrun runs on this machine, rollout.engine_hosts = rank).")
-    _add_config_args(p_bh, default="configs/cpu_demo.toml")
-    p_bh.add_argument("--iterations", type=int, default=6, help="Iterations per run (the first is not timed).")
-    for p, handler in ((p_bt, _cmd_bench_train), (p_br, _cmd_bench_rollout), (p_bs, _cmd_bench_sync),
-                       (p_bl, _cmd_bench_learn), (p_bh, _cmd_bench_hosts)):
-        p.add_argument("--json", action="store_true", help="Print one JSON object.")
-        p.add_argument("--out", default=None, help="Also write the JSON to this file.")
-        p.set_defaults(handler=handler)
+    add_bench_parsers(sub)
 
     p_eval = sub.add_parser("eval", help="Evaluate images.")
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
@@ -389,7 +257,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megaflow: interrupted (engines shut down, no checkpoint written)", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

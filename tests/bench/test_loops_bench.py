@@ -1,8 +1,8 @@
-"""``megaflow.bench.hosts.summarize`` on hand-written metrics rows. Needs: CPU, 1 process, < 1 s.
+"""``megaflow.bench.loops.summarize`` on hand-written metrics rows. Needs: CPU, 1 process, < 1 s.
 (The launches themselves are what tests/run/test_launch_multinode.py runs.)"""
 import pytest
 
-from megaflow.bench.hosts import summarize
+from megaflow.bench.loops import summarize
 
 
 def _row(it, iteration_s, hosts=2):

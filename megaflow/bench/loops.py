@@ -1,0 +1,101 @@
+"""Whole-loop benchmarks: two real ``megaflow train`` runs of the same config that differ in one setting, compared
+by images/s (``megaflow bench hosts``, ``megaflow bench async``).
+
+Each side is one run under torchrun (``torch.distributed.run``) on this machine, with the same config (``-c`` /
+``--set``), seeds and prompts. Figures per side, from the run's metrics.jsonl: the median over iterations 2..
+(the first is warm-up) of ``time/iteration_s`` (generate + score + train + sync), and of its parts;
+images/s = images per iteration / median iteration time; ``ratio`` = images/s of the second side / the first.
+The sides run one after the other, so load from other processes on a shared machine affects them unequally;
+repeat the bench for a spread.
+
+- ``bench hosts``: 1 process vs 2, ``rollout.engine_hosts = "rank"``: N = 2 puts one trainer rank and
+  ``rollout.num_engines`` engines on each of two hosts (groups split over them, training data-parallel over
+  both ranks, every sync verified on both).
+- ``bench async``: ``train.max_staleness`` 0 vs 1, one process: the engines sample the next batch while the
+  trainer trains (the config's ``run.num_threads`` and ``rollout.engine_threads`` on both sides).
+
+    megaflow bench hosts -c configs/cpu_demo.toml --set rollout.prompts_per_iter=8 --json
+    megaflow bench async -c configs/shapes_demo.toml --json
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megaflow.testing.dist import free_port
+
+_PARTS = ("time/iteration_s", "time/rollout_s", "time/sample_s", "time/train_s", "sync/seconds")
+
+
+def _run(config: str, overrides: list[str], nproc: int, iterations: int, root: Path, timeout_s: float) -> list[dict]:
+    """Train under torchrun with ``nproc`` processes; the metrics rows. The launch runs in its own session and
+    is stopped as a whole (its process group) if it exceeds ``timeout_s``."""
+    sets = [*overrides, f"train.iterations={iterations}", f'run.output_dir="{root}"', "logging.sample_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), "-m", "megaflow.cli", "train", "-c", config,
+           *[a for s in sets for a in ("--set", s)]]
+    log = root / "train.log"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"bench: the run in {root.name} took over {timeout_s:.0f} s") from None
+    if rc != 0:
+        raise RuntimeError(f"bench: the run in {root.name} exited {rc}:\n{log.read_text()[-2000:]}")
+    (metrics,) = root.glob("*/metrics.jsonl")
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Median figures over iterations 2.. of one run's metrics rows (see the module docstring)."""
+    timed = [r for r in rows if r["iteration"] >= 2]
+    if not timed:
+        raise ValueError("a whole-loop bench needs at least 2 iterations (the first is warm-up)")
+    images = sum(v for k, v in timed[0].items() if k.startswith("rollout/host") and k.endswith("/images"))
+    out = {k.replace("/", "_"): statistics.median(r[k] for r in timed) for k in _PARTS}
+    out.update(images_per_iteration=images, iterations_timed=len(timed),
+               images_per_s=images / out["time_iteration_s"],
+               hosts=int(timed[0]["sync/hosts"]), syncs_verified=all(r["sync/verified"] == 1.0 for r in rows))
+    return out
+
+
+def compare(config: str, overrides: list[str], sides: dict[str, tuple[int, list[str]]], *, iterations: int,
+            timeout_s: float) -> dict:
+    """Each side (name -> (processes, its own --set overrides)) run and summarized, in order; ``ratio``: images/s
+    of the second side / the first."""
+    t0 = time.perf_counter()
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="megaflow-bench-loop-") as tmp:
+        for name, (nproc, extra) in sides.items():
+            out[name] = summarize(_run(config, [*overrides, *extra], nproc, iterations, Path(tmp) / name, timeout_s))
+    first, second = out.values()
+    return {**out, "ratio": second["images_per_s"] / first["images_per_s"], "config": config,
+            "overrides": list(overrides), "wall_s": time.perf_counter() - t0}
+
+
+def bench_hosts(config: str, overrides: list[str], *, iterations: int = 6, timeout_s: float = 900) -> dict:
+    """1 and 2 engine hosts and their ratio, as one JSON-able dict."""
+    hosts = ['rollout.engine_hosts="rank"']
+    return {**compare(config, overrides, {"one_host": (1, hosts), "two_hosts": (2, hosts)}, iterations=iterations,
+                      timeout_s=timeout_s), "target_ratio": 1.6}
+
+
+def bench_async(config: str, overrides: list[str], *, iterations: int = 12, timeout_s: float = 1800) -> dict:
+    """``train.max_staleness`` 0 and 1 and their ratio, as one JSON-able dict; ``staleness``: the asynchronous
+    side's median ``rollout/staleness`` over the timed iterations."""
+    out = compare(config, overrides, {"synchronous": (1, ["train.max_staleness=0"]),
+                                      "asynchronous": (1, ["train.max_staleness=1"])},
+                  iterations=iterations, timeout_s=timeout_s)
+    return {**out, "target_ratio": 1.6}
