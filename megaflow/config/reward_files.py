@@ -73,17 +73,18 @@ def check_head_file(path: object, key: str) -> Path:
 
 
 def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | None = None) -> None:
-    """The files of model reward ``name`` (a key of ``MODEL_REWARDS``) its ``kwargs`` name; ``where`` prefixes
-    the keys in messages (default ``reward.kwargs.<name>``)."""
+    """The files of model reward ``name`` (a key of ``MODEL_REWARDS``) its ``kwargs`` name; ``where`` comes
+    before each argument's name in messages (default ``reward.kwargs.<name>.``; ``megaflow eval reward``:
+    ``--kwargs ``)."""
     model_key, processor_key, head_key, download = MODEL_REWARDS[name]
-    where = where or f"reward.kwargs.{name}"
+    where = f"reward.kwargs.{name}." if where is None else where
     if model_key not in kwargs:
-        raise ConfigError(f"{where}.{model_key}: the {name} reward needs a local model directory ({download})")
+        raise ConfigError(f"{where}{model_key}: the {name} reward needs a local model directory ({download})")
     separate = processor_key is not None and kwargs.get(processor_key) is not None
-    check_model_dir(kwargs[model_key], f"{where}.{model_key}", processor=not separate)
+    check_model_dir(kwargs[model_key], f"{where}{model_key}", processor=not separate)
     if separate:
-        check_processor_dir(kwargs[processor_key], f"{where}.{processor_key}")
+        check_processor_dir(kwargs[processor_key], f"{where}{processor_key}")
     if head_key is not None:
         if head_key not in kwargs:
-            raise ConfigError(f"{where}.{head_key}: the {name} reward needs its head's weights file ({download})")
-        check_head_file(kwargs[head_key], f"{where}.{head_key}")
+            raise ConfigError(f"{where}{head_key}: the {name} reward needs its head's weights file ({download})")
+        check_head_file(kwargs[head_key], f"{where}{head_key}")
