@@ -30,7 +30,7 @@ MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
 }
 
 
-def check_model_dir(path: object, key: str, *, processor: bool = True) -> Path:
+def check_model_dir(path: object, key: str, *, processor: bool = True, hint: str = "") -> Path:
     """A transformers model directory: ``config.json`` (a JSON object) and, with ``processor``, a processor
     config; ConfigError naming ``key`` and the path otherwise."""
     if not isinstance(path, str) or not path:
@@ -42,19 +42,19 @@ def check_model_dir(path: object, key: str, *, processor: bool = True) -> Path:
         raise ConfigError(f"{key}: {p} has no config.json (not a transformers model directory)")
     read_json(p / "config.json", key)
     if processor:
-        check_processor_dir(path, key)
+        check_processor_dir(path, key, hint)
     return p
 
 
-def check_processor_dir(path: object, key: str) -> Path:
-    """A directory a ``CLIPProcessor`` loads from (one of ``PROCESSOR_FILES``)."""
+def check_processor_dir(path: object, key: str, hint: str = "") -> Path:
+    """A directory a ``CLIPProcessor`` loads from (one of ``PROCESSOR_FILES``); ``hint`` ends the message."""
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{key}: expected the path of a local processor directory, got {path!r}")
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"{key}: {p} is not a directory")
     if not any((p / f).is_file() for f in PROCESSOR_FILES):
-        raise ConfigError(f"{key}: {p} has no {' or '.join(PROCESSOR_FILES)} (not a CLIP processor directory)")
+        raise ConfigError(f"{key}: {p} has no {' or '.join(PROCESSOR_FILES)} (not a CLIP processor directory){hint}")
     return p
 
 
@@ -81,7 +81,8 @@ def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | Non
     if model_key not in kwargs:
         raise ConfigError(f"{where}{model_key}: the {name} reward needs a local model directory ({download})")
     separate = processor_key is not None and kwargs.get(processor_key) is not None
-    check_model_dir(kwargs[model_key], f"{where}{model_key}", processor=not separate)
+    hint = f"; or name one with {processor_key}" if processor_key else ""
+    check_model_dir(kwargs[model_key], f"{where}{model_key}", processor=not separate, hint=hint)
     if separate:
         check_processor_dir(kwargs[processor_key], f"{where}{processor_key}")
     if head_key is not None:

@@ -23,6 +23,7 @@ loads anything.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -47,9 +48,16 @@ def load_clip(path: str, device: str) -> nn.Module:
     with _LOCK:
         if (path, device) not in _MODELS:
             from transformers import CLIPModel
-            model = CLIPModel.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+            model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
             _MODELS[path, device] = model.to(device).eval().requires_grad_(False)
         return _MODELS[path, device]
+
+
+def check_number(name: str, key: str, value: object) -> float:
+    """``value`` as a finite float; one-line ValueError naming the reward's argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"reward {name!r}: {key} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def check_options(name: str, device: object, batch_size: object) -> None:
@@ -106,7 +114,7 @@ class ClipScore(Reward):
         check_options(self.name, device, batch_size)
         if not isinstance(prefix, str):
             raise ValueError(f"reward 'clipscore': prefix must be a string, got {prefix!r}")
-        self.w, self.prefix = float(w), prefix
+        self.w, self.prefix = check_number(self.name, "w", w), prefix
         self.clip = ClipEmbedder(path, device=device, batch_size=batch_size)
 
     def __call__(self, images: ImageBatch, prompts: Sequence[str],
@@ -124,7 +132,7 @@ class PickScore(Reward):
                  scale: float = 1.0):
         check_model_reward(self.name, {"path": path, "processor_path": processor_path})
         check_options(self.name, device, batch_size)
-        self.scale = float(scale)
+        self.scale = check_number(self.name, "scale", scale)
         self.clip = ClipEmbedder(path, processor_path=processor_path, device=device, batch_size=batch_size)
 
     def __call__(self, images: ImageBatch, prompts: Sequence[str],

@@ -127,7 +127,9 @@ def test_bad_files_are_one_line(dirs, tmp_path):
     assert "reward.kwargs.clipscore.path" in _one_line_error("clipscore", path=str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _one_line_error("clipscore", path=str(tmp_path / "empty"))
-    assert "processor" in _one_line_error("pickscore", path=str(dirs["pick"]))  # no processor there
+    assert "or name one with processor_path" in _one_line_error("pickscore", path=str(dirs["pick"]))  # none there
+    assert "w must be a finite number" in _one_line_error("clipscore", path=str(dirs["clip"]), w="big")
+    assert "batch_size must be" in _one_line_error("clipscore", path=str(dirs["clip"]), batch_size=0)
     assert "no such file" in _one_line_error("aesthetic", clip_path=str(dirs["clip"]),
                                              head_path=str(tmp_path / "head.pth"))
     torch.save({"fc.weight": torch.zeros(1, 16)}, tmp_path / "odd.pt")
