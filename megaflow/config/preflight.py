@@ -209,8 +209,13 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
     for name in r.weights:
         if name in SERVER_REWARDS:
             _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
-        elif name in MODEL_REWARDS and files:  # megaflow.rewards.clip / aesthetic: local model files
-            check_model_reward(name, r.kwargs.get(name, {}))
+        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic: local model files, a device
+            device = r.kwargs.get(name, {}).get("device", "cpu")
+            if isinstance(device, str) and device.startswith("cuda") and not cuda_available():
+                raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
+                                  "device (use 'cpu')")
+            if files:
+                check_model_reward(name, r.kwargs.get(name, {}))
 
 
 def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:

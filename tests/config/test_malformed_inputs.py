@@ -359,6 +359,9 @@ CASES = {
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
     CASES["spec te without a GPU"] = (lambda t: [*TRAIN, "--set", "model.spec=te"], "model.spec = 'te'")
+    CASES["clipscore on cuda without a GPU"] = (lambda t: [
+        *TRAIN, "--set", "reward.weights={clipscore = 1.0}", "--set",
+        f'reward.kwargs={{clipscore = {{path = "{_clip_dir(t)}", device = "cuda"}}}}'], "reward.kwargs.clipscore.device")
 
 
 def _snapshot(root: Path) -> dict[str, str]:
