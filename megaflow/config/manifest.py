@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaflow.config.preflight import REWARD_NAMES
+from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.data.prompts import json_object
 
 MANIFEST = "manifest.jsonl"
@@ -61,7 +62,8 @@ def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
 
 def check_reward_args(name: str, kwargs_json: str | None) -> dict:
     """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown built-in
-    name, a malformed ``pkg.module:callable`` or kwargs that are not a JSON object."""
+    name, a malformed ``pkg.module:callable``, kwargs that are not a JSON object or (``clipscore``,
+    ``pickscore``, ``aesthetic``) a missing or malformed model directory or head file."""
     if ":" in name:
         module, _, attr = name.partition(":")
         if not module or not attr or " " in name:
@@ -70,11 +72,13 @@ def check_reward_args(name: str, kwargs_json: str | None) -> dict:
         raise ValueError(f"--reward: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
                          "or 'pkg.module:callable')")
     if kwargs_json is None:
-        return {}
+        kwargs_json = "{}"
     try:
         kwargs = json.loads(kwargs_json)
     except json.JSONDecodeError as e:
         raise ValueError(f"--kwargs: not JSON ({e.msg}): {kwargs_json!r}") from None
     if not isinstance(kwargs, dict):
         raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json!r}")
+    if name in MODEL_REWARDS:  # its local model files, before torch loads anything
+        check_model_reward(name, kwargs, where="--kwargs ")
     return kwargs

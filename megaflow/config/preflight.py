@@ -30,6 +30,7 @@ from pathlib import Path
 
 from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
+from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
@@ -41,7 +42,8 @@ from megaflow.parallel.placement import launch_layout
 # diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
 # tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge")
+                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge", "clipscore",
+                "pickscore", "aesthetic")
 SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
 SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 BUILTIN_SPECS = ("auto", "local", "te")
@@ -73,8 +75,9 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError.
 
     ``files=False`` (``config show --no-files``, ``megaflow plan``; only with "show") skips every check of a
-    file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file):
-    a config for another machine can be shown and planned where its weights are not downloaded."""
+    file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file, the
+    model rewards' directories): a config for another machine can be shown and planned where its weights are
+    not downloaded."""
     if not files and command != "show":
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
@@ -88,7 +91,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
     _check_data(cfg, files=files)
-    _check_rewards(cfg, probe=command in ("train", "demo"))
+    _check_rewards(cfg, probe=command in ("train", "demo"), files=files)
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
@@ -186,7 +189,7 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
                     raise ConfigError(str(e)) from None
 
 
-def _check_rewards(cfg: MegaflowConfig, *, probe: bool) -> None:
+def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:
     r = cfg.reward
     if not r.weights:
         raise ConfigError("reward.weights is empty: name at least one reward")
@@ -206,6 +209,13 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool) -> None:
     for name in r.weights:
         if name in SERVER_REWARDS:
             _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
+        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic: local model files, a device
+            device = r.kwargs.get(name, {}).get("device", "cpu")
+            if isinstance(device, str) and device.startswith("cuda") and not cuda_available():
+                raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
+                                  "device (use 'cpu')")
+            if files:
+                check_model_reward(name, r.kwargs.get(name, {}))
 
 
 def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:

@@ -16,6 +16,7 @@ from megaflow.shapeeval.render import CORRUPTIONS, render_prompts
 from megaflow.data.shapes import sample_prompts
 from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth
 from megaflow.config.preflight import SERVER_REWARDS
+from megaflow.config.reward_files import MODEL_REWARDS
 from megaflow.rewards.registry import REWARDS, build_reward
 
 _KWARGS = {"cifar10": {"target": "ship"}, "color_target": {"target": "red"}}  # prompts name neither
@@ -28,6 +29,8 @@ def time_rewards(batch: int, resolution: int, repeats: int) -> dict[str, float]:
     out = {}
     for name in REWARDS:
         if name in SERVER_REWARDS:  # scored by a server elsewhere: its time is the server's
+            continue
+        if name in MODEL_REWARDS:  # read models from a directory the user downloads (none here)
             continue
         reward = build_reward(name, **_KWARGS.get(name, {}))
         reward(x, prompts)  # warm-up

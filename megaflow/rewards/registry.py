@@ -18,7 +18,9 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 
+from megaflow.rewards.aesthetic import AestheticReward
 from megaflow.rewards.cifar import Cifar10Reward
+from megaflow.rewards.clip import ClipScore, PickScore
 from megaflow.rewards.color import ColorTarget
 from megaflow.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from megaflow.rewards.ocr import OcrReward
@@ -37,6 +39,9 @@ REWARDS: dict[str, Callable[..., object]] = {
     "remote": RemoteReward,
     "remote_json": RemoteJsonReward,
     "vlm_judge": VlmJudge,
+    "clipscore": ClipScore,
+    "pickscore": PickScore,
+    "aesthetic": AestheticReward,
 }
 
 

@@ -166,6 +166,16 @@ def _reward_images(tmp: Path, manifest: bytes | None, *, reward: str = "ocr", kw
     return ["eval", "reward", "--reward", reward, "--images", str(d), *(["--kwargs", kwargs] if kwargs else [])]
 
 
+def _clip_dir(tmp: Path, *, config: bool = True) -> Path:
+    """A folder that looks like a CLIP model directory to the checks (config files only, no weights)."""
+    d = tmp / "clip"
+    d.mkdir()
+    (d / "preprocessor_config.json").write_text("{}")
+    if config:
+        (d / "config.json").write_text("{}")
+    return d
+
+
 # --- run dirs: each row's run is `train` with run.name = "r" in <tmp>/runs (the harness sets run.output_dir).
 
 def _runs(tmp: Path, make=None, *extra: str) -> list[str]:
@@ -265,6 +275,13 @@ CASES = {
     "unknown reward": (lambda t: [*TRAIN, "--set", "reward.weights={colour = 1.0}"], "unknown reward 'colour'"),
     "malformed reward path": (lambda t: [*TRAIN, "--set", 'reward.weights={"mymod:" = 1.0}'], "'mymod:'"),
     "reward kwargs without weight": (lambda t: [*TRAIN, "--set", "reward.weights={jpeg_compressibility = 1.0}"], "reward.kwargs.color_target"),
+    "clipscore dir missing": (lambda t: [*TRAIN, "--set", "reward.weights={clipscore = 1.0}", "--set",
+                                         f'reward.kwargs={{clipscore = {{path = "{t / "nope"}"}}}}'],
+                              "reward.kwargs.clipscore.path: "),
+    "aesthetic head missing": (lambda t: [*TRAIN, "--set", "reward.weights={aesthetic = 1.0}", "--set",
+                                          f'reward.kwargs={{aesthetic = {{clip_path = "{_clip_dir(t)}", '
+                                          f'head_path = "{t / "head.pth"}"}}}}'],
+                               "reward.kwargs.aesthetic.head_path: no such file"),
     "unknown shapes category": (lambda t: [*TRAIN, "--set", 'data.shapes_categories=["squares"]'], "unknown category 'squares'"),
     # run dirs (<run.output_dir>/<run.name>)
     "run dir: output_dir a file": (lambda t: _runs(t, lambda r: r.write_text("")), "runs': not a directory"),
@@ -335,11 +352,16 @@ CASES = {
     "reward: unknown name": (lambda t: _reward_images(t, _A, reward="orc"), "unknown reward 'orc'"),
     "reward: malformed path": (lambda t: _reward_images(t, _A, reward="mymod:"), "'pkg.module:callable'"),
     "reward: kwargs a list": (lambda t: _reward_images(t, _A, kwargs="[1, 2]"), "--kwargs: want a JSON object"),
+    "reward: clipscore without config.json": (lambda t: _reward_images(t, _A, reward="clipscore", kwargs=json.dumps(
+        {"path": str(_clip_dir(t, config=False))})), "--kwargs path: "),
     "reward: kwargs not JSON": (lambda t: _reward_images(t, _A, kwargs="{threads: 2}"), "--kwargs: not JSON"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
     CASES["spec te without a GPU"] = (lambda t: [*TRAIN, "--set", "model.spec=te"], "model.spec = 'te'")
+    CASES["clipscore on cuda without a GPU"] = (lambda t: [
+        *TRAIN, "--set", "reward.weights={clipscore = 1.0}", "--set",
+        f'reward.kwargs={{clipscore = {{path = "{_clip_dir(t)}", device = "cuda"}}}}'], "reward.kwargs.clipscore.device")
 
 
 def _snapshot(root: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ import torch
 
 from megaflow.shapeeval.render import render_prompts
 from megaflow.config.preflight import SERVER_REWARDS
+from megaflow.config.reward_files import MODEL_REWARDS
 from megaflow.rewards import REWARDS, AsyncScorer, MultiReward, build_multi_reward, build_reward, safe_score
 
 torch.set_num_threads(1)
@@ -37,7 +38,8 @@ class Flaky:
 
 
 @pytest.mark.parametrize("mode", ["raise", "nan", "inf"])
-@pytest.mark.parametrize("name", [n for n in REWARDS if n not in SERVER_REWARDS])  # those: test_remote.py
+@pytest.mark.parametrize("name", [n for n in REWARDS if n not in SERVER_REWARDS  # those: test_remote.py
+                                  and n not in MODEL_REWARDS])  # need model files: test_clip_rewards.py
 def test_failures_mask_only_the_failing_sample_and_warn(name, mode, caplog):
     real = build_reward(name, **KWARGS.get(name, {}))
     x, meta = _batch(), [{}, {"fail": True}, {}, {}]

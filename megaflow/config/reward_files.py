@@ -1,0 +1,91 @@
+"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``), checked with the
+standard library only (no torch): preflight calls ``check_model_reward`` for each such reward in
+``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
+directory is one line naming the key and the path.
+
+A model directory must hold ``config.json`` (a JSON object: what ``CLIPModel.from_pretrained`` reads); a
+processor directory ``preprocessor_config.json`` (as downloaded from the hub) or ``processor_config.json`` (as
+``CLIPProcessor.save_pretrained`` writes it); a head file must exist, be ``.safetensors`` (header-checked),
+``.pt``, ``.pth`` or ``.bin``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from megaflow.config.files import check_safetensors, read_json
+from megaflow.config.load import ConfigError
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+HEAD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+# reward name -> (kwarg naming the model dir, kwarg naming the processor dir or None, kwarg naming a head file
+# or None, what the user downloads)
+MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
+    "clipscore": ("path", None, None, "hf download openai/clip-vit-large-patch14 --local-dir DIR"),
+    "pickscore": ("path", "processor_path", None,
+                  "hf download yuvalkirstain/PickScore_v1 --local-dir DIR (processor: "
+                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"),
+    "aesthetic": ("clip_path", None, "head_path",
+                  "hf download openai/clip-vit-large-patch14 --local-dir DIR, and the LAION aesthetic head file"),
+}
+
+
+def check_model_dir(path: object, key: str, *, processor: bool = True, hint: str = "") -> Path:
+    """A transformers model directory: ``config.json`` (a JSON object) and, with ``processor``, a processor
+    config; ConfigError naming ``key`` and the path otherwise."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of a local model directory, got {path!r}")
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{key}: {p} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}: {p} has no config.json (not a transformers model directory)")
+    read_json(p / "config.json", key)
+    if processor:
+        check_processor_dir(path, key, hint)
+    return p
+
+
+def check_processor_dir(path: object, key: str, hint: str = "") -> Path:
+    """A directory a ``CLIPProcessor`` loads from (one of ``PROCESSOR_FILES``); ``hint`` ends the message."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of a local processor directory, got {path!r}")
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{key}: {p} is not a directory")
+    if not any((p / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(f"{key}: {p} has no {' or '.join(PROCESSOR_FILES)} (not a CLIP processor directory){hint}")
+    return p
+
+
+def check_head_file(path: object, key: str) -> Path:
+    """A reward head's weights: an existing ``.safetensors`` (header-checked), ``.pt``, ``.pth`` or ``.bin``."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of a weights file, got {path!r}")
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}: no such file {p}")
+    if p.suffix not in HEAD_SUFFIXES:
+        raise ConfigError(f"{key}: {p} is not a weights file (expected {', '.join(HEAD_SUFFIXES)})")
+    if p.suffix == ".safetensors":
+        check_safetensors(p, key)
+    return p
+
+
+def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | None = None) -> None:
+    """The files of model reward ``name`` (a key of ``MODEL_REWARDS``) its ``kwargs`` name; ``where`` comes
+    before each argument's name in messages (default ``reward.kwargs.<name>.``; ``megaflow eval reward``:
+    ``--kwargs ``)."""
+    model_key, processor_key, head_key, download = MODEL_REWARDS[name]
+    where = f"reward.kwargs.{name}." if where is None else where
+    if model_key not in kwargs:
+        raise ConfigError(f"{where}{model_key}: the {name} reward needs a local model directory ({download})")
+    separate = processor_key is not None and kwargs.get(processor_key) is not None
+    hint = f"; or name one with {processor_key}" if processor_key else ""
+    check_model_dir(kwargs[model_key], f"{where}{model_key}", processor=not separate, hint=hint)
+    if separate:
+        check_processor_dir(kwargs[processor_key], f"{where}{processor_key}")
+    if head_key is not None:
+        if head_key not in kwargs:
+            raise ConfigError(f"{where}{head_key}: the {name} reward needs its head's weights file ({download})")
+        check_head_file(kwargs[head_key], f"{where}{head_key}")
