@@ -181,6 +181,11 @@ class RewardConfig:
     weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
     kwargs: dict = opt({}, "Reward name -> constructor arguments, e.g. {color_target = {target = \"red\"}}.")
     num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1, le=256)
+    timeout_s: float = opt(600.0, "Seconds one reward may take to score one batch (its per-sample retries "
+                           "included); a reward still running then is masked for that batch, like one that "
+                           "raised, and counted in reward/<label>_timeouts. Its call cannot be stopped: it is "
+                           "left running on a daemon thread and later batches do not wait for it. 0 = no limit.",
+                           ge=0.0, le=86400.0)
 
 
 @dataclass(kw_only=True)

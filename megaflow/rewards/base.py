@@ -24,6 +24,11 @@ logger = logging.getLogger("megaflow.rewards")
 _LAST_FAILURE: dict[str, str] = {}  # reward name -> why it last masked a sample in this process
 
 
+def note_failure(name: str, why: str) -> None:
+    """Record why reward ``name`` masked samples (what :func:`last_failure` answers)."""
+    _LAST_FAILURE[name] = why
+
+
 def last_failure(name: str) -> str | None:
     """Why reward ``name`` last masked a sample in this process (``TypeError: ...``, ``returned non-finite
     values``), or None when it never did here: the loop's one-line stop of a useless run names it."""
