@@ -11,6 +11,11 @@ a third signal) :func:`abort` terminates every child process of this process by 
 whatever they started; SIGKILL after ``KILL_GRACE_S``) and leaves with ``os._exit(128 + signal)``, so no
 thread left running (an abandoned reward call, a pool worker) can keep the process alive and no engine
 worker outlives it. From then on the handlers stay in place (``restore`` keeps them).
+
+The Python handlers run only when the main thread runs Python code; one blocked inside C (a collective
+waiting for a rank stuck in its reward, a C library wait) would never see the second signal. So the signals
+are also watched from a daemon thread (:class:`SignalWatch`, on the interpreter's wakeup fd): a second
+signal there arms the same watchdog even when the main thread never runs its handler.
 """
 from __future__ import annotations
 
@@ -66,15 +71,86 @@ def abort(signum: int, why: str) -> None:
         os._exit(128 + signum)
 
 
+_WAKEUP_FDS: set[int] = set()  # the write ends SignalWatch made the wakeup fd
+
+
+def _forget_wakeup_fd() -> None:
+    """In a forked child: its signals must not reach the parent's SignalWatch through the inherited pipe."""
+    try:
+        fd = signal.set_wakeup_fd(-1)
+        if fd != -1 and fd not in _WAKEUP_FDS:
+            signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    except ValueError:  # forked from a thread the child does not count as its main thread
+        pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+class SignalWatch:
+    """Sees SIGINT/SIGTERM as they arrive, on a daemon thread: the interpreter's C-level handler writes each
+    signal's number to the wakeup fd (``signal.set_wakeup_fd``), which this thread reads, even while the main
+    thread is blocked in C. ``on_second(signum)`` is called for the first signal later than ``DUPLICATE_S``
+    after the first one. Inactive (``active`` False) when a wakeup fd is already set (asyncio's): that one is
+    left alone. Main thread only."""
+
+    def __init__(self, on_second):
+        self.on_second, self.active = on_second, False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        previous = signal.set_wakeup_fd(-1)
+        if previous != -1:  # not ours to replace: put it back
+            signal.set_wakeup_fd(previous, warn_on_full_buffer=False)
+            self._close_fds()
+            return
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        _WAKEUP_FDS.add(self._write_fd)
+        self.active = True
+        threading.Thread(target=self._read, name="megaflow-signals", daemon=True).start()
+
+    def _read(self) -> None:
+        first = 0.0
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data:  # close(): the write end is gone
+                os.close(self._read_fd)
+                return
+            for signum in data:
+                if signum not in (signal.SIGINT, signal.SIGTERM):
+                    continue
+                now = time.monotonic()
+                if not first:
+                    first = now
+                elif now - first >= DUPLICATE_S:
+                    self.on_second(signum)
+
+    def close(self) -> None:
+        """Stop watching (main thread): the wakeup fd unset, the thread ends."""
+        if self.active:
+            self.active = False
+            signal.set_wakeup_fd(-1)
+            _WAKEUP_FDS.discard(self._write_fd)
+            os.close(self._write_fd)
+
+    def _close_fds(self) -> None:
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
 class StopRequests:
     """Installs the handlers (main thread only; elsewhere it never requests a stop)."""
 
     def __init__(self):
         self.signum, self._first, self.abandoned = 0, 0.0, 0
         self._saved: dict[int, object] = {}
+        self._armed, self._arm_lock, self._watch = False, threading.Lock(), None
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._saved[s] = signal.signal(s, self._handle)
+            self._watch = SignalWatch(self._arm)
 
     def _handle(self, signum, frame) -> None:
         if self.signum:
@@ -92,6 +168,14 @@ class StopRequests:
         self.abandoned = signum
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _abort_now)
+        self._arm(signum)
+
+    def _arm(self, signum: int) -> None:
+        """Start the watchdog (once; from the handler or the SignalWatch thread, whichever sees it first)."""
+        with self._arm_lock:
+            if self._armed:
+                return
+            self._armed = True
         print(f"\n[megaflow] {signal.Signals(signum).name} again: abandoning the run (exit within "
               f"{ABORT_GRACE_S + 2 * KILL_GRACE_S:g} s; again to exit now)", file=sys.stderr, flush=True)
         watchdog = threading.Thread(target=_abort_later, args=(signum, ABORT_GRACE_S), name="megaflow-abort",
@@ -113,10 +197,15 @@ class StopRequests:
     def restore(self) -> None:
         """The handlers from before; after a second signal the abort handlers stay (a third signal must still
         end the process at once, and a default SIGTERM would leave the engine workers behind)."""
-        if not self.abandoned:
-            for s, handler in self._saved.items():
-                signal.signal(s, handler)
+        if self.abandoned or self._armed:
+            self._saved.clear()
+            return
+        for s, handler in self._saved.items():
+            signal.signal(s, handler)
         self._saved.clear()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
 
 def _abort_now(signum, frame) -> None:

@@ -70,6 +70,33 @@ def test_abort_kills_our_children_and_exits_with_the_signal_code():
     assert not _alive(child)
 
 
+def test_a_main_thread_blocked_in_c_is_still_aborted_by_the_second_signal():
+    """The main thread waits on a lock with SIGTERM blocked, so the signals go to another thread and the Python
+    handlers never run (as when it waits inside a collective): the wakeup-fd watch arms the watchdog."""
+    code = ("import signal, sys, threading, time\n"
+            "from megaflow.run import interrupt\n"
+            "interrupt.DUPLICATE_S, interrupt.ABORT_GRACE_S = 0.2, 0.5\n"
+            "stop = interrupt.StopRequests()\n"
+            "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()  # takes the signals\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+            "print('ready', flush=True)\n"
+            "lock = threading.Lock()\nlock.acquire()\nlock.acquire()  # blocks in C for ever\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the first signal only asks for a stop
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "abandoning the run" in err and "after the run was abandoned" in err, err
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
