@@ -8,7 +8,8 @@ its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_w
 
 Rewards must never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
 for the affected samples (a batch that raises is retried sample by sample, so only the samples
-that really fail are masked) and logs a warning naming the reward and the reason.
+that really fail are masked) and logs a warning naming the reward and the reason. A reward still running
+after ``reward.timeout_s`` is masked for the whole batch by the scorer (``megaflow.rewards.scorer``).
 """
 from __future__ import annotations
 
