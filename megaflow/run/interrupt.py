@@ -5,8 +5,8 @@ terminal and forwarded by torchrun). The CLI turns it into one line and exit cod
 (SIGTERM); under torchrun the launcher's own exit code is its own (1 after a signal).
 
 A second signal (later than ``DUPLICATE_S``) abandons the run, whatever it waits on (a reward that never
-returns, an engine that does not answer): KeyboardInterrupt is raised in the main thread so the loop's
-``finally`` shuts the engines down, and a watchdog gives that ``ABORT_GRACE_S`` seconds; then (or at once on
+returns, an engine that does not answer): :class:`Abandoned` (a KeyboardInterrupt; the CLI exits 128 + its
+signal) is raised in the main thread so the loop's ``finally`` shuts the engines down, and a watchdog gives that ``ABORT_GRACE_S`` seconds; then (or at once on
 a third signal) :func:`abort` terminates every child process of this process by PID (the engine workers and
 whatever they started; SIGKILL after ``KILL_GRACE_S``) and leaves with ``os._exit(128 + signal)``, so no
 thread left running (an abandoned reward call, a pool worker) can keep the process alive and no engine
@@ -140,6 +140,14 @@ class SignalWatch:
         os.close(self._write_fd)
 
 
+class Abandoned(KeyboardInterrupt):
+    """The second signal: the run is abandoned (no checkpoint); ``signum`` says which signal (exit 128 + it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"abandoned by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class StopRequests:
     """Installs the handlers (main thread only; elsewhere it never requests a stop)."""
 
@@ -157,7 +165,7 @@ class StopRequests:
             if time.monotonic() - self._first < DUPLICATE_S:
                 return  # the same stop again: a launcher (torchrun) passes a terminal's Ctrl-C on to its workers
             self._abandon(signum)
-            raise KeyboardInterrupt  # second signal: abandon now
+            raise Abandoned(signum)  # second signal: abandon now
         self.signum, self._first = signum, time.monotonic()
         print(f"\n[megaflow] {signal.Signals(signum).name}: stopping after this iteration (again to abandon)",
               flush=True)

@@ -25,8 +25,9 @@ def test_repeat_within_the_window_is_the_same_stop_and_a_later_one_abandons(monk
         os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy: still one request
         assert stop.signum == signal.SIGINT and stop.agreed() == signal.SIGINT
         monkeypatch.setattr(interrupt, "DUPLICATE_S", 0.0)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as abandoned:
             os.kill(os.getpid(), signal.SIGTERM)
+        assert isinstance(abandoned.value, interrupt.Abandoned) and abandoned.value.signum == signal.SIGTERM
         assert stop.abandoned == signal.SIGTERM and not aborts
         stop.restore()  # as the loop's finally does: the abort handlers stay
         assert signal.getsignal(signal.SIGTERM) is interrupt._abort_now
