@@ -254,6 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"megaflow: {e}", file=sys.stderr)
         return 128 + e.signum
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # a plain Ctrl-C, or Abandoned (a second signal) with its signal
         print("megaflow: interrupted (engines shut down, no checkpoint written)", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)

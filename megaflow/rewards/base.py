@@ -8,7 +8,8 @@ its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_w
 
 Rewards must never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
 for the affected samples (a batch that raises is retried sample by sample, so only the samples
-that really fail are masked) and logs a warning naming the reward and the reason.
+that really fail are masked) and logs a warning naming the reward and the reason. A reward still running
+after ``reward.timeout_s`` is masked for the whole batch by the scorer (``megaflow.rewards.scorer``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from PIL import Image
 
 logger = logging.getLogger("megaflow.rewards")
 _LAST_FAILURE: dict[str, str] = {}  # reward name -> why it last masked a sample in this process
+
+
+def note_failure(name: str, why: str) -> None:
+    """Record why reward ``name`` masked samples (what :func:`last_failure` answers)."""
+    _LAST_FAILURE[name] = why
 
 
 def last_failure(name: str) -> str | None:

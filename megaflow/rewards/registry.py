@@ -124,9 +124,10 @@ def _coerce(spec: RewardSpec | Mapping) -> RewardSpec:
 
 
 def build_multi_reward(specs: Sequence[RewardSpec | Mapping] | Mapping[str, float],
-                       kwargs: Mapping[str, Mapping] | None = None) -> MultiReward:
+                       kwargs: Mapping[str, Mapping] | None = None, *, timeout_s: float = 0.0) -> MultiReward:
     """One ``MultiReward`` from either a list of specs (``RewardSpec`` or plain dicts from a TOML
-    config), or the config's ``{name: weight}`` table with optional ``{name: kwargs}``."""
+    config), or the config's ``{name: weight}`` table with optional ``{name: kwargs}``; ``timeout_s``: each
+    component's time limit per batch (0 = none; see megaflow.rewards.scorer)."""
     if isinstance(specs, Mapping):
         kwargs = dict(kwargs or {})
         stray = sorted(set(kwargs) - set(specs))
@@ -136,7 +137,8 @@ def build_multi_reward(specs: Sequence[RewardSpec | Mapping] | Mapping[str, floa
     elif kwargs:
         raise ValueError("reward kwargs go inside each spec when specs are a list")
     specs = [_coerce(s) for s in specs]
-    return MultiReward([(s.label or s.name, _weight(s), build_reward(s.name, **dict(s.kwargs))) for s in specs])
+    return MultiReward([(s.label or s.name, _weight(s), build_reward(s.name, **dict(s.kwargs))) for s in specs],
+                       timeout_s=timeout_s)
 
 
 def _weight(spec: RewardSpec) -> float:

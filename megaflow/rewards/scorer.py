@@ -10,18 +10,58 @@ a weight-0 component is only reported.
 ``RewardScores`` that ``score`` gives synchronously; the rollout loop submits a batch and goes on
 sampling the next one. Threads, not processes: the heavy parts (PIL encode, numpy, torch) release
 the GIL, and a thread shares loaded weights (the CIFAR CNN) with no pickling or re-import cost.
+
+Timeouts (``reward.timeout_s``; 0 = none). With a limit, each component scores a batch on a fresh daemon
+thread and the scorer waits at most ``timeout_s`` for it: a component still running then is masked for the
+batch (NaN, as if it raised; per-sample retries are not tried) and counted in ``RewardScores.timeouts``
+(logged as ``reward/<label>_timeouts``). Python cannot kill a thread, so the stuck call is abandoned: it runs
+on in the background (a daemon thread, so it never keeps the process alive at exit) and its result is
+dropped; the next batch starts its own thread and never queues behind it. A reward that hangs on every
+call leaves one abandoned thread per batch, and a reward that times out may still be running while the
+next batch calls it, so it must tolerate concurrent calls.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from megaflow.rewards.base import ImageBatch, Reward, score_with_info
+from megaflow.rewards.base import ImageBatch, Reward, batch_size, note_failure, score_with_info
 from megaflow.rollout.types import RewardScores
+
+logger = logging.getLogger("megaflow.rewards")
+
+
+class RewardTimeout(Exception):
+    """A call did not return within its time limit (it is left running on its daemon thread)."""
+
+
+def call_within(fn: Callable[[], object], timeout_s: float, *, name: str) -> object:
+    """``fn()``, or :class:`RewardTimeout` when it has not returned after ``timeout_s`` seconds (0 = wait as
+    long as it takes, on the caller's thread). With a limit it runs on a new daemon thread that is abandoned
+    on timeout: nothing can stop it, so it finishes (or not) in the background and its result is dropped."""
+    if not timeout_s:
+        return fn()
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["err"] = e
+    thread = threading.Thread(target=target, name=f"megaflow-reward-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"no result after {timeout_s:g} s (reward.timeout_s); its call is abandoned")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 class MultiReward(Reward):
@@ -29,7 +69,7 @@ class MultiReward(Reward):
 
     name = "multi"
 
-    def __init__(self, components: Sequence[tuple[str, float, Reward]]):
+    def __init__(self, components: Sequence[tuple[str, float, Reward]], *, timeout_s: float = 0.0):
         if not components:
             raise ValueError("a multi-reward needs at least one component")
         labels = [c[0] for c in components]
@@ -39,14 +79,17 @@ class MultiReward(Reward):
         for label, weight, _ in components:
             if not np.isfinite(weight):
                 raise ValueError(f"reward {label!r} has non-finite weight {weight}")
+        if not timeout_s >= 0.0:
+            raise ValueError(f"timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
         self.components = [(label, float(w), r) for label, w, r in components]
+        self.timeout_s = float(timeout_s)
 
     def score(self, images: ImageBatch, prompts: Sequence[str],
               metadata: Sequence[dict] | None = None) -> RewardScores:
-        comps, secs, info = {}, {}, {}
+        comps, secs, info, timeouts = {}, {}, {}, {}
         for label, _, reward in self.components:
             t0 = time.perf_counter()
-            comps[label], extra = score_with_info(reward, images, prompts, metadata, name=label)
+            comps[label], extra, timeouts[label] = self._component(label, reward, images, prompts, metadata)
             secs[label] = time.perf_counter() - t0
             info.update({f"{label}/{key}": value for key, value in extra.items()})
         total = torch.zeros(len(prompts))
@@ -54,7 +97,19 @@ class MultiReward(Reward):
             if w != 0.0:  # weight 0 = reported only: neither counted nor masking
                 total = total + w * comps[label]
         return RewardScores(total=total, components=comps, seconds=secs,
-                            weights={label: w for label, w, _ in self.components}, info=info)
+                            weights={label: w for label, w, _ in self.components}, info=info, timeouts=timeouts)
+
+    def _component(self, label: str, reward: Reward, images: ImageBatch, prompts: Sequence[str],
+                   metadata: Sequence[dict] | None) -> tuple[torch.Tensor, dict, int]:
+        """One component on the batch: (scores, info, 1 if it timed out and was masked else 0)."""
+        try:
+            scores, extra = call_within(lambda: score_with_info(reward, images, prompts, metadata, name=label),
+                                        self.timeout_s, name=label)
+            return scores, extra, 0
+        except RewardTimeout as e:
+            logger.warning("reward %s: batch of %d masked: %s", label, len(prompts), e)
+            note_failure(label, f"timed out: {e}")
+            return torch.full((batch_size(images),), float("nan")), {}, 1
 
     def __call__(self, images: ImageBatch, prompts: Sequence[str],
                  metadata: Sequence[dict] | None = None) -> torch.Tensor:
@@ -90,7 +145,9 @@ class AsyncScorer:
         return self._pool.submit(self.reward.score, _snapshot(images), list(prompts), meta)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Drop the batches not started yet and wait for the running ones (each bounded by the reward's
+        ``timeout_s`` when it has one)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> AsyncScorer:
         return self

@@ -44,6 +44,7 @@ def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
     out.update({_COMPONENT + label: scores.components[label] for label in labels})
     out["reward.seconds"] = torch.tensor([scores.seconds[label] for label in labels], dtype=torch.float64)
     out["reward.weights"] = torch.tensor([scores.weights[label] for label in labels], dtype=torch.float64)
+    out["reward.timeouts"] = torch.tensor([scores.timeouts.get(label, 0) for label in labels], dtype=torch.int64)
     out.update({_INFO + key: torch.tensor([value], dtype=torch.float64) for key, value in scores.info.items()})
     return out
 
@@ -105,5 +106,6 @@ def unpack_share(share: dict[str, torch.Tensor], requests: Sequence[RolloutReque
     scores = RewardScores(total=share["reward.total"], components={k: share[_COMPONENT + k] for k in labels},
                           weights=dict(zip(labels, share["reward.weights"].tolist())),
                           seconds=dict(zip(labels, share["reward.seconds"].tolist())),
+                          timeouts=dict(zip(labels, share["reward.timeouts"].tolist())),
                           info={n[len(_INFO):]: float(v[0]) for n, v in share.items() if n.startswith(_INFO)})
     return trajs, scores

@@ -151,7 +151,8 @@ class HostedRollout:
         order = [where[r.request_id] + j for r in requests for j in range(r.num_outputs)]
         merged = RewardScores.concat(all_scores)  # seconds: summed over hosts (scoring work, not wall time)
         scores = RewardScores(total=merged.total[order], components={k: v[order] for k, v in merged.components.items()},
-                              weights=merged.weights, seconds=merged.seconds, info=merged.info)
+                              weights=merged.weights, seconds=merged.seconds, info=merged.info,
+                              timeouts=merged.timeouts)
         metrics.update({"time/sample_s": max(v for k, v in metrics.items() if k.endswith("/sample_s")),
                         "time/collect_s": time.perf_counter() - pending.t0, "time/collect_wait_s": t_wait,
                         "time/score_after_sample_s": timings.get("time/score_after_sample_s", 0.0)})

@@ -163,11 +163,12 @@ class RewardScores:
     weights: dict[str, float]
     seconds: dict[str, float]  # label -> wall time of that component on this batch
     info: dict[str, float] = field(default_factory=dict)  # "<label>/<key>" -> a reward's reported mean
+    timeouts: dict[str, int] = field(default_factory=dict)  # label -> batches masked for running past timeout_s
 
     @classmethod
     def concat(cls, parts: Sequence[RewardScores]) -> RewardScores:
-        """The scores of consecutive batches as one: tensors concatenated in order, seconds summed, info
-        averaged over the batches that report it, weighted by their sizes."""
+        """The scores of consecutive batches as one: tensors concatenated in order, seconds and timeouts summed,
+        info averaged over the batches that report it, weighted by their sizes."""
         if not parts:
             raise ValueError("concat needs at least one RewardScores")
         labels = list(parts[0].components)
@@ -176,7 +177,7 @@ class RewardScores:
         return cls(total=torch.cat([p.total for p in parts]),
                    components={k: torch.cat([p.components[k] for p in parts]) for k in labels},
                    weights=dict(parts[0].weights), seconds={k: sum(p.seconds[k] for p in parts) for k in labels},
-                   info=info)
+                   info=info, timeouts={k: sum(p.timeouts.get(k, 0) for p in parts) for k in labels})
 
     @property
     def valid(self) -> torch.Tensor:
@@ -191,6 +192,7 @@ class RewardScores:
         for label, v in self.components.items():
             out[f"reward/{label}"] = _nanmean(v)
             out[f"reward/{label}_seconds"] = self.seconds[label]
+            out[f"reward/{label}_timeouts"] = float(self.timeouts.get(label, 0))
         out.update({f"reward/{key}": value for key, value in self.info.items()})
         return out
 

@@ -280,8 +280,9 @@ def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir
 
 
 def build_scorer(cfg: MegaflowConfig):
-    """The reward scorer of ``reward`` (the weighted rewards, scored on ``reward.num_workers`` threads)."""
+    """The reward scorer of ``reward`` (the weighted rewards, scored on ``reward.num_workers`` threads, each
+    component bounded by ``reward.timeout_s``)."""
     from megaflow.rewards.registry import build_multi_reward
     from megaflow.rewards.scorer import AsyncScorer
-    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs)
+    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs, timeout_s=cfg.reward.timeout_s)
     return AsyncScorer(reward, num_workers=cfg.reward.num_workers)

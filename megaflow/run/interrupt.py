@@ -1,17 +1,33 @@
 """Ctrl-C / SIGTERM during a run: the first signal asks the run to stop after the current iteration (its
-checkpoint is saved and the engines shut down, then :class:`Interrupted` is raised); a second one abandons
-at once (KeyboardInterrupt, engines still shut down by the loop's ``finally``); a repeat within
+checkpoint is saved and the engines shut down, then :class:`Interrupted` is raised); a repeat within
 ``DUPLICATE_S`` seconds counts as the same request (Ctrl-C reaches torchrun's workers twice: from the
-terminal and forwarded by torchrun). The CLI turns either into one line and exit code 130 (SIGINT) or 143
+terminal and forwarded by torchrun). The CLI turns it into one line and exit code 130 (SIGINT) or 143
 (SIGTERM); under torchrun the launcher's own exit code is its own (1 after a signal).
+
+A second signal (later than ``DUPLICATE_S``) abandons the run, whatever it waits on (a reward that never
+returns, an engine that does not answer): :class:`Abandoned` (a KeyboardInterrupt; the CLI exits 128 + its
+signal) is raised in the main thread so the loop's ``finally`` shuts the engines down, and a watchdog gives that ``ABORT_GRACE_S`` seconds; then (or at once on
+a third signal) :func:`abort` terminates every child process of this process by PID (the engine workers and
+whatever they started; SIGKILL after ``KILL_GRACE_S``) and leaves with ``os._exit(128 + signal)``, so no
+thread left running (an abandoned reward call, a pool worker) can keep the process alive and no engine
+worker outlives it. From then on the handlers stay in place (``restore`` keeps them).
+
+The Python handlers run only when the main thread runs Python code; one blocked inside C (a collective
+waiting for a rank stuck in its reward, a C library wait) would never see the second signal. So the signals
+are also watched from a daemon thread (:class:`SignalWatch`, on the interpreter's wakeup fd): a second
+signal there arms the same watchdog even when the main thread never runs its handler.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 
 DUPLICATE_S = 2.0
+ABORT_GRACE_S = 5.0  # after the second signal: the time the main thread gets to shut the engines down
+KILL_GRACE_S = 3.0  # abort: SIGTERM to our children, SIGKILL to those still alive this much later
 
 
 class Interrupted(RuntimeError):
@@ -21,24 +37,158 @@ class Interrupted(RuntimeError):
         super().__init__(f"stopped by {signal.Signals(signum).name} after iteration {iteration} ({saved})")
 
 
+def kill_children(grace_s: float = KILL_GRACE_S) -> list[int]:
+    """SIGTERM every descendant of this process (by PID: only our own), SIGKILL those still alive after
+    ``grace_s``; the PIDs signalled."""
+    import psutil
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [c.pid for c in children]
+
+
+def abort(signum: int, why: str) -> None:
+    """Leave now: our child processes stopped (:func:`kill_children`), then ``os._exit(128 + signum)`` (no
+    thread is waited for, no ``finally`` runs)."""
+    try:
+        print(f"\n[megaflow] {signal.Signals(signum).name}: {why}: stopping the engine workers and exiting",
+              file=sys.stderr, flush=True)
+        kill_children()
+    finally:
+        os._exit(128 + signum)
+
+
+_WAKEUP_FDS: set[int] = set()  # the write ends SignalWatch made the wakeup fd
+
+
+def _forget_wakeup_fd() -> None:
+    """In a forked child: its signals must not reach the parent's SignalWatch through the inherited pipe."""
+    try:
+        fd = signal.set_wakeup_fd(-1)
+        if fd != -1 and fd not in _WAKEUP_FDS:
+            signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    except ValueError:  # forked from a thread the child does not count as its main thread
+        pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
+class SignalWatch:
+    """Sees SIGINT/SIGTERM as they arrive, on a daemon thread: the interpreter's C-level handler writes each
+    signal's number to the wakeup fd (``signal.set_wakeup_fd``), which this thread reads, even while the main
+    thread is blocked in C. ``on_second(signum)`` is called for the first signal later than ``DUPLICATE_S``
+    after the first one. Inactive (``active`` False) when a wakeup fd is already set (asyncio's): that one is
+    left alone. Main thread only."""
+
+    def __init__(self, on_second):
+        self.on_second, self.active = on_second, False
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        previous = signal.set_wakeup_fd(-1)
+        if previous != -1:  # not ours to replace: put it back
+            signal.set_wakeup_fd(previous, warn_on_full_buffer=False)
+            self._close_fds()
+            return
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        _WAKEUP_FDS.add(self._write_fd)
+        self.active = True
+        threading.Thread(target=self._read, name="megaflow-signals", daemon=True).start()
+
+    def _read(self) -> None:
+        first = 0.0
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data:  # close(): the write end is gone
+                os.close(self._read_fd)
+                return
+            for signum in data:
+                if signum not in (signal.SIGINT, signal.SIGTERM):
+                    continue
+                now = time.monotonic()
+                if not first:
+                    first = now
+                elif now - first >= DUPLICATE_S:
+                    self.on_second(signum)
+
+    def close(self) -> None:
+        """Stop watching (main thread): the wakeup fd unset, the thread ends."""
+        if self.active:
+            self.active = False
+            signal.set_wakeup_fd(-1)
+            _WAKEUP_FDS.discard(self._write_fd)
+            os.close(self._write_fd)
+
+    def _close_fds(self) -> None:
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
+class Abandoned(KeyboardInterrupt):
+    """The second signal: the run is abandoned (no checkpoint); ``signum`` says which signal (exit 128 + it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"abandoned by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class StopRequests:
     """Installs the handlers (main thread only; elsewhere it never requests a stop)."""
 
     def __init__(self):
-        self.signum, self._first = 0, 0.0
+        self.signum, self._first, self.abandoned = 0, 0.0, 0
         self._saved: dict[int, object] = {}
+        self._armed, self._arm_lock, self._watch = False, threading.Lock(), None
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._saved[s] = signal.signal(s, self._handle)
+            self._watch = SignalWatch(self._arm)
 
     def _handle(self, signum, frame) -> None:
         if self.signum:
             if time.monotonic() - self._first < DUPLICATE_S:
                 return  # the same stop again: a launcher (torchrun) passes a terminal's Ctrl-C on to its workers
-            raise KeyboardInterrupt  # second signal: abandon now
+            self._abandon(signum)
+            raise Abandoned(signum)  # second signal: abandon now
         self.signum, self._first = signum, time.monotonic()
         print(f"\n[megaflow] {signal.Signals(signum).name}: stopping after this iteration (again to abandon)",
               flush=True)
+
+    def _abandon(self, signum: int) -> None:
+        """Second signal: a further one aborts at once; the watchdog aborts after ABORT_GRACE_S whatever the
+        main thread is doing (a daemon thread: it also runs while the interpreter waits for other threads)."""
+        self.abandoned = signum
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _abort_now)
+        self._arm(signum)
+
+    def _arm(self, signum: int) -> None:
+        """Start the watchdog (once; from the handler or the SignalWatch thread, whichever sees it first)."""
+        with self._arm_lock:
+            if self._armed:
+                return
+            self._armed = True
+        print(f"\n[megaflow] {signal.Signals(signum).name} again: abandoning the run (exit within "
+              f"{ABORT_GRACE_S + 2 * KILL_GRACE_S:g} s; again to exit now)", file=sys.stderr, flush=True)
+        watchdog = threading.Thread(target=_abort_later, args=(signum, ABORT_GRACE_S), name="megaflow-abort",
+                                    daemon=True)
+        watchdog.start()
 
     def agreed(self) -> int:
         """The signal every rank agrees to stop for (0 = go on): any rank's request stops them all at the
@@ -53,6 +203,23 @@ class StopRequests:
         return int(flag.item())
 
     def restore(self) -> None:
+        """The handlers from before; after a second signal the abort handlers stay (a third signal must still
+        end the process at once, and a default SIGTERM would leave the engine workers behind)."""
+        if self.abandoned or self._armed:
+            self._saved.clear()
+            return
         for s, handler in self._saved.items():
             signal.signal(s, handler)
         self._saved.clear()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+
+def _abort_now(signum, frame) -> None:
+    abort(signum, "signalled again")
+
+
+def _abort_later(signum: int, after_s: float) -> None:
+    time.sleep(after_s)
+    abort(signum, f"still running {after_s:g} s after the run was abandoned")

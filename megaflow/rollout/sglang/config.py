@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megaflow.config.schema import MegaflowConfig
+from megaflow.config.schema import MAX_BATCH_WINDOW_MS, MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
 NUM_TEXT_ENCODERS = {"sd3": 3, "flux": 2}
@@ -70,6 +70,8 @@ class SGLangEngineConfig:
         if self.max_batch_outputs < 1 or self.num_inflight_calls < 1:
             raise ValueError(f"max_batch_outputs and num_inflight_calls must be >= 1, got "
                              f"{self.max_batch_outputs}, {self.num_inflight_calls}")
+        if not 0.0 <= self.batch_window_ms <= MAX_BATCH_WINDOW_MS:  # also refuses NaN: a window never ends
+            raise ValueError(f"batch_window_ms must be in [0, {MAX_BATCH_WINDOW_MS:g}], got {self.batch_window_ms}")
 
 
 def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, device_index: int | None = None,

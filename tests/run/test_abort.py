@@ -1,0 +1,93 @@
+"""A second SIGTERM abandons a run whatever it waits on: `megaflow train` whose reward never returns (and has no
+time limit, reward.timeout_s = 0) gets SIGTERM once the reward is called (a stop at the iteration boundary,
+which never comes), then SIGTERM again 3 s later (past DUPLICATE_S); it must exit within 20 s of the second,
+with code 143, and leave none of its child processes (the SGLang engine workers) alive. The signals go to the
+driver's PID only, as `kill PID` sends them: the workers are never signalled by the test.
+Needs: CPU, 1 process, a real SGLang engine (~1 min, slow)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+REPO = Path(__file__).resolve().parents[2]
+STUCK = """
+import time
+from pathlib import Path
+
+def score(images, prompts, metadata):
+    Path(__file__).with_suffix(".called").touch()
+    while True:  # never returns
+        time.sleep(1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _record_descendants(proc: subprocess.Popen, seen: set[int]) -> None:
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            seen.update(c.pid for c in root.children(recursive=True))
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+
+
+def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tmp_path):
+    (tmp_path / "stuckreward.py").write_text(STUCK)
+    called = tmp_path / "stuckreward.called"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    sets = ['run.name="stuck"', f'run.output_dir="{tmp_path / "runs"}"', 'reward.weights={"stuckreward:score" = 1.0}',
+            "reward.kwargs={}", "reward.timeout_s=0", "train.iterations=3", "rollout.prompts_per_iter=1",
+            "rollout.group_size=2", "rollout.num_steps=2", "rollout.height=32", "rollout.width=32",
+            "train.micro_batch_size=2"]
+    cmd = [sys.executable, "-m", "megaflow.cli", "train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen: set[int] = set()
+    watch = threading.Thread(target=_record_descendants, args=(proc, seen), daemon=True)
+    watch.start()
+    try:
+        deadline = time.monotonic() + 400
+        while not called.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert called.exists(), f"the reward was never called (rc {proc.poll()})"
+        assert seen, "the run started no child process (no engine workers?)"
+        proc.send_signal(signal.SIGTERM)  # first: stop at the iteration boundary, which never comes
+        time.sleep(3.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # second: abandon
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    watch.join(timeout=5)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-3000:])
+    assert took < 20, took
+    alive = [p for p in seen if _alive(p)]
+    for p in alive:  # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"processes outlived their run: {alive}\n{err[-3000:]}"
+    assert "abandoning the run" in err, err[-3000:]
