@@ -241,12 +241,12 @@ def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir
         return LoRABridge(engines, alpha=cfg.lora.alpha, rank=cfg.lora.rank, verify=b.verify)
     if b.mode == "colocated":
         from megaflow.bridge.colocated import ColocatedBridge
-        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify)
+        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify, checksum=b.checksum)
     if b.mode == "disk":
         from megaflow.bridge.disk import DiskBridge
         tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
         return DiskBridge(engines, run_dir / "weights", transformer_config=tconf, bucket_bytes=nbytes,
-                          verify=b.verify)
+                          verify=b.verify, checksum=b.checksum)
     raise ValueError(f"bridge.mode = {b.mode!r} has no local bridge (see build_sync)")
 
 
@@ -266,7 +266,7 @@ def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir
     if p.is_driver:
         return RunSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
             group=groups.weights, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify,
-            device=device, engines=targets))
+            device=device, engines=targets, checksum=b.checksum))
     receiver = DistributedReceiver(targets, group=groups.weights, src=DRIVER, device=device) if p.is_host else None
     return RunSync(p, group=groups.everyone, receiver=receiver)
 
