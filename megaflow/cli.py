@@ -17,6 +17,7 @@ from megaflow.config.preflight import preflight
 from megaflow.run.interrupt import Interrupted
 
 Handler = Callable[[argparse.Namespace], int]
+TRUST_HELP = "Load a checkpoint lacking MANIFEST.json unchecked (torch unpickles it): only from a trusted source."
 
 
 def _add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -134,7 +135,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megaflow.run.loop import run
     _setup_logging(logging.INFO, args.verbose)
-    metrics = run(cfg, resume=args.resume, verbose=args.verbose)
+    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -161,7 +162,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint)
     _print_json(result, args.json)
     return 0
 
@@ -204,8 +205,8 @@ def _cmd_bench_hosts(args: argparse.Namespace) -> int:
 
 def _cmd_bench_sync(args: argparse.Namespace) -> int:
     from megaflow.bench.sync import bench_sync
-    _emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines,
-                     repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny,
+    _emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines, tiny=not
+                     args.no_tiny, repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb,
                      checksum=args.checksum), args)
     return 0
 
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", action="store_true",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
                          "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
+    p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     _add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
@@ -274,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
+    p_exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     p_exp.set_defaults(handler=_cmd_export)
 
     p_bench = sub.add_parser("bench", help="Benchmarks (print / write one JSON object).")
@@ -301,8 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_bs.add_argument("--repeats", type=int, default=5, help="Timed pushes (the median is reported).")
     p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")
     p_bs.add_argument("--bucket-mb", type=float, default=64.0, help="Bucket size, MiB.")
-    p_bs.add_argument("--checksum", choices=("xxh3", "sha256"), default="xxh3",
-                      help="Digest of the verified syncs, on both sides (bridge.checksum).")
+    p_bs.add_argument("--checksum", choices=("xxh3", "sha256"), default="xxh3", help="bridge.checksum of the syncs.")
     p_bs.add_argument("--no-tiny", action="store_true", help="Skip the tiny model.")
     p_bl = bench_sub.add_parser("learn", help="The demo's RL recipe through a plain diffusers + torch loop vs "
                                 "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")

@@ -72,10 +72,10 @@ class Run:
 
 
 def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
-              resume_from: Path | None = None, verbose: bool = False) -> Run:
+              resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False) -> Run:
     """This trainer rank's :class:`Run` of ``cfg`` (pipeline defaults applied) on ``pipeline_dir``; resumed from
-    the checkpoint ``resume_from`` (after iteration ``start``) when given. ``verbose``: the engines' logs go to
-    the terminal."""
+    the checkpoint ``resume_from`` (after iteration ``start``) when given (``trust_checkpoint``: one without a
+    manifest is loaded unchecked). ``verbose``: the engines' logs go to the terminal."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
     from megaflow.run.algorithm import build_algorithm
@@ -86,7 +86,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     trainer, reference = build_trainer(cfg, pipeline_dir)
     ema = build_ema(cfg, trainer)
     algorithm = build_algorithm(cfg, trainer, reference, ema)
-    history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema))
+    history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema),
+                                trust=trust_checkpoint)
     rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
     try:
         sampler = rollout.local
@@ -122,14 +123,14 @@ def run_shadows(algorithm, ema) -> dict:
 
 
 def restore(trainer, resume_from: Path | None, start: int, *, driver: bool,
-            shadows: dict | None = None) -> tuple[list[dict], int]:
+            shadows: dict | None = None, trust: bool = False) -> tuple[list[dict], int]:
     """(metrics rows so far, prompts consumed): the checkpoint's, loaded into ``trainer`` and ``shadows``
     (collective), or a fresh run's ([], 0) when ``resume_from`` is None."""
     if resume_from is None:
         return [], 0
     from megaflow.run.state import load
     t_load = time.perf_counter()
-    state = load(trainer, resume_from, shadows=shadows)
+    state = load(trainer, resume_from, shadows=shadows, trust=trust)
     if driver:
         print(f"[megaflow] resuming after iteration {start} from {resume_from} "
               f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)

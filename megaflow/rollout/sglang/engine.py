@@ -275,8 +275,8 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
         """Push DiT tensors (diffusers names) as one flattened bucket (SGLang's ``FlattenedTensorBucket``);
-        ``verify``: then check each by its digest (``config.checksum``; SGLang skips unknown names and still reports success, so
-        without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
+        ``verify``: then check each by its digest (``config.checksum``; SGLang skips unknown names and still
+        reports success, so without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
         into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
         bf16 model) must not be rounded on the way."""
         flat, metadata = flatten(list(named_tensors))
