@@ -66,6 +66,7 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
     from megaflow.parallel.dims import ParallelDims
     from megaflow.testing.dist import RankError, run_multiprocess
     from megaflow.trainer import checkpoint
+    from megaflow.trainer.manifest import write_manifest
 
     dconfig = read_json(src / "config.json", "--src")
     fam = _family_for(dconfig)
@@ -88,16 +89,17 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
             first = e.remote_traceback.split("\n(rank ")[0].strip().splitlines()
             raise ConvertError(f"rank {e.rank}: {first[-1] if first else 'failed'}") from None
         checkpoint.write_meta(tmp, family=fam.name, diffusers_config=dconfig)
+        write_manifest(tmp)  # last: every file's size and digest (megaflow.trainer.manifest)
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def to_diffusers(src: Path, dst: Path) -> None:
+def to_diffusers(src: Path, dst: Path, *, trust: bool = False) -> None:
     from megaflow.run.export import checkpoint_transformer, save_transformer_weights
 
     try:
-        _, dconfig, state = checkpoint_transformer(src)
+        _, dconfig, state = checkpoint_transformer(src, trust=trust)
     except ValueError as e:
         raise ConvertError(str(e)) from None
     tmp = _new_tmp(dst)
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("to-diffusers", help="megatron dist checkpoint -> diffusers transformer dir")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="Read a checkpoint that has no MANIFEST.json (written by an older megaflow) without checking "
+                   "its files. Its .metadata is unpickled by torch: use only for checkpoints from a trusted source. "
+                   "A checkpoint with a manifest is always checked.")
     args = parser.parse_args(argv)
     try:
         _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "to-megatron":
             to_megatron(args.src, args.dst, args.tp, args.pp)
         else:
-            to_diffusers(args.src, args.dst)
+            to_diffusers(args.src, args.dst, trust=args.trust_checkpoint)
     except (ConvertError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ Two models, both random-weight SD3 pipelines built offline (``megaflow.models.ti
 For each, ``engines`` SGLang engines are started on the pipeline, and the trainer side's full weights
 (the engine's own names, new random values so every sync changes them) are pushed through
 ``ColocatedBridge`` -- with ``verify`` off (the transfer: pack into shared memory, engines map and copy
-into their DiT) and on (plus one SHA-256 pass here and one per engine). Each figure is the median of
+into their DiT) and on (plus one ``checksum`` pass here and one per engine: xxh3 or sha256). Each figure is the median of
 ``repeats`` timed pushes after ``warmup`` untimed ones. ``copy_s`` is the reference: ``torch`` ``copy_``
 of every tensor into preallocated tensors of the same shapes, in this process, timed right before each timed
 push (median over all of them: on a shared, busy host the copies see the same load as the pushes, which
@@ -75,7 +75,7 @@ def _source_state(pipeline_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int, bucket_mb: float,
-                 seed: int) -> dict:
+                 seed: int, checksum: str) -> dict:
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig, weights_checksum
 
@@ -89,7 +89,7 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
     copies: list[float] = []
     t0 = time.perf_counter()
     started = [SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), engine_id=f"sync-{i}",
-                                               server_kwargs={"sleep_on_idle": True})) for i in range(engines)]
+                                               checksum=checksum, server_kwargs={"sleep_on_idle": True})) for i in range(engines)]
     start_s = time.perf_counter() - t0
     out: dict = {"params": sum(t.numel() for t in state.values()),
                  "bytes": sum(t.numel() * t.element_size() for t in state.values()), "num_tensors": len(state),
@@ -98,7 +98,8 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
     try:
         for verify in (False, True):
             key = "verify" if verify else "no_verify"
-            bridge = ColocatedBridge(started, bucket_bytes=int(bucket_mb * 2**20), verify=verify)
+            bridge = ColocatedBridge(started, bucket_bytes=int(bucket_mb * 2**20), verify=verify,
+                                     checksum=checksum)
             reports = []
             for _ in range(warmup):
                 bridge.push(state.items())
@@ -121,7 +122,8 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
 
 
 def bench_sync(*, layers: int = 6, heads: int = 12, head_dim: int = 64, engines: int = 1, repeats: int = 5,
-               warmup: int = 1, bucket_mb: float = 64.0, seed: int = 0, tiny: bool = True) -> dict:
+               warmup: int = 1, bucket_mb: float = 64.0, seed: int = 0, tiny: bool = True,
+               checksum: str = "xxh3") -> dict:
     """Sync seconds (verify off / on) and their ratio to a plain copy, for the large DiT and (``tiny``) the
     tiny one; see the module docstring."""
     if layers < 1 or heads < 1 or head_dim < 1 or engines < 1 or repeats < 1 or warmup < 0:
@@ -130,18 +132,19 @@ def bench_sync(*, layers: int = 6, heads: int = 12, head_dim: int = 64, engines:
     torch.set_num_threads(1)
     result: dict = {"config": {"layers": layers, "heads": heads, "head_dim": head_dim, "engines": engines,
                                "repeats": repeats, "warmup": warmup, "bucket_mb": bucket_mb, "seed": seed,
+                               "checksum": checksum,
                                "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                                "load_before": [round(x, 2) for x in os.getloadavg()]}}
     with tempfile.TemporaryDirectory(prefix="megaflow-bench-sync-") as tmp:
         large = make_large_pipeline(Path(tmp) / "large-sd3", layers=layers, heads=heads, head_dim=head_dim,
                                     seed=seed)
         result["large"] = _bench_model(large, engines=engines, repeats=repeats, warmup=warmup,
-                                       bucket_mb=bucket_mb, seed=seed + 1)
+                                       bucket_mb=bucket_mb, seed=seed + 1, checksum=checksum)
         if tiny:
             from megaflow.models.tiny_pipeline import make_tiny_pipeline
 
             small = make_tiny_pipeline("sd3", Path(tmp) / "tiny-sd3", seed=seed)
             result["tiny"] = _bench_model(small, engines=engines, repeats=repeats, warmup=warmup,
-                                          bucket_mb=bucket_mb, seed=seed + 1)
+                                          bucket_mb=bucket_mb, seed=seed + 1, checksum=checksum)
     result["config"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
     return result

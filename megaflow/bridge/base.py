@@ -5,9 +5,10 @@ the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_pa
 packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
 (same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
 engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
-once here, from its packed bucket, and once by each engine (engines load buckets with ``verify=False``; the
-bridge asks them to re-hash: colocated right after each bucket lands, pipelined with the packing and hashing
-of the next one; distributed and disk at the end of the sync). Without ``verify`` nothing is hashed. The
+(``megaflow.bridge.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
+by each engine (engines load buckets with ``verify=False``; the bridge asks them to re-hash: colocated right
+after each bucket lands, pipelined with the packing and hashing of the next one; distributed and disk at the
+end of the sync). Without ``verify`` nothing is hashed. The
 three paths are three implementations of this one interface, chosen by ``bridge.mode``.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Protocol
 import torch
 
 from megaflow.bridge.buckets import Bucket
+from megaflow.bridge.checksum import DEFAULT
 
 
 @dataclass(kw_only=True)
@@ -51,7 +53,9 @@ class SyncReport:
     verified: bool = False
     """Every tensor was re-hashed by the engine and matched (False when verification was off)."""
     message: str = ""
-    expected_sha256: dict[str, str] = field(default_factory=dict, repr=False)
+    checksum: str = DEFAULT
+    """The algorithm of ``expected_digests`` (``megaflow.bridge.checksum``)."""
+    expected_digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     def as_metrics(self) -> dict[str, float]:
         return {"sync/seconds": self.seconds, "sync/mbytes": self.num_bytes / 2**20,
@@ -69,13 +73,14 @@ class WeightBridge(Protocol):
 
 
 class SyncStream:
-    """Wraps a (name, tensor) stream, counting tensors and bytes as they pass; ``record`` keeps the SHA-256
+    """Wraps a (name, tensor) stream, counting tensors and bytes as they pass; ``record`` keeps the ``checksum``
     digests of each packed bucket's tensors when ``digest`` (the sync's one hash pass on the sending side)."""
 
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, digest: bool):
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, digest: bool, checksum: str = DEFAULT):
         self._it = iter(named_tensors)
         self.digest = digest
-        self.sha256: dict[str, str] = {}
+        self.checksum = checksum
+        self.digests: dict[str, str] = {}
         self.num_tensors = 0
         self.num_bytes = 0
         self.started = time.perf_counter()
@@ -88,28 +93,29 @@ class SyncStream:
 
     def record(self, bucket: Bucket) -> dict[str, str]:
         """Hash the bucket's tensors (only when ``digest``; else nothing, and ``{}`` is returned); returns this
-        bucket's digests, also kept in ``sha256`` for the whole sync."""
+        bucket's digests, also kept in ``digests`` for the whole sync."""
         if not self.digest:
             return {}
-        digests = bucket.sha256()
-        self.sha256.update(digests)
+        digests = bucket.digests(self.checksum)
+        self.digests.update(digests)
         return digests
 
     def report(self, mode: str, num_buckets: int, *, verified: bool = False, message: str = "") -> SyncReport:
         """The sync's report; ``seconds`` run from the stream's creation to this call."""
         return SyncReport(mode=mode, num_tensors=self.num_tensors, num_bytes=self.num_bytes,
                           num_buckets=num_buckets, seconds=time.perf_counter() - self.started,
-                          verified=verified, message=message, expected_sha256=dict(self.sha256))
+                          verified=verified, message=message, checksum=self.checksum,
+                          expected_digests=dict(self.digests))
 
 
-def verify_engines(engines, expected_sha256: dict[str, str], pool: ThreadPoolExecutor | None = None) -> str:
-    """Ask every engine (in parallel on ``pool`` when given) to re-hash the tensors in ``expected_sha256``;
-    raise SyncError on a mismatch, else return a one-line summary."""
-    if pool is None:
-        results = [engine.verify_weights(expected_sha256) for engine in engines]
-    else:
-        results = list(pool.map(lambda e: e.verify_weights(expected_sha256), engines))
+def verify_engines(engines, expected_digests: dict[str, str], checksum: str,
+                   pool: ThreadPoolExecutor | None = None) -> str:
+    """Ask every engine (in parallel on ``pool`` when given) to re-hash the tensors in ``expected_digests`` with
+    ``checksum``; raise SyncError on a mismatch, else return a one-line summary."""
+    def check(engine):
+        return engine.verify_weights(expected_digests, checksum=checksum)
+    results = [check(engine) for engine in engines] if pool is None else list(pool.map(check, engines))
     for engine, (ok, msg) in zip(engines, results):
         if not ok:
             raise SyncError(f"weight sync to engine {getattr(engine, 'engine_id', '?')} did not verify: {msg}")
-    return f"verified {len(expected_sha256)} tensors on {len(engines)} engine(s)"
+    return f"verified {len(expected_digests)} tensors on {len(engines)} engine(s)"

@@ -1,4 +1,4 @@
-"""Pack streamed named tensors into flat byte buckets, and per-tensor SHA-256 digests.
+"""Pack streamed named tensors into flat byte buckets, and per-tensor digests.
 
 A bucket is one contiguous ``uint8`` tensor holding several tensors (each starting at a 16-byte aligned
 offset) plus a list of :class:`TensorMeta` (name, shape, dtype, byte range). This is the layout SGLang's
@@ -19,18 +19,19 @@ the next sync overwrites them in place with the same tensors' new values, so an 
 (its replay store) and map it once (its worker keeps the mapping, see ``megaflow.rollout.sglang.plugin``),
 and the next bucket can be packed while engines still load this one.
 
-``tensor_sha256`` hashes dtype, shape and raw bytes, the same recipe as the engine's update-weights
-checker, so expected digests computed here can be verified engine-side; ``Bucket.sha256`` applies it to
-every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA bucket, none on CPU).
+``Bucket.digests`` hashes every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA
+bucket, none on CPU) with ``megaflow.bridge.checksum`` (dtype, shape and raw bytes; xxh3 or sha256), the
+function every engine re-hashes its tensors with, so expected digests computed here can be verified engine-side.
 """
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from megaflow.bridge.checksum import raw_digest
 
 ALIGN = 16
 """Byte alignment of every tensor's start in a bucket (a uint8 slice viewed as fp32/fp64 needs it)."""
@@ -67,10 +68,11 @@ class Bucket:
         """Reconstruct (name, tensor) pairs (views into ``flat``)."""
         return _views(self.flat, self.metadata)
 
-    def sha256(self) -> dict[str, str]:
-        """``tensor_sha256`` of every tensor in the bucket, by name (read from the packed bytes)."""
+    def digests(self, checksum: str) -> dict[str, str]:
+        """The ``checksum`` digest (``megaflow.bridge.checksum``) of every tensor in the bucket, by name (read
+        from the packed bytes)."""
         host = self.flat.cpu().numpy()
-        return {m.name: _digest(m.dtype, m.shape, host[m.start_idx:m.end_idx]) for m in self.metadata}
+        return {m.name: raw_digest(m.dtype, m.shape, host[m.start_idx:m.end_idx], checksum) for m in self.metadata}
 
 
 class StagingBuffer:
@@ -171,17 +173,3 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     if pending:
         yield pack(pending, shared=shared, staging=staging, index=index)
 
-
-def _digest(dtype: torch.dtype, shape, raw) -> str:
-    """SHA-256 over dtype string, shape tuple repr and ``raw`` (a contiguous byte buffer, not copied)."""
-    h = hashlib.sha256()
-    h.update(str(dtype).encode())
-    h.update(repr(tuple(shape)).encode())
-    h.update(raw)
-    return h.hexdigest()
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SHA-256 over dtype string, shape tuple repr and the raw bytes (the engine checker's recipe)."""
-    t = t.detach().to("cpu").contiguous()
-    return _digest(t.dtype, t.shape, t.reshape(-1).view(torch.uint8).numpy())

@@ -24,17 +24,20 @@ import torch
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingSlots, iter_buckets
+from megaflow.bridge.checksum import DEFAULT
 
 
 class ColocatedBridge:
     mode = "colocated"
 
-    def __init__(self, engines: Sequence, *, bucket_bytes: int = 64 << 20, verify: bool = True):
+    def __init__(self, engines: Sequence, *, bucket_bytes: int = 64 << 20, verify: bool = True,
+                 checksum: str = DEFAULT):
         if not engines:
             raise ValueError("ColocatedBridge needs at least one engine")
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
+        self.checksum = checksum
         self._staging = StagingSlots()
 
     def _wait(self, num: int, loads: list[Future], mismatches: list[SyncError]) -> None:
@@ -45,19 +48,18 @@ class ColocatedBridge:
             if not result.ok:
                 raise SyncError(f"engine {getattr(engine, 'engine_id', '?')} rejected bucket {num}: {result.message}")
 
-    @staticmethod
-    def _load(engine, bucket: Bucket, digests: dict[str, str]):
+    def _load(self, engine, bucket: Bucket, digests: dict[str, str]):
         """Load then (``digests``) verify one bucket: (load result, the SyncError of a mismatch or None)."""
         result = engine.load_bucket(bucket, verify=False)  # checked below, against this side's digests
         try:
             if result.ok and digests:
-                verify_engines([engine], digests)
+                verify_engines([engine], digests, self.checksum)
         except SyncError as e:
             return result, e
         return result, None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = SyncStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify, checksum=self.checksum)
         num_buckets = 0
         loading: list[Future] = []
         mismatches: list[SyncError] = []
@@ -79,5 +81,5 @@ class ColocatedBridge:
             raise ValueError("weight sync got no tensors")
         if mismatches:
             raise mismatches[0]
-        message = f"verified {len(stream.sha256)} tensors on {len(self.engines)} engine(s)" if self.verify else ""
+        message = f"verified {len(stream.digests)} tensors on {len(self.engines)} engine(s)" if self.verify else ""
         return stream.report(self.mode, num_buckets, verified=self.verify, message=message)

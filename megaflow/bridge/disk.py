@@ -18,13 +18,14 @@ from safetensors.torch import save_file
 
 from megaflow.bridge.base import SyncStream, SyncError, SyncReport, verify_engines
 from megaflow.bridge.buckets import iter_buckets
+from megaflow.bridge.checksum import DEFAULT
 
 
 class DiskBridge:
     mode = "disk"
 
     def __init__(self, engines: Sequence, root: str | os.PathLike, *, transformer_config: dict | None = None,
-                 bucket_bytes: int = 256 << 20, verify: bool = True, keep: int = 1):
+                 bucket_bytes: int = 256 << 20, verify: bool = True, keep: int = 1, checksum: str = DEFAULT):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.engines = list(engines)
@@ -32,6 +33,7 @@ class DiskBridge:
         self.transformer_config = transformer_config
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
+        self.checksum = checksum
         self.keep = keep
         self._version = 0
 
@@ -67,12 +69,12 @@ class DiskBridge:
             shutil.rmtree(old, ignore_errors=True)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = SyncStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify, checksum=self.checksum)
         path, num_shards = self.write_snapshot(stream)
         for engine in self.engines:
             result = engine.update_weights_from_disk(str(path))
             if not result.ok:
                 raise SyncError(f"engine {getattr(engine, 'engine_id', '?')} failed to load {path.name}: "
                                 f"{result.message}")
-        message = verify_engines(self.engines, stream.sha256) if self.verify else str(path)
+        message = verify_engines(self.engines, stream.digests, self.checksum) if self.verify else str(path)
         return stream.report(self.mode, num_shards, verified=self.verify, message=message)

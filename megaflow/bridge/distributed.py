@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.parallel.groups import as_group
 
 
@@ -29,13 +30,13 @@ class DistributedBridge:
     mode = "distributed"
 
     def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20, verify: bool = True,
-                 device: torch.device | str = "cpu", engines: Sequence = ()):
+                 device: torch.device | str = "cpu", engines: Sequence = (), checksum: str = DEFAULT):
         self.group, self.src, self.engines = as_group(group), src, list(engines)
-        self.bucket_bytes, self.verify = int(bucket_bytes), verify
+        self.bucket_bytes, self.verify, self.checksum = int(bucket_bytes), verify, checksum
         self.device = torch.device(device)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        stream = SyncStream(named_tensors, digest=self.verify)
+        stream = SyncStream(named_tensors, digest=self.verify, checksum=self.checksum)
         num_buckets, local_error = 0, ""
         for bucket in iter_buckets(stream, self.bucket_bytes):
             num_buckets += 1
@@ -47,10 +48,10 @@ class DistributedBridge:
                 if not r.ok and not local_error:
                     local_error = f"engine {getattr(engine, 'engine_id', '?')} bucket {num_buckets}: {r.message}"
         self.group.broadcast_object(None, self.src)
-        self.group.broadcast_object(stream.sha256 if self.verify else None, self.src)
+        self.group.broadcast_object((self.checksum, stream.digests) if self.verify else None, self.src)
         if self.verify and self.engines and not local_error:
             try:
-                verify_engines(self.engines, stream.sha256)
+                verify_engines(self.engines, stream.digests, self.checksum)
             except SyncError as e:
                 local_error = str(e)
         results = [None] * self.group.size
@@ -92,7 +93,7 @@ class DistributedReceiver:
             expected = self.group.broadcast_object(None, self.src)
             if ok and expected is not None:
                 try:
-                    msg = verify_engines(self.engines, expected, pool)
+                    msg = verify_engines(self.engines, expected[1], expected[0], pool)
                 except SyncError as e:
                     ok, msg = False, str(e)
         dist.all_gather_object([None] * self.group.size, (ok, msg), group=self.group.pg)

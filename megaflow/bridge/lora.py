@@ -10,7 +10,8 @@ weight, so sampling runs at full-weight speed. The alternatives: ``set_lora`` re
 trainer side would push every targeted base matrix (most of the model) instead of the adapters.
 
 Stream: ``trainer.iter_full_adapters`` (TP/PP gather of the adapter tensors, PEFT names). Verified: every
-engine re-hashes (SHA-256) each adapter tensor it now holds against what was sent (``update_lora(verify=)``).
+engine re-hashes (with its checksum, bridge.checksum) each adapter tensor it now holds against what was sent
+(``update_lora(verify=)``).
 That the merged weights act as base + scale * B @ A is tested (tests/bridge/test_lora_sync.py: the velocities
 the engine samples with equal the LoRA trainer's, also after a second adapter replaced the first) and shows
 in every training iteration as ``train/logp_abs_diff_rollout`` (trainer vs engine log-probs of its samples).

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.buckets import Bucket, tensor_sha256
+from megaflow.bridge.buckets import Bucket
+from megaflow.bridge.checksum import DEFAULT, tensor_digest
 
 
 class ModuleTarget:
@@ -54,11 +55,12 @@ class ModuleTarget:
         named = [(n, t) for f in files for n, t in load_file(str(f)).items()]
         return self._load(named)
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Re-hash the named tensors with ``checksum`` (``megaflow.bridge.checksum``) and compare."""
         targets = self._targets()
-        for name, digest in expected_sha256.items():
+        for name, digest in expected_digests.items():
             if name not in targets:
                 return False, f"tensor {name!r} not held by {self.engine_id}"
-            if tensor_sha256(targets[name]) != digest:
+            if tensor_digest(targets[name], checksum) != digest:
                 return False, f"tensor {name!r} differs from what was sent"
-        return True, f"{len(expected_sha256)} tensors match"
+        return True, f"{len(expected_digests)} tensors match"

@@ -19,6 +19,8 @@ from megaflow.config import ConfigError, dump_config, load_config
 from megaflow.config.preflight import preflight
 from megaflow.run.interrupt import Interrupted
 
+TRUST_HELP = "Load a checkpoint lacking MANIFEST.json unchecked (torch unpickles it): only from a trusted source."
+
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = preflight(load_config(args.config, args.overrides), "show", files=not args.no_files)
@@ -94,7 +96,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megaflow.run.loop import run
     _setup_logging(logging.INFO, args.verbose)
-    metrics = run(cfg, resume=args.resume, verbose=args.verbose)
+    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -121,7 +123,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint)
     print_json(result, args.json)
     return 0
 
@@ -154,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", action="store_true",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
                          "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
+    p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
@@ -182,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
+    p_exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     p_exp.set_defaults(handler=_cmd_export)
 
     add_bench_parsers(sub)

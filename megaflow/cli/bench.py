@@ -46,7 +46,8 @@ def _cmd_bench_async(args: argparse.Namespace) -> int:
 def _cmd_bench_sync(args: argparse.Namespace) -> int:
     from megaflow.bench.sync import bench_sync
     emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines,
-                     repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny), args)
+                    repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny,
+                    checksum=args.checksum), args)
     return 0
 
 
@@ -85,6 +86,7 @@ def add_bench_parsers(sub) -> None:
     p_bs.add_argument("--repeats", type=int, default=5, help="Timed pushes (the median is reported).")
     p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")
     p_bs.add_argument("--bucket-mb", type=float, default=64.0, help="Bucket size, MiB.")
+    p_bs.add_argument("--checksum", choices=("xxh3", "sha256"), default="xxh3", help="bridge.checksum of the syncs.")
     p_bs.add_argument("--no-tiny", action="store_true", help="Skip the tiny model.")
     p_bl = bench_sub.add_parser("learn", help="The demo's RL recipe through a plain diffusers + torch loop vs "
                                 "megaflow; held-out ShapeEval before/after, reward curves, RL wall time.")

@@ -246,9 +246,15 @@ class BridgeConfig:
                     "disk (safetensors files + reload; engine_hosts = rank0 only).",
                     choices=("colocated", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
-    verify: bool = opt(True, "Verify every sync: each tensor is SHA-256 hashed once while streaming and once "
-                       "by every engine afterwards; a mismatch or a missing tensor stops the run. false = no "
-                       "check and no hashing (an engine that skips an unknown name then goes unnoticed).")
+    verify: bool = opt(True, "Verify every sync: each tensor is hashed (bridge.checksum) once while streaming "
+                       "and once by every engine afterwards; a mismatch or a missing tensor stops the run. false = "
+                       "no check and no hashing (an engine that skips an unknown name then goes unnoticed).")
+    checksum: str = opt("xxh3", "Digest of each tensor's dtype, shape and raw bytes that bridge.verify computes, "
+                        "the same on the trainer's side and in every engine: xxh3 (xxHash XXH3 128-bit, "
+                        "non-cryptographic, near memory speed: catches corrupted, partial or stale weights) or "
+                        "sha256 (SHA-256, a cryptographic digest, several times slower). Checkpoint manifests "
+                        "(MANIFEST.json) are written with the same checksum.",
+                        choices=("xxh3", "sha256"))
 
 
 @dataclass(kw_only=True)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth, RolloutEngine
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -236,13 +237,13 @@ class Balancer:
         return self._merge(self._fan_out(lambda e: e.update_lora(items, alpha=alpha, rank=rank, verify=verify)),
                            time.perf_counter() - t0)
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
-        """Every engine re-hashes the named tensors; ok only if all match (message names the failures)."""
-        results = self._fan_out(lambda e: e.verify_weights(expected_sha256))
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Every engine re-hashes the named tensors (``checksum``); ok only if all match (message names the failures)."""
+        results = self._fan_out(lambda e: e.verify_weights(expected_digests, checksum=checksum))
         failed = [f"{e.engine_id}: {msg}" for e, (ok, msg) in zip(self.engines, results) if not ok]
         if failed:
             return False, "; ".join(failed)
-        return True, f"{len(expected_sha256)} tensors match on {len(self.engines)} engines"
+        return True, f"{len(expected_digests)} tensors match on {len(self.engines)} engines"
 
     def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ from megaflow.bridge.target import ModuleTarget
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, config_for_step, sigma_max_of, step
 from megaflow.bridge.base import WeightUpdateResult
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -249,10 +250,10 @@ class DiffusersEngine:
         shape and never skips one, so there is nothing to hash whatever ``verify`` says."""
         return self.update_weights(bucket.unpack())
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
-        """Re-hash the named DiT tensors (``megaflow.bridge.buckets.tensor_sha256``, the engine's recipe)."""
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Re-hash the named DiT tensors (``megaflow.bridge.checksum.tensor_digest``, the bridge's function)."""
         with self._lock:
-            return ModuleTarget(self.transformer, self.engine_id).verify_weights(expected_sha256)
+            return ModuleTarget(self.transformer, self.engine_id).verify_weights(expected_digests, checksum=checksum)
 
     def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
         """Load the DiT of a pipeline dir (``path/transformer``) or a transformer dir."""

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 
@@ -60,8 +61,9 @@ class RolloutEngine(Protocol):
         False = no check and no hashing here (the weight bridge verifies a whole sync once, or not at all)."""
         ...
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
-        """Re-hash the named tensors the engine holds; (all match, message naming the first mismatch)."""
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Re-hash the named tensors the engine holds with ``checksum`` (``megaflow.bridge.checksum``);
+        (all match, message naming the first mismatch)."""
         ...
 
     def update_weights_from_disk(self, path: str) -> WeightUpdateResult:

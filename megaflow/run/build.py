@@ -77,10 +77,10 @@ class Run:
 
 
 def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
-              resume_from: Path | None = None, verbose: bool = False) -> Run:
+              resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False) -> Run:
     """This trainer rank's :class:`Run` of ``cfg`` (pipeline defaults applied) on ``pipeline_dir``; resumed from
-    the checkpoint ``resume_from`` (after iteration ``start``) when given. ``verbose``: the engines' logs go to
-    the terminal."""
+    the checkpoint ``resume_from`` (after iteration ``start``) when given (``trust_checkpoint``: one without a
+    manifest is loaded unchecked). ``verbose``: the engines' logs go to the terminal."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
     from megaflow.run.ahead import read_batch
@@ -92,7 +92,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     trainer, reference = build_trainer(cfg, pipeline_dir)
     ema = build_ema(cfg, trainer)
     algorithm = build_algorithm(cfg, trainer, reference, ema)
-    history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema))
+    history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema),
+                                trust=trust_checkpoint)
     next_batch = read_batch(resume_from) if resume_from is not None else None
     rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
     try:
@@ -130,14 +131,14 @@ def run_shadows(algorithm, ema) -> dict:
 
 
 def restore(trainer, resume_from: Path | None, start: int, *, driver: bool,
-            shadows: dict | None = None) -> tuple[list[dict], int]:
+            shadows: dict | None = None, trust: bool = False) -> tuple[list[dict], int]:
     """(metrics rows so far, prompts consumed): the checkpoint's, loaded into ``trainer`` and ``shadows``
     (collective), or a fresh run's ([], 0) when ``resume_from`` is None."""
     if resume_from is None:
         return [], 0
     from megaflow.run.state import load
     t_load = time.perf_counter()
-    state = load(trainer, resume_from, shadows=shadows)
+    state = load(trainer, resume_from, shadows=shadows, trust=trust)
     if driver:
         print(f"[megaflow] resuming after iteration {start} from {resume_from} "
               f"(loaded in {time.perf_counter() - t_load:.2f} s)", flush=True)
@@ -249,12 +250,12 @@ def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir
         return LoRABridge(engines, alpha=cfg.lora.alpha, rank=cfg.lora.rank, verify=b.verify)
     if b.mode == "colocated":
         from megaflow.bridge.colocated import ColocatedBridge
-        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify)
+        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify, checksum=b.checksum)
     if b.mode == "disk":
         from megaflow.bridge.disk import DiskBridge
         tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
         return DiskBridge(engines, run_dir / "weights", transformer_config=tconf, bucket_bytes=nbytes,
-                          verify=b.verify)
+                          verify=b.verify, checksum=b.checksum)
     raise ValueError(f"bridge.mode = {b.mode!r} has no local bridge (see build_sync)")
 
 
@@ -274,7 +275,7 @@ def build_sync(cfg: MegaflowConfig, rollout, groups, run_dir: Path, pipeline_dir
     if p.is_driver:
         return RunSync(p, group=groups.everyone, commands=rollout.commands, bridge=DistributedBridge(
             group=groups.weights, src=DRIVER, bucket_bytes=int(b.bucket_mb * 2**20), verify=b.verify,
-            device=device, engines=targets))
+            device=device, engines=targets, checksum=b.checksum))
     receiver = DistributedReceiver(targets, group=groups.weights, src=DRIVER, device=device) if p.is_host else None
     return RunSync(p, group=groups.everyone, receiver=receiver)
 

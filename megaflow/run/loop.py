@@ -36,13 +36,14 @@ Evaluate = Callable[[object, "str | int"], None]
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
-        verbose: bool = False) -> dict:
+        verbose: bool = False, trust_checkpoint: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics ({} on an engine rank).
 
     ``evaluate(sampler, when)`` (rank 0; pass it on every rank) runs with the engines holding the initial weights
     (``"before"``, not when resuming), the weights after every ``evaluate_every``-th iteration (``when`` = the
     iteration number; 0 = none) and the final ones (``"after"``): the EMA when ``train.ema_decay`` > 0, else what the algorithm samples with. ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
-    says when a run dir may be used). Checkpoints every ``train.save_every`` iterations and at the end;
+    says when a run dir may be used; the checkpoint is checked against its manifest first, and one without a manifest
+    is refused unless ``trust_checkpoint``). Checkpoints every ``train.save_every`` iterations and at the end;
     SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
     the engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
     torch.set_num_threads(cfg.run.num_threads)
@@ -60,7 +61,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
             done = True
             return {}
         the_run = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
-                            resume_from=claim.resume_from, verbose=verbose)
+                            resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint)
         try:
             metrics = loop(the_run, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
         finally:
@@ -187,6 +188,7 @@ def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
     return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
                       prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
                       keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema),
+                      checksum=run.cfg.bridge.checksum,
                       write_extra=None if next_batch is None else lambda stage: write_batch(stage, next_batch))
 
 

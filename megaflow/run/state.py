@@ -22,9 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.run import faults
 from megaflow.run.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
+from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 
 def rng_state() -> dict:
@@ -44,12 +46,13 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
-         metrics_rows: list[dict], keep: int, shadows: dict | None = None,
+         metrics_rows: list[dict], keep: int, shadows: dict | None = None, checksum: str = DEFAULT,
          write_extra: Callable[[Path], None] | None = None) -> float:
     """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``; ``shadows``
     (name -> megaflow.trainer.shadow.ShadowWeights: the EMA, NFT's sampling policy) go beside the model;
-    ``write_extra(directory)`` (rank 0) adds the run's other files (the batch collected ahead). Returns the
-    seconds it took."""
+    ``write_extra(directory)`` (rank 0) adds the run's other files (the batch collected ahead).
+    ``MANIFEST.json`` files (megaflow.trainer.manifest: ``checksum`` digests) are written last, in ``model/``
+    and in the checkpoint. Returns the seconds it took."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
@@ -67,7 +70,7 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         rngs[0] = rng_state()
     tconf = trainer.config
     save_checkpoint(trainer.chunks, stage / MODEL_DIR, family=family, diffusers_config=diffusers_config,
-                    optimizer=trainer.optimizer, shadows=shadows)
+                    optimizer=trainer.optimizer, shadows=shadows, checksum=checksum)
     faults.check("checkpoint", iteration)
     if rank() != 0:
         barrier()
@@ -82,6 +85,7 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         json.dump(state, fh, default=float)
         fh.flush()
         os.fsync(fh.fileno())
+    write_manifest(stage, checksum)  # lists state.json and model/MANIFEST.json (which lists the model's files)
     final = checkpoint_dir(run_dir, iteration).absolute()
     if final.exists():  # re-written after a resume from an older checkpoint
         shutil.rmtree(final)
@@ -92,11 +96,14 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
     return time.perf_counter() - t0
 
 
-def load(trainer, ckpt: Path, *, shadows: dict | None = None) -> dict:
+def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = False) -> dict:
     """Collective: load model + optimizer (+ ``shadows``, as saved) from ``ckpt`` into ``trainer``, restore this
-    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics)."""
+    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics). Rank 0 first checks
+    ``ckpt`` against its manifest (megaflow.trainer.manifest; ``trust``: one without a manifest is loaded
+    unchecked); a refusal is raised on every rank."""
     from megaflow.trainer.checkpoint import load_checkpoint
 
+    _verified_on_rank0(ckpt, trust)
     state = read_state(ckpt)
     tconf = trainer.config
     layout = {"tp": tconf.tensor_model_parallel_size, "pp": tconf.pipeline_model_parallel_size}
@@ -108,9 +115,24 @@ def load(trainer, ckpt: Path, *, shadows: dict | None = None) -> dict:
         if name not in saved:
             raise ValueError(f"{ckpt} holds no {name!r} weights (the run that wrote it had them off)")
         shadow.num_updates = int(saved[name])
-    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer, shadows=shadows)
+    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer, shadows=shadows,
+                    trust=True)  # checked above, model/ included
     rngs = state["rng"]
     if len(rngs) != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"{ckpt}: saved by {len(rngs)} ranks; resume with the same number of processes")
     set_rng_state(rngs[rank()])
     return state
+
+
+def _verified_on_rank0(ckpt: Path, trust: bool) -> None:
+    """Rank 0 checks ``ckpt`` against its manifest; its ValueError (one line) is raised on every rank."""
+    error = [None]
+    if rank() == 0:
+        try:
+            verify_manifest(ckpt, trust=trust)
+        except ValueError as e:
+            error[0] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ValueError(error[0])

@@ -23,7 +23,9 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from megaflow.config.files import CKPT_META as META_FILE  # the one home of the name (stdlib-only room)
+from megaflow.bridge.checksum import DEFAULT as DEFAULT_CHECKSUM
 from megaflow.parallel.distributed import barrier, rank
+from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
 # across DP only (resume at the same TP/PP). "fully_reshardable" (any layout) calls .cuda() in
@@ -116,9 +118,10 @@ def _results_queue_dies_with_us() -> None:
 
 
 def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: str, diffusers_config: dict,
-                    optimizer=None, shadows: dict | None = None) -> Path:
+                    optimizer=None, shadows: dict | None = None, checksum: str = DEFAULT_CHECKSUM) -> Path:
     """Collective: save this rank's model chunks (unwrapped), optionally the optimizer state and shadow weights
-    (``shadows``: name -> megaflow.trainer.shadow.ShadowWeights, e.g. the EMA, stored as ``<name>.<tensor>``)."""
+    (``shadows``: name -> megaflow.trainer.shadow.ShadowWeights, e.g. the EMA, stored as ``<name>.<tensor>``);
+    a ``MANIFEST.json`` of every file (``checksum`` digests, megaflow.trainer.manifest) is written last."""
     _results_queue_dies_with_us()
     dst = Path(path).absolute()
     tmp = _agree_on_tmp_dir(dst)
@@ -132,15 +135,18 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     barrier()
     if rank() == 0:
         write_meta(tmp, family=family, diffusers_config=diffusers_config)
+        write_manifest(tmp, checksum)
         publish(tmp, dst)
     barrier()
     return dst
 
 
 def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None,
-                    shadows: dict | None = None) -> dict:
+                    shadows: dict | None = None, trust: bool = False) -> dict:
     """Collective: load model chunks (any TP/PP layout), optionally the optimizer and shadow weights (as saved by
-    ``save_checkpoint``); returns meta."""
+    ``save_checkpoint``); returns meta. First every rank checks the directory against its manifest (``trust``:
+    a directory without one is loaded unchecked; see megaflow.trainer.manifest)."""
+    verify_manifest(path, trust=trust)
     meta = read_meta(path)
     state = _model_sharded_state_dict(chunks)
     shadow_names = {}
@@ -214,11 +220,13 @@ SHADOW_NAMES = ("ema", "nft_old")
 """The shadow weights a run may checkpoint beside its model (megaflow.run.state)."""
 
 
-def load_full_state_dict(path: str | Path, *, shadow: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_full_state_dict(path: str | Path, *, shadow: str | None = None,
+                         trust: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one process, without
     building a model (optimizer and shadow tensors are skipped). ``shadow`` (e.g. "ema"): the shadow's tensors
     replace the model's of the same name (under LoRA the shadow holds only the adapters); ValueError when the
-    checkpoint has none."""
+    checkpoint has none. The directory is checked against its manifest first (``trust``: see ``load_checkpoint``)."""
+    verify_manifest(path, trust=trust)
     meta = read_meta(path)
     with _process_group_for_reading():
         tensors = dist_checkpointing.load_plain_tensors(str(path))

@@ -3,7 +3,7 @@ Needs: CPU, 1 process (distributed: 2 gloo processes). Targets are real tiny dif
 import pytest
 import torch
 
-from megaflow.bridge import SyncError, iter_buckets, pack, tensor_sha256
+from megaflow.bridge import Bucket, SyncError, iter_buckets, pack, tensor_digest
 from megaflow.bridge.colocated import ColocatedBridge
 from megaflow.bridge.disk import DiskBridge
 from megaflow.bridge.target import ModuleTarget
@@ -40,22 +40,27 @@ def test_iter_buckets_bounds_size_and_rejects_duplicates():
         list(iter_buckets(iter([("t0", torch.zeros(1)), ("t0", torch.zeros(1))]), 100))
 
 
-def test_sha256_sensitive_to_dtype_shape_value():
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_digest_sensitive_to_dtype_shape_value(checksum):
     t = torch.arange(6, dtype=torch.float32)
-    base = tensor_sha256(t)
-    assert tensor_sha256(t.clone()) == base
-    assert tensor_sha256(t.reshape(2, 3)) != base
-    assert tensor_sha256(t.to(torch.float64)) != base
+    base = tensor_digest(t, checksum)
+    assert len(base) == {"xxh3": 32, "sha256": 64}[checksum]
+    assert tensor_digest(t.clone(), checksum) == base
+    assert tensor_digest(t.reshape(2, 3), checksum) != base
+    assert tensor_digest(t.to(torch.float64), checksum) != base
     t2 = t.clone(); t2[3] += 1e-6
-    assert tensor_sha256(t2) != base
+    assert tensor_digest(t2, checksum) != base
+    with pytest.raises(ValueError, match="unknown checksum"):
+        tensor_digest(t, "md5")
 
 
-def test_bucket_sha256_equals_per_tensor_sha256_and_shared_memory():
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_bucket_digests_equal_per_tensor_digests_and_shared_memory(checksum):
     named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 3).t()),
              ("d", torch.arange(3, dtype=torch.int64)), ("e", torch.zeros(0))]
     bucket = pack(named, shared=True)
     assert bucket.flat.is_shared() and not pack(named).flat.is_shared()
-    assert bucket.sha256() == {n: tensor_sha256(t) for n, t in named}
+    assert bucket.digests(checksum) == {n: tensor_digest(t, checksum) for n, t in named}
     for (n0, t0), (n1, t1) in zip(named, bucket.unpack()):  # a non-contiguous source packs by value
         assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
 
@@ -180,23 +185,54 @@ def test_verification_catches_lossy_transfer():
         ColocatedBridge([_Corrupting(dst)]).push(src.state_dict().items())
 
 
+
+class _DamagedInFlight(ModuleTarget):
+    """A target that receives a damaged copy of each bucket (packed and hashed intact by the bridge): one byte
+    flipped mid-bucket (``flip``) or everything after the bucket's first half lost (``partial``, zeros)."""
+
+    def __init__(self, module, damage: str):
+        super().__init__(module)
+        self.damage = damage
+
+    def load_bucket(self, bucket, *, verify=True):
+        flat = bucket.flat.clone()
+        if self.damage == "flip":
+            flat[flat.numel() // 2] ^= 0x01
+        else:
+            flat[flat.numel() // 2:] = 0
+        return super().load_bucket(Bucket(flat=flat, metadata=bucket.metadata), verify=verify)
+
+
+@pytest.mark.parametrize("damage", ["flip", "partial"])
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_a_bucket_damaged_between_pack_and_load_is_refused(checksum, damage):
+    src = tiny_dit(0)
+    state = list(src.state_dict().items())
+    one_bucket = sum(t.numel() * t.element_size() for _, t in state) * 2
+    report = ColocatedBridge([ModuleTarget(tiny_dit(1))], bucket_bytes=one_bucket, checksum=checksum).push(state)
+    assert report.verified and report.checksum == checksum and report.num_buckets == 1
+    assert len(next(iter(report.expected_digests.values()))) == {"xxh3": 32, "sha256": 64}[checksum]
+    with pytest.raises(SyncError, match="differs from what was sent"):
+        ColocatedBridge([_DamagedInFlight(tiny_dit(1), damage)], bucket_bytes=one_bucket,
+                        checksum=checksum).push(state)
+
 @pytest.fixture
 def hash_calls(monkeypatch):
-    """Counts SHA-256 passes: the bridge's (from each packed bucket) and the targets' (re-hash), by tensor."""
+    """Counts hash passes: the bridge's (from each packed bucket) and the targets' (re-hash), by tensor."""
     import megaflow.bridge.buckets as buckets
     import megaflow.bridge.target as target
     calls = {"bridge": [], "engine": []}
-    real_bucket_sha256, real_tensor_sha256 = buckets.Bucket.sha256, target.tensor_sha256
+    real_bucket_digests, real_tensor_digest = buckets.Bucket.digests, target.tensor_digest
 
-    def bucket_sha256(self):
+    def bucket_digests(self, checksum):
         calls["bridge"].extend(m.shape for m in self.metadata)
-        return real_bucket_sha256(self)
+        return real_bucket_digests(self, checksum)
 
-    def tensor_sha256(t):
+    def tensor_digest(t, checksum):
         calls["engine"].append(tuple(t.shape))
-        return real_tensor_sha256(t)
-    monkeypatch.setattr(buckets.Bucket, "sha256", bucket_sha256)
-    monkeypatch.setattr(target, "tensor_sha256", tensor_sha256)
+        return real_tensor_digest(t, checksum)
+    monkeypatch.setattr(buckets.Bucket, "digests", bucket_digests)
+    monkeypatch.setattr(target, "tensor_digest", tensor_digest)
     return calls
 
 

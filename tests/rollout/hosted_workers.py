@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
-from megaflow.bridge.buckets import tensor_sha256
+from megaflow.bridge.checksum import tensor_digest
 from megaflow.rollout.types import RewardScores
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -49,8 +49,8 @@ class FakeEngine:
         self.weights.update({n: t.clone() for n, t in bucket.unpack()})
         return WeightUpdateResult(ok=True, seconds=0.0)
 
-    def verify_weights(self, expected):
-        bad = [n for n, d in expected.items() if n not in self.weights or tensor_sha256(self.weights[n]) != d]
+    def verify_weights(self, expected, *, checksum="xxh3"):
+        bad = [n for n, d in expected.items() if n not in self.weights or tensor_digest(self.weights[n], checksum) != d]
         bad += ["corrupt"] if self.corrupt else []
         return (not bad, f"mismatch {bad[:1]}" if bad else "")
 

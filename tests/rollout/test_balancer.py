@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401  (import guards before anything heavy)
-from megaflow.bridge.buckets import pack, tensor_sha256
+from megaflow.bridge.buckets import pack
+from megaflow.bridge.checksum import tensor_digest
 from megaflow.rollout.balancer import Balancer
 from megaflow.rollout.baseline import DiffusersEngine, DiffusersEngineConfig
 from megaflow.rollout.engine import RolloutEngine
@@ -200,9 +201,9 @@ def test_control_fan_out_and_checksum_agreement(engines):
         # bridge path: one bucket to every engine, then every engine re-hashes what it holds
         assert balancer.load_bucket(pack([(name, new)])).ok
         assert balancer.checksum() == after
-        assert balancer.verify_weights({name: tensor_sha256(new)})[0]
+        assert balancer.verify_weights({name: tensor_digest(new, "xxh3")}, checksum="xxh3")[0]
         engines[1].update_weights([(name, orig)])
-        ok, msg = balancer.verify_weights({name: tensor_sha256(new)})
+        ok, msg = balancer.verify_weights({name: tensor_digest(new, "xxh3")}, checksum="xxh3")
         assert not ok and "e1" in msg and "e0" not in msg
         health = balancer.health()
         assert health.alive and "e2" in health.detail

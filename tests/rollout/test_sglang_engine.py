@@ -181,16 +181,16 @@ def test_weight_update_changes_images_and_verifies(engine, reference, tiny_sd3_d
 
 
 def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch, tiny_sd3_dir):
-    """bridge.verify = false: no SHA-256 anywhere in the sync (an unknown name then goes unnoticed, as
+    """bridge.verify = false: no hashing anywhere in the sync (an unknown name then goes unnoticed, as
     SGLang skips it); true: each tensor hashed once on the sending side, the engine re-hashes once."""
     import megaflow.bridge.buckets as buckets
     from megaflow.bridge import SyncError
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.rollout.sglang import engine as engine_module
     calls = []
-    real_bucket, real_tensor = buckets.Bucket.sha256, engine_module.compute_tensor_sha256
-    monkeypatch.setattr(buckets.Bucket, "sha256", lambda b: calls.extend(b.metadata) or real_bucket(b))
-    monkeypatch.setattr(engine_module, "compute_tensor_sha256", lambda t: calls.append(1) or real_tensor(t))
+    real_bucket, real_tensor = buckets.Bucket.digests, engine_module.tensor_digest
+    monkeypatch.setattr(buckets.Bucket, "digests", lambda b, c: calls.extend(b.metadata) or real_bucket(b, c))
+    monkeypatch.setattr(engine_module, "tensor_digest", lambda t, c: calls.append(1) or real_tensor(t, c))
     state = list(reference.transformer.state_dict().items())  # the weights the engine holds already
     checksum0 = engine.checksum()
     assert not ColocatedBridge([engine], bucket_bytes=64 << 10, verify=False).push(state).verified

@@ -94,10 +94,17 @@ def _worker_side_of(module_payload):
     return list(updater._materialize_weights_iter(module_payload, "flattened_bucket"))
 
 
-def test_plugin_tensor_hash_matches_sglangs():
-    """The plugin's replacement for SGLang's checker hash gives the same digests (hashed in place)."""
+def test_plugin_tensor_hash_matches_sglangs_and_the_bridges(monkeypatch):
+    """The plugin's replacement for SGLang's checker hash: with sha256 SGLang's own digests (hashed in place),
+    by default (and with xxh3) the bridge's xxh3 digests."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
+    from megaflow.bridge.checksum import tensor_digest
     from megaflow.rollout.sglang import plugin
-    for _, t in _named() + [("strided", torch.randn(6, 4)[:, 1]), ("int", torch.arange(5))]:
-        assert plugin.tensor_sha256(t) == compute_tensor_sha256(t)
+    tensors = [t for _, t in _named()] + [torch.randn(6, 4)[:, 1], torch.arange(5)]
+    monkeypatch.delenv(plugin.CHECKSUM_VAR, raising=False)
+    assert all(plugin.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)
+    monkeypatch.setenv(plugin.CHECKSUM_VAR, "sha256")
+    assert all(plugin.tensor_digest(t) == compute_tensor_sha256(t) for t in tensors)
+    monkeypatch.setenv(plugin.CHECKSUM_VAR, "xxh3")
+    assert all(plugin.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)

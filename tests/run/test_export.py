@@ -20,6 +20,7 @@ import torch
 
 from megaflow import cli
 from megaflow.config import load_config, save_config
+from megaflow.trainer.manifest import write_manifest
 
 ITERATION = 3
 
@@ -160,6 +161,14 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys):
     rc, err, _ = _export(capsys, "--run", run_dir, "--iteration", 3, "--out", out)
     assert rc == 2 and len(err) == 1 and "refusing to overwrite" in err[0] and str(out) in err[0]
     assert _files(out) == ["keep.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["out", "pipe", "run"]
+
+    rc, err, _ = _export(capsys, "--run", run_dir, "--out", tmp_path / "new")  # no manifest: an older megaflow's
+    assert rc == 2 and len(err) == 1 and str(ckpt / "MANIFEST.json") in err[0] and "--trust-checkpoint" in err[0]
+    write_manifest(ckpt)
+    (ckpt / "state.json").write_text(json.dumps({"iteration": 4}))
+    rc, err, _ = _export(capsys, "--run", run_dir, "--out", tmp_path / "new", "--trust-checkpoint")
+    assert rc == 2 and len(err) == 1 and str(ckpt / "state.json") in err[0] and "differ" in err[0]
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from megaflow.bridge.checksum import ALGORITHMS, DEFAULT
 from megaflow.config.schema import MAX_BATCH_WINDOW_MS, MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
@@ -54,6 +55,9 @@ class SGLangEngineConfig:
     OMP_NUM_THREADS, and without one SGLang gives each worker ``cpu_count // num_gpus`` threads (at most 16),
     which on a small shared CPU host oversubscribes it (tiny-SD3 DiT forward measured 4.4x slower with 2
     threads than with 1 on 2 busy cores)."""
+    checksum: str = DEFAULT
+    """How the engine's workers hash the tensors they hold for verification (``megaflow.bridge.checksum``:
+    xxh3 or sha256), told to them when they are spawned; the bridge's ``bridge.checksum``."""
     device_index: int | None = None
     """Local GPU the worker processes are pinned to: they are started with CUDA_VISIBLE_DEVICES naming only
     that device (the entry at this index of this process's CUDA_VISIBLE_DEVICES when set); None: inherit."""
@@ -65,6 +69,8 @@ class SGLangEngineConfig:
             raise ValueError(f"family must be one of {sorted(FAMILY_MODEL_IDS)}, got {self.family!r}")
         if self.precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {self.precision!r}")
+        if self.checksum not in ALGORITHMS:
+            raise ValueError(f"checksum must be one of {', '.join(ALGORITHMS)}, got {self.checksum!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.max_batch_outputs < 1 or self.num_inflight_calls < 1:
@@ -85,4 +91,5 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
     return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,
                               device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
                               batch_window_ms=r.batch_window_ms, log_level="info", log_dir=log_dir,
+                              checksum=cfg.bridge.checksum,
                               num_threads=r.engine_threads or cfg.run.num_threads)

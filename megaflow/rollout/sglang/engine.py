@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
 from megaflow.bridge.base import WeightUpdateResult
+from megaflow.bridge.checksum import DEFAULT, tensor_digest
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
@@ -112,7 +112,8 @@ class SGLangEngine:
 
     def _start_server(self) -> EngineServer:
         return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file,
-                                  device_index=self.config.device_index, num_threads=self.config.num_threads)
+                                  device_index=self.config.device_index, num_threads=self.config.num_threads,
+                                  checksum=self.config.checksum)
 
     def _server_kwargs(self) -> dict:
         c = self.config
@@ -274,8 +275,8 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
         """Push DiT tensors (diffusers names) as one flattened bucket (SGLang's ``FlattenedTensorBucket``);
-        ``verify``: then check each by SHA-256 (SGLang skips unknown names and still reports success, so
-        without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
+        ``verify``: then check each by its digest (``config.checksum``; SGLang skips unknown names and still
+        reports success, so without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
         into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
         bf16 model) must not be rounded on the way."""
         flat, metadata = flatten(list(named_tensors))
@@ -285,14 +286,14 @@ class SGLangEngine:
                     verify: bool = True) -> WeightUpdateResult:
         """Set the DiT's LoRA adapters (PEFT names ``<module>.lora_A.weight`` / ``.lora_B.weight``): SGLang merges
         base + alpha / rank * B @ A into each adapted linear, replacing the previous adapter. ``verify``: then
-        the engine re-hashes (SHA-256) every adapter tensor it holds against what was sent (a layer name it
+        the engine re-hashes (``config.checksum``) every adapter tensor it holds against what was sent (a layer name it
         does not know would otherwise be skipped with success reported)."""
         named = [(lora_engine_name(n), t.detach().to("cpu").contiguous()) for n, t in named_tensors]
         t0 = time.perf_counter()
         with self._lock:
             ok, message = self._server.update_lora_from_tensors(named, alpha=alpha, rank=rank)
             if ok and verify:
-                ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in named})
+                ok, message = self._server.verify({n: tensor_digest(t, self.config.checksum) for n, t in named})
             if ok and self.config.replay_weights_on_restart:
                 self._replay.keep_lora(named, alpha, rank)
         return WeightUpdateResult(ok=ok, num_tensors=len(named), message=message,
@@ -313,17 +314,21 @@ class SGLangEngine:
             ok, message = self._server.update_from_bucket(flat, metadata, keep=slot)
             views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
             if ok and verify:
-                ok, message = self._server.verify({n: compute_tensor_sha256(t) for n, t in views.items()})
+                ok, message = self._server.verify({n: tensor_digest(t, self.config.checksum) for n, t in views.items()})
                 message = message if ok else f"weights not verified after update: {message}"
             if ok and self.config.replay_weights_on_restart:
                 self._replay.keep(views, alias=slot is not None)
         return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
                                   num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
 
-    def verify_weights(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
-        """Ask the engine to re-hash tensors by name (SGLang's update-weights checker)."""
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Ask the engine to re-hash tensors by name (SGLang's update-weights checker, hashing with the
+        ``config.checksum`` its workers were started with: digests of another algorithm are refused)."""
+        if checksum != self.config.checksum:
+            return False, (f"engine {self.engine_id} hashes with {self.config.checksum}, the digests sent are "
+                           f"{checksum}")
         with self._lock:
-            return self._server.verify(expected_sha256)
+            return self._server.verify(expected_digests)
 
     def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
         """Reload the DiT from a pipeline directory with a ``transformer/`` folder (all-or-nothing)."""

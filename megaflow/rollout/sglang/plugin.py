@@ -1,6 +1,6 @@
 """SGLang diffusion plugin (entry point in group ``sglang.multimodal_gen.plugins``, see pyproject.toml): in
 each engine worker, freeze the heap once its scheduler is built, keep staging slots mapped, and hash tensors
-for verification without copying them.
+for verification with megaflow's checksum, without copying them.
 
 Heap. SGLang's ``update_weights_from_tensor`` ends with a full ``gc.collect()``, which in a worker holding
 SGLang, torch, transformers and diffusers traces millions of objects: ~0.6 s per update on CPU, measured
@@ -17,10 +17,12 @@ slot in its payload (``weights.KEEP_KEY``); the worker keeps that tensor under t
 kept there before), so torch's shared-storage cache hands the next sync's unpickling the same mapping.
 At most one mapping per slot is kept: the memory of the synced tensors, which the trainer's side holds anyway.
 
-Hashing. SGLang's update-weights checker hashes each tensor's ``.numpy().tobytes()``: a full copy of every
-tensor before SHA-256 reads it (measured: 0.45 s vs 0.24 s for 491 MB hashed from the tensor's own memory).
-The plugin replaces its ``compute_tensor_sha256`` with ``megaflow.bridge.buckets.tensor_sha256`` -- the same
-recipe (dtype string, shape tuple repr, raw bytes), so the same digests -- which hashes the bytes in place.
+Hashing. SGLang's update-weights checker hashes each tensor's ``.numpy().tobytes()`` with SHA-256: a full copy
+of every tensor before SHA-256 reads it (measured: 0.45 s vs 0.24 s for 491 MB hashed from the tensor's own
+memory). The plugin replaces its ``compute_tensor_sha256`` with ``megaflow.bridge.checksum.tensor_digest`` -- the
+function the bridge hashes with on the trainer's side (dtype string, shape tuple repr, raw bytes; with sha256 the
+same digests as SGLang's) -- which hashes the bytes in place, with the algorithm named by ``CHECKSUM_VAR`` in
+the worker's environment (``EngineServer.start`` sets it from the engine's ``checksum``; default xxh3).
 
 The plugin acts only in processes started with ``MEGAFLOW_SGLANG_GC_FREEZE=1`` in their environment
 (``EngineServer.start`` sets it while it spawns workers), so other SGLang uses of the same environment are
@@ -35,7 +37,8 @@ ENV_VAR = "MEGAFLOW_SGLANG_GC_FREEZE"
 HOOK_TARGET = "sglang.multimodal_gen.runtime.managers.scheduler.Scheduler.__init__"
 PAYLOAD_TARGET = ("sglang.multimodal_gen.runtime.post_training.weights_updater.WeightsUpdater."
                   "_materialize_weights_iter")
-SHA256_TARGET = "sglang.multimodal_gen.runtime.post_training.tensor_update_checker.compute_tensor_sha256"
+HASH_TARGET = "sglang.multimodal_gen.runtime.post_training.tensor_update_checker.compute_tensor_sha256"
+CHECKSUM_VAR = "MEGAFLOW_SGLANG_CHECKSUM"
 KEEP_KEY = "megaflow_keep_mapping"  # the payload key (weights.KEEP_KEY)
 
 _kept: dict[str, object] = {}
@@ -52,7 +55,7 @@ def register() -> None:
 
     plugin_hook(HOOK_TARGET)(freeze_heap)
     plugin_hook(PAYLOAD_TARGET)(keep_mapping)
-    plugin_hook(SHA256_TARGET, HookType.REPLACE)(tensor_sha256)
+    plugin_hook(HASH_TARGET, HookType.REPLACE)(tensor_digest)
 
 
 def freeze_heap(result, *args, **kwargs) -> None:
@@ -61,13 +64,14 @@ def freeze_heap(result, *args, **kwargs) -> None:
     gc.freeze()
 
 
-def tensor_sha256(tensor) -> str:
-    """In place of SGLang's ``compute_tensor_sha256``: the same digest, hashed from the tensor's own bytes."""
+def tensor_digest(tensor) -> str:
+    """In place of SGLang's ``compute_tensor_sha256``: megaflow's digest (``CHECKSUM_VAR``'s algorithm, default
+    xxh3), hashed from the tensor's own bytes."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
 
-    from megaflow.bridge.buckets import tensor_sha256 as digest
+    from megaflow.bridge.checksum import DEFAULT, tensor_digest as digest
 
-    return digest(_materialize_local_tensor(tensor))
+    return digest(_materialize_local_tensor(tensor), os.environ.get(CHECKSUM_VAR) or DEFAULT)
 
 
 def keep_mapping(result, updater, module_payload, *args, **kwargs) -> None:

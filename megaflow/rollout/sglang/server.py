@@ -33,6 +33,7 @@ from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
 
+from megaflow.bridge.checksum import DEFAULT
 from megaflow.parallel.placement import worker_visible_devices
 from megaflow.rollout.sglang import plugin
 from megaflow.rollout.sglang.weights import flatten, update_request
@@ -160,9 +161,10 @@ class EngineServer:
 
     @classmethod
     def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None, device_index: int | None = None,
-              num_threads: int | None = None) -> EngineServer:
+              num_threads: int | None = None, checksum: str = DEFAULT) -> EngineServer:
         """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
         pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``_worker_threads``);
+        ``checksum``: how they hash tensors for ``verify`` (megaflow's plugin, ``plugin.CHECKSUM_VAR``);
         their output goes to ``log_file`` if given, as does what sglang logs in this process while they start
         (server args, start messages)."""
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
@@ -171,7 +173,7 @@ class EngineServer:
         handlers, level = list(root.handlers), root.level
         try:
             with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
-                  _worker_output(log_file)):
+                  _env_var(plugin.CHECKSUM_VAR, checksum), _worker_output(log_file)):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
                 processes = launch_server(server_args, launch_http_server=False)
@@ -231,13 +233,15 @@ class EngineServer:
             return False, f"update_weights_from_tensor(lora_merge) failed: {error or out}"
         return True, str((out or {}).get("message", ""))
 
-    def verify(self, expected_sha256: dict[str, str]) -> tuple[bool, str]:
-        """The engine re-hashes the named DiT tensors it holds and compares with ``expected_sha256``."""
+    def verify(self, expected_digests: dict[str, str]) -> tuple[bool, str]:
+        """The engine re-hashes the named DiT tensors it holds (with the checksum its workers were started with,
+        see ``start``) and compares with ``expected_digests`` (SGLang's field name says sha256 whatever the
+        algorithm: megaflow's plugin replaces its hash)."""
         out, error = self._control(UpdateWeightFromTensorCheckerReqInput(
-            target_module="transformer", expected_named_tensors_sha256=expected_sha256))
+            target_module="transformer", expected_named_tensors_sha256=expected_digests))
         if error or not (out or {}).get("success"):
             return False, str(error or (out or {}).get("message"))
-        return True, f"{len(expected_sha256)} tensors verified"
+        return True, f"{len(expected_digests)} tensors verified"
 
     def update_from_disk(self, path: str) -> tuple[bool, str]:
         out, error = self._control(UpdateWeightFromDiskReqInput(model_path=path, target_modules=["transformer"]))

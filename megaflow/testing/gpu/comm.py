@@ -120,7 +120,7 @@ def _engine_child(requests, replies, spec: list, device: str) -> None:
         if msg[0] == "stop":
             return
         if msg[0] == "verify":
-            replies.put(target.verify_weights(msg[1]))
+            replies.put(target.verify_weights(msg[1], checksum=msg[2]))
         elif msg[0] == "load":
             _, flat, metadata, sender_uuid = msg
             if flat.is_cuda and _gpu_uuid(flat.device) != sender_uuid:
@@ -161,8 +161,8 @@ class _IPCEngine:
         ok, message, nbytes = self.replies.get(timeout=60)
         return WeightUpdateResult(ok=ok, num_bytes=nbytes, message=message)
 
-    def verify_weights(self, expected_sha256: dict) -> tuple[bool, str]:
-        self.requests.put(("verify", expected_sha256))
+    def verify_weights(self, expected_digests: dict, *, checksum: str = "xxh3") -> tuple[bool, str]:
+        self.requests.put(("verify", expected_digests, checksum))
         return self.replies.get(timeout=60)
 
 

@@ -1,0 +1,56 @@
+"""The one home of megaflow's checksums: the digest of a tensor, of a byte buffer and of a file, by algorithm name.
+
+- ``xxh3`` (the default): xxHash's XXH3 128-bit (``xxhash.xxh3_128``), a non-cryptographic checksum that runs at
+  about memory speed. It catches corruption (a flipped byte, a truncated or partial buffer, a tensor of another
+  sync) but not a deliberate forgery.
+- ``sha256``: SHA-256 (``hashlib``), a cryptographic digest, ~9x the cost of a memcpy; for users who want one.
+
+A tensor's digest covers its dtype string, its shape tuple's repr and its raw bytes, in that order (the recipe of
+SGLang's update-weights checker, whose ``compute_tensor_sha256`` gives the same ``sha256`` digest). The weight
+bridge hashes each tensor on the trainer's side and every engine re-hashes what it holds with the same function
+(``tensor_digest``); checkpoint manifests (``megaflow.trainer.manifest``) use ``file_digest``.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+import xxhash
+
+ALGORITHMS = ("xxh3", "sha256")
+DEFAULT = "xxh3"
+_CHUNK = 8 << 20
+
+
+def hasher(algorithm: str):
+    """A fresh incremental hasher (``update(bytes-like)``, ``hexdigest()``) of ``algorithm``."""
+    if algorithm == "xxh3":
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown checksum {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+
+def raw_digest(dtype: torch.dtype, shape, raw, algorithm: str) -> str:
+    """Digest of a tensor given as dtype, shape and ``raw`` (a contiguous byte buffer, hashed in place)."""
+    h = hasher(algorithm)
+    h.update(str(dtype).encode())
+    h.update(repr(tuple(shape)).encode())
+    h.update(raw)
+    return h.hexdigest()
+
+
+def tensor_digest(t: torch.Tensor, algorithm: str) -> str:
+    """Digest of dtype string, shape tuple repr and raw bytes of ``t`` (copied to host only if it is not there)."""
+    t = t.detach().to("cpu").contiguous()
+    return raw_digest(t.dtype, t.shape, t.reshape(-1).view(torch.uint8).numpy(), algorithm)
+
+
+def file_digest(path: Path | str, algorithm: str) -> str:
+    """Digest of a file's bytes (read in chunks)."""
+    h = hasher(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

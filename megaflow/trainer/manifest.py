@@ -1,0 +1,97 @@
+"""A checkpoint's integrity manifest: ``MANIFEST.json``, every file of the directory with its size and digest.
+
+Written last (into a temp file, fsynced, renamed into place) once every other file of the checkpoint is there;
+checked before anything in the checkpoint is read (unpickled, loaded, parsed). A sub-directory that has its own
+manifest is listed as that manifest only (its digest chains to the files it lists) and is checked by it, so
+every file is hashed once when written and once when checked. Digests: ``megaflow.bridge.checksum`` (xxh3 by
+default, sha256 on request; the manifest names its algorithm).
+
+A missing, truncated, grown, modified or unlisted file, or no manifest at all, is refused with a ValueError of
+one line naming the file (the CLI prints it as ``megaflow: error: ...``). ``trust=True`` accepts a directory
+WITHOUT a manifest (a checkpoint written by a megaflow before manifests) unchecked; a manifest that is there is
+always checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megaflow.bridge.checksum import ALGORITHMS, DEFAULT, file_digest
+
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+TRUST_HINT = "pass --trust-checkpoint to load it unchecked, only if you trust where it came from"
+
+
+def _files(directory: Path) -> list[str]:
+    """Relative POSIX paths of the files to list: everything under ``directory`` except its own manifest,
+    with a sub-directory that has a manifest represented by that manifest alone."""
+    found = []
+    for root, dirs, names in os.walk(directory):
+        here = Path(root)
+        if here != directory and MANIFEST in names:
+            found.append((here / MANIFEST).relative_to(directory).as_posix())
+            dirs[:] = []
+            continue
+        dirs.sort()
+        found += [(here / n).relative_to(directory).as_posix() for n in names
+                  if not (here == directory and (n == MANIFEST or n.startswith(f".{MANIFEST}.")))]
+    return sorted(found)
+
+
+def write_manifest(directory: str | Path, checksum: str = DEFAULT) -> Path:
+    """Write ``directory/MANIFEST.json`` (atomically: temp file, fsync, rename) listing every file's size and
+    ``checksum`` digest; call it when every other file is written."""
+    if checksum not in ALGORITHMS:
+        raise ValueError(f"unknown checksum {checksum!r}; expected one of {', '.join(ALGORITHMS)}")
+    directory = Path(directory)
+    files = {rel: {"size": (directory / rel).stat().st_size, "digest": file_digest(directory / rel, checksum)}
+             for rel in _files(directory)}
+    tmp = directory / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"format": FORMAT, "checksum": checksum, "files": files}, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    final = directory / MANIFEST
+    os.replace(tmp, final)
+    return final
+
+
+def _read(path: Path) -> tuple[str, dict]:
+    try:
+        manifest = json.loads(path.read_text())
+        checksum, files = manifest["checksum"], manifest["files"]
+        if manifest.get("format") != FORMAT or checksum not in ALGORITHMS or not isinstance(files, dict):
+            raise ValueError
+        return checksum, files
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{path}: unreadable or unsupported checkpoint manifest") from None
+
+
+def verify_manifest(directory: str | Path, *, trust: bool = False) -> None:
+    """Check ``directory`` against its manifest (and sub-manifests); ValueError of one line naming the first
+    file that is missing, of the wrong size, modified or not listed, or the missing manifest (unless ``trust``)."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        if trust:
+            return
+        raise ValueError(f"{path}: missing (a checkpoint from an older megaflow, or not one megaflow wrote "
+                         f"whole); {TRUST_HINT}")
+    checksum, files = _read(path)
+    for rel, entry in sorted(files.items()):
+        f = directory / rel
+        if not f.is_file():
+            raise ValueError(f"{f}: missing (listed in {path})")
+        size = f.stat().st_size
+        if size != entry.get("size"):
+            raise ValueError(f"{f}: {size} bytes, {entry.get('size')} in {path} (truncated or altered)")
+        if file_digest(f, checksum) != entry.get("digest"):
+            raise ValueError(f"{f}: contents differ from its {checksum} digest in {path} (corrupted or modified)")
+    extra = sorted(set(_files(directory)) - set(files))
+    if extra:
+        raise ValueError(f"{directory / extra[0]}: not listed in {path} (an unexpected file in the checkpoint)")
+    for rel in files:
+        if Path(rel).name == MANIFEST:
+            verify_manifest((directory / rel).parent)
