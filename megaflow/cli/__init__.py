@@ -15,7 +15,7 @@ from pathlib import Path
 from megaflow.cli.bench import add_bench_parsers
 from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, apply_device, load_checked, print_json,
                                  run_config)
-from megaflow.config import ConfigError, dump_config, load_config
+from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.run.interrupt import Interrupted
 
@@ -96,7 +96,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megaflow.run.loop import run
     _setup_logging(logging.INFO, args.verbose)
-    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint)
+    hook = {}
+    if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
+        from megaflow.run.evaluation import eval_hook
+        hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
+    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0

@@ -180,13 +180,23 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
             raise ConfigError(f"data.shapes_categories = {d.shapes_categories} is only read with "
                               f"data.prompts = 'shapes' (data.prompts = {d.prompts!r})")
         if files:
-            jsonl = Path(d.prompts).suffix == ".jsonl"  # a line holds the prompt and its metadata
-            check_text_file(d.prompts, "data.prompts", max_line=None if jsonl else MAX_PROMPT_CHARS)
-            if jsonl:
-                try:
-                    read_jsonl_prompts(d.prompts)
-                except ValueError as e:
-                    raise ConfigError(str(e)) from None
+            _check_prompt_file(d.prompts, "data.prompts")
+    if cfg.eval.every and not d.test_prompts and d.prompts != "shapes":
+        raise ConfigError(f"eval.every = {cfg.eval.every} needs test prompts: set data.test_prompts (a prompt "
+                          "file), or use data.prompts = 'shapes' (ShapeEval's held-out prompts)")
+    if d.test_prompts and files:
+        _check_prompt_file(d.test_prompts, "data.test_prompts")
+
+
+def _check_prompt_file(path: str, key: str) -> None:
+    """A text or .jsonl prompt file (config ``key``) that the prompt pool can read; ConfigError otherwise."""
+    jsonl = Path(path).suffix == ".jsonl"  # a line holds the prompt and its metadata
+    check_text_file(path, key, max_line=None if jsonl else MAX_PROMPT_CHARS)
+    if jsonl:
+        try:
+            read_jsonl_prompts(path, key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:

@@ -73,6 +73,9 @@ class DataConfig:
                        "or a .jsonl file (one object a line: 'prompt' plus fields the rewards get as metadata); "
                        "at most 2000 characters a prompt and 64 MiB a file.")
     shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).", items=str)
+    test_prompts: str = opt("", "Held-out prompts for `megaflow train`'s evaluation (eval.every): a text file or a "
+                            ".jsonl file, read and checked like data.prompts; its first eval.num prompts are "
+                            "sampled. Empty = none.")
 
 
 @dataclass(kw_only=True)
@@ -276,7 +279,15 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """ShapeEval of the model before and after training (``megaflow demo``)."""
+    """ShapeEval of the model before and after training (``megaflow demo``); ``megaflow train``'s evaluation."""
+
+    every: int = opt(0, "megaflow train: evaluate before training (not when resuming), every N iterations and "
+                     "after the last, on the EMA when train.ema_decay > 0: the first eval.num data.test_prompts "
+                     "(one ODE sample each, eval.seed, eval.num_steps) scored by the run's rewards, or, with "
+                     "data.prompts = 'shapes' and no test_prompts, ShapeEval's held-out prompts (eval.num, "
+                     "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
+                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration, tagged in "
+                     "eval.jsonl). 0 = off.", ge=0, le=MAX_ITERS)
 
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.",
                    ge=1, le=100_000)

@@ -41,41 +41,42 @@ def prompt_and_metadata(item: str | PromptRecord) -> tuple[str, dict]:
     return item, {}
 
 
-def read_jsonl_prompts(path: str | Path) -> list[PromptRecord]:
+def read_jsonl_prompts(path: str | Path, key: str = "data.prompts") -> list[PromptRecord]:
     """The records of a ``.jsonl`` prompt file: one JSON object a line with a non-empty string ``"prompt"`` of
-    at most ``MAX_PROMPT_CHARS`` characters (blank lines skipped); ValueError naming the file and line of the
-    first bad one."""
+    at most ``MAX_PROMPT_CHARS`` characters (blank lines skipped); ValueError naming the config ``key``, the
+    file and line of the first bad one."""
     path, records = Path(path), []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        obj = json_object(line, f"data.prompts: {path} line {n}", "expected a JSON object")
+        obj = json_object(line, f"{key}: {path} line {n}", "expected a JSON object")
         prompt = obj.pop("prompt", None)
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"data.prompts: {path} line {n}: needs a non-empty string 'prompt'")
+            raise ValueError(f"{key}: {path} line {n}: needs a non-empty string 'prompt'")
         if len(prompt.strip()) > MAX_PROMPT_CHARS:
-            raise ValueError(f"data.prompts: {path} line {n}: a prompt of {len(prompt.strip())} characters, longer "
+            raise ValueError(f"{key}: {path} line {n}: a prompt of {len(prompt.strip())} characters, longer "
                              f"than the {MAX_PROMPT_CHARS} a prompt may have")
         records.append(PromptRecord(prompt.strip(), obj))
     return records
 
 
-def prompt_pool(source: str, *, seed: int, categories: Sequence[str] = ()) -> list[str] | list[PromptRecord]:
+def prompt_pool(source: str, *, seed: int, categories: Sequence[str] = (),
+                key: str = "data.prompts") -> list[str] | list[PromptRecord]:
     """The prompts of ``source`` (``data.prompts``): ``"shapes"`` = ShapeEval training prompts of ``categories``
     (all when empty) drawn with ``seed``; a ``.jsonl`` file = its records (``read_jsonl_prompts``); else a text
-    file with one prompt per line. ValueError naming a missing, empty or malformed file."""
+    file with one prompt per line. ValueError naming the config ``key`` and a missing, empty or malformed file."""
     if source == SHAPES:
         from megaflow.data.shapes import CATEGORIES, sample_prompts
         return sample_prompts("train", SHAPES_POOL, seed=seed, categories=tuple(categories) or CATEGORIES)
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"data.prompts: no such prompt file {path}")
+        raise ValueError(f"{key}: no such prompt file {path}")
     if path.suffix == ".jsonl":
-        pool = read_jsonl_prompts(path)
+        pool = read_jsonl_prompts(path, key)
     else:
         pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not pool:
-        raise ValueError(f"data.prompts: {path} has no prompts")
+        raise ValueError(f"{key}: {path} has no prompts")
     return pool
 
 

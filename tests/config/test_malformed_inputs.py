@@ -111,6 +111,12 @@ def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str =
     return ["--set", f'data.prompts="{path}"']
 
 
+def _test_prompts(tmp: Path, data: bytes | None, name: str = "held.txt") -> list[str]:
+    if data is not None:
+        (tmp / name).write_bytes(data)
+    return ["--set", f'data.test_prompts="{tmp / name}"']
+
+
 def _pipe_dir(tmp: Path, damage=None, *, shards: int = 0) -> Path:
     root = fake_pipeline(tmp / "pipe", shards=shards)
     if damage:
@@ -298,6 +304,12 @@ CASES = {
                                                    "model.family = 'flux' differs from the checkpoint's 'sd3'"),
     # prompt files
     "prompts missing": (lambda t: [*TRAIN, *_prompts(t, None)], "data.prompts: no such file"),
+    "prompts: eval.every without test prompts": (lambda t: [*TRAIN, *_prompts(t, b"a red circle\n"), "--set",
+                                                            "eval.every=2"], "eval.every = 2 needs test prompts"),
+    "prompts: test_prompts missing": (lambda t: [*TRAIN, "--set", "eval.every=1", *_test_prompts(t, None)],
+                                      "data.test_prompts: no such file"),
+    "prompts: test_prompts jsonl no prompt": (lambda t: [*TRAIN, *_test_prompts(t, b'{"text": "x"}\n', "held.jsonl")],
+                                              "data.test_prompts: "),
     "prompts a directory": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True)], "prompts.txt is not a file"),
     "prompts blank": (lambda t: [*TRAIN, *_prompts(t, b"\n  \n\t\n")], "prompts.txt is empty"),
     "prompts binary": (lambda t: [*SHOW, *_prompts(t, b"a red circle\n\x00\x01\x02")], "prompts.txt is a binary file"),

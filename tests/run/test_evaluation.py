@@ -1,0 +1,86 @@
+"""``megaflow train``'s evaluation hook (megaflow.run.evaluation) on a fake sampler: the requests it makes
+(ODE, one per test prompt, fixed seeds, the prompts' metadata), its reward figures against the reward computed
+directly, and what it writes (eval.jsonl rows, captioned grids). Needs: CPU, no engine (~2 s)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megaflow.config import load_config
+from megaflow.rewards.registry import build_reward
+from megaflow.run import evaluation
+
+COLORS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.9, 0.2, 0.1), (0.0, 0.0, 1.0)]
+
+
+class FakeSampler:
+    """``generate(requests)`` like the run's sampler: a solid image per request, colour by request order."""
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, requests):
+        self.requests.append(list(requests))
+        out = []
+        for i, r in enumerate(requests):
+            image = torch.tensor(COLORS[i % len(COLORS)]).view(3, 1, 1).expand(3, r.height, r.width).clone()
+            out.append(SimpleNamespace(image=image))
+        return out
+
+
+@pytest.fixture
+def cfg(tmp_path, monkeypatch):
+    rows = [{"prompt": f"prompt {i}", "tag": i} for i in range(4)]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f'data.test_prompts="{tmp_path / "held.jsonl"}"', "eval.every=2", "eval.num=3",
+                             "eval.seed=5", "eval.num_steps=2", "rollout.num_steps=4", "rollout.height=16",
+                             "rollout.width=16", "train.iterations=3", "reward.weights={color_target = 2.0}",
+                             'reward.kwargs={color_target = {target = "red"}}'])
+    monkeypatch.setattr(evaluation, "settled", lambda c, run_dir: c)  # no pipeline to read in this test
+    return cfg
+
+
+def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hook, sampler = evaluation.eval_hook(cfg, run_dir), FakeSampler()
+    for when in ("before", 2, "after"):
+        hook(sampler, when)
+    reqs = sampler.requests[0]
+    assert [r.prompt for r in reqs] == ["prompt 0", "prompt 1", "prompt 2"]
+    assert [r.metadata for r in reqs] == [{"tag": 0}, {"tag": 1}, {"tag": 2}]
+    assert {r.sde_type for r in reqs} == {"ode"} and {r.num_outputs for r in reqs} == {1}
+    assert {r.num_steps for r in reqs} == {2} and len({r.seed for r in reqs}) == 3
+    assert [r.seed for r in sampler.requests[2]] == [r.seed for r in reqs]  # the same noise every time
+
+    images = torch.stack([torch.tensor(c).view(3, 1, 1).expand(3, 16, 16) for c in COLORS[:3]])
+    direct = build_reward("color_target", target="red")(images, [r.prompt for r in reqs])
+    rows = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 2, 3] and [r["when"] for r in rows] == ["before", 2, "after"]
+    for row in rows:
+        assert row["eval/color_target"] == pytest.approx(float(direct.mean()), rel=1e-5)
+        assert row["eval/reward_total"] == pytest.approx(2.0 * float(direct.mean()), rel=1e-5)
+        assert row["eval/num"] == 3
+    for it in (0, 2, 3):
+        assert (run_dir / "eval" / f"iter{it:05d}.png").is_file()
+
+
+def test_data_prompts_file_serves_when_no_test_prompts(cfg, tmp_path):
+    (tmp_path / "train.txt").write_text("a red circle\na blue square\n")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompts=str(tmp_path / "train.txt"),
+                                                            test_prompts=""))
+    sampler = FakeSampler()
+    evaluation.eval_hook(cfg, tmp_path)(sampler, "before")
+    assert [r.prompt for r in sampler.requests[0]] == ["a red circle", "a blue square"]
+
+
+def test_shapes_figures():
+    res = {"accuracy": 0.5, "partial_mean": 0.7, "num": 4, "per_category": {"single": 1.0, "count": 0.0},
+           "seen": {"accuracy": 0.25}}
+    assert evaluation.shapes_figures(res) == {
+        "eval/accuracy": 0.5, "eval/partial_mean": 0.7, "eval/num": 4, "eval/seen_accuracy": 0.25,
+        "eval/category/single": 1.0, "eval/category/count": 0.0}
