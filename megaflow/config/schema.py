@@ -288,8 +288,8 @@ class EvalConfig:
                      "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
                      "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration, tagged in "
                      "eval.jsonl). 0 = off.", ge=0, le=MAX_ITERS)
-
-    num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each.",
+    num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each; "
+                   "with data.test_prompts (megaflow train's eval.every): its first eval.num prompts.",
                    ge=1, le=100_000)
     num_seen: int = opt(60, "Prompts of the categories too small to split, reported apart as seen.", ge=0, le=100_000)
     num_train: int = opt(300, "TRAIN prompts of the held-out categories, one fixed-seed sample each (how the model "

@@ -5,7 +5,7 @@ run has one.
 
 Two kinds, by the config:
 
-- ``data.test_prompts`` set (or ``data.prompts`` a file): its first ``eval.num`` prompts, one ODE sample each
+- ``data.test_prompts`` set: its first ``eval.num`` prompts, one ODE sample each
   (``eval.num_steps`` or ``rollout.num_steps``, seed ``eval.seed``-derived per prompt, the rollout's size and
   guidance), scored by the run's weighted rewards (``reward.weights``, ``reward.kwargs``, the prompts' metadata):
   ``eval/reward_total`` and ``eval/<component>`` means (over the images a reward did not mask);
@@ -34,9 +34,11 @@ GRID_COLUMNS = 8
 def eval_hook(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
     """The ``evaluate(sampler, when)`` hook of ``megaflow train`` for ``cfg`` (``eval.every`` > 0), writing
     into ``run_dir``."""
-    if cfg.data.test_prompts or cfg.data.prompts != "shapes":
+    if cfg.data.test_prompts:
         return _reward_eval(cfg, Path(run_dir))
-    return _shapes_eval(cfg, Path(run_dir))
+    if cfg.data.prompts == "shapes":
+        return _shapes_eval(cfg, Path(run_dir))
+    raise ValueError("eval.every needs test prompts: data.test_prompts, or data.prompts = 'shapes'")
 
 
 def settled(cfg: MegaflowConfig, run_dir: Path) -> MegaflowConfig:
@@ -98,9 +100,8 @@ def eval_requests(cfg: MegaflowConfig, prompts: list[str], metadata: list[dict])
 
 def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
     from megaflow.data.prompts import prompt_and_metadata, prompt_pool
-    key, source = ("data.test_prompts", cfg.data.test_prompts) if cfg.data.test_prompts else \
-        ("data.prompts", cfg.data.prompts)
-    items = [prompt_and_metadata(x) for x in prompt_pool(source, seed=cfg.run.seed, key=key)[:cfg.eval.num]]
+    pool = prompt_pool(cfg.data.test_prompts, seed=cfg.run.seed, key="data.test_prompts")
+    items = [prompt_and_metadata(x) for x in pool[:cfg.eval.num]]
     prompts, metadata = [p for p, _ in items], [m for _, m in items]
     state: dict = {}  # the reward and settled config, made at the first evaluation (a model reward loads then)
 

@@ -69,13 +69,15 @@ def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
         assert (run_dir / "eval" / f"iter{it:05d}.png").is_file()
 
 
-def test_data_prompts_file_serves_when_no_test_prompts(cfg, tmp_path):
-    (tmp_path / "train.txt").write_text("a red circle\na blue square\n")
+def test_test_prompts_win_over_shapes_and_a_prompt_file_alone_is_refused(cfg, tmp_path):
+    sampler = FakeSampler()
+    evaluation.eval_hook(cfg, tmp_path)(sampler, "before")  # data.prompts = "shapes" here: test prompts still
+    assert [r.prompt for r in sampler.requests[0]] == ["prompt 0", "prompt 1", "prompt 2"]
+    (tmp_path / "train.txt").write_text("a red circle\n")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompts=str(tmp_path / "train.txt"),
                                                             test_prompts=""))
-    sampler = FakeSampler()
-    evaluation.eval_hook(cfg, tmp_path)(sampler, "before")
-    assert [r.prompt for r in sampler.requests[0]] == ["a red circle", "a blue square"]
+    with pytest.raises(ValueError, match="eval.every needs test prompts"):
+        evaluation.eval_hook(cfg, tmp_path)
 
 
 def test_shapes_figures():

@@ -125,3 +125,21 @@ def test_train_wandb_offline_images_and_resume(tmp_path, monkeypatch):
     records = b"".join(p.read_bytes() for d in offline for p in d.glob("*.wandb"))
     assert b"reward/total" in records and b"captions" in records and b"| reward " in records
     assert len(list(run.glob("wandb/offline-run-*/files/media/images/samples_*.png"))) >= 2 * 6
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_train_evaluates_test_prompts_every_n(tmp_path):
+    held = tmp_path / "held.txt"
+    held.write_text("a red circle\na green square\na blue triangle\ntwo red circles\n")
+    _train(tmp_path, "evals", "--set", "train.iterations=3", "--set", "eval.every=2", "--set", "eval.num=4",
+           "--set", f'data.test_prompts="{held}"')
+    run = tmp_path / "evals"
+    rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["when"]) for r in rows] == [(0, "before"), (2, 2), (3, "after")]
+    for r in rows:
+        assert r["eval/num"] == 4 and math.isfinite(r["eval/reward_total"])
+        assert r["eval/color_target"] == pytest.approx(r["eval/reward_total"])  # weight 1, one reward
+    for it in (0, 2, 3):
+        assert (run / "eval" / f"iter{it:05d}.png").is_file()
+    assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
