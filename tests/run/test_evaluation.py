@@ -80,6 +80,19 @@ def test_test_prompts_win_over_shapes_and_a_prompt_file_alone_is_refused(cfg, tm
         evaluation.eval_hook(cfg, tmp_path)
 
 
+def test_shapes_hook_runs_shapeeval_held_out(cfg, tmp_path):
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, test_prompts=""),
+                              eval=dataclasses.replace(cfg.eval, num=4, num_seen=0),
+                              rollout=dataclasses.replace(cfg.rollout, height=32, width=32))
+    sampler = FakeSampler()
+    evaluation.eval_hook(cfg, tmp_path)(sampler, 2)
+    assert {r.sde_type for r in sampler.requests[0]} == {"ode"} and len(sampler.requests[0]) == 4
+    (row,) = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert row["iteration"] == 2 and row["eval/num"] == 4 and 0.0 <= row["eval/accuracy"] <= 1.0
+    assert "eval/partial_mean" in row and any(k.startswith("eval/category/") for k in row)
+    assert (tmp_path / "eval" / "iter00002.png").is_file()
+
+
 def test_shapes_figures():
     res = {"accuracy": 0.5, "partial_mean": 0.7, "num": 4, "per_category": {"single": 1.0, "count": 0.0},
            "seen": {"accuracy": 0.25}}
