@@ -1,8 +1,8 @@
 """Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
 step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
 ``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
-and TP=2, with a disaggregated placement (an engine rank), for DiffusionNFT (its sampling policy and the
-EMA included) and for the asynchronous loop (the batch collected ahead is checkpointed). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
+and TP=2, with a disaggregated placement (an engine rank), and for DiffusionNFT in the asynchronous loop (its
+sampling policy, the EMA and the batch collected ahead included). Also: metrics.jsonl holds every iteration once with the same rewards, a kill during a checkpoint
 write leaves the previous checkpoint usable, and no engine worker outlives a killed driver.
 
 Reference: the same config run once without interruption. Tolerance: none (torch.equal).
@@ -222,29 +222,22 @@ NFT = ("--set", "algo.name=nft", "--set", "rollout.sde_type=ode", "--set", "algo
        "--set", "train.lr_schedule=cosine")
 
 
-def test_kill9_resume_is_exact_nft(tmp_path):
-    # DiffusionNFT with a lagging sampling policy, an EMA and a warmed-up cosine lr: killed midway through iteration
-    # 3's sync (the engines hold theta_old) and after iteration 4's update (theta_old blended, not yet
-    # checkpointed); the model, theta_old and the EMA equal the uninterrupted run's (SIGINT is the other tests')
-    reference = _reference(tmp_path, tp=1, extra=NFT)
-    crashed = _crash_and_resume(tmp_path, 1, ["sync@3", "train@4"], sigint_first=False, extra=NFT)
+def test_kill9_resume_is_exact_nft_async(tmp_path):
+    # DiffusionNFT with a lagging sampling policy, an EMA and a warmed-up cosine lr, in the asynchronous loop
+    # (train.max_staleness = 1: the engines sample iteration k + 1 while the trainer trains k, so every checkpoint
+    # holds the batch collected ahead): killed midway through iteration 3's sync (the engines hold theta_old) and
+    # after iteration 4's update (theta_old blended, the batch of 5 in flight, nothing checkpointed); the model,
+    # theta_old and the EMA equal the uninterrupted run's, which trained on batches one version old
+    extra = (*NFT, "--set", "train.max_staleness=1")
+    reference = _reference(tmp_path, tp=1, extra=extra)
+    staleness = [json.loads(x).get("rollout/staleness")
+                 for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert staleness == [None, 0.0, 1.0, 1.0, 1.0, 1.0], staleness
+    assert (list_checkpoints(reference)[0][1] / "next_batch.safetensors").is_file()
+    crashed = _crash_and_resume(tmp_path, 1, ["sync@3", "train@4"], sigint_first=False, extra=extra)
     _assert_same_run(reference, crashed, shadows=("ema", "nft_old"))
     ema, trained = _final_weights(reference, "ema"), _final_weights(reference)
     assert any(not torch.equal(ema[k], trained[k]) for k in trained if isinstance(trained[k], torch.Tensor))
-
-
-def test_kill9_resume_is_exact_async(tmp_path):
-    # train.max_staleness = 1: the engines sample iteration k + 1 while the trainer trains iteration k, so every
-    # checkpoint holds a batch collected ahead. SIGINT after iteration 1 (the batch ahead is checkpointed with
-    # it), then killed in iteration 3's rollout bookkeeping and after iteration 4's update (while the batch of 5
-    # was in flight): the resumed run trains on the checkpointed batch and ends equal to the uninterrupted run
-    extra = ("--set", "train.max_staleness=1")
-    reference = _reference(tmp_path, tp=1, extra=extra)
-    staleness = [json.loads(x).get("rollout/staleness") for x in (reference / "metrics.jsonl").read_text().splitlines()]
-    assert staleness == [None, 0.0, 1.0, 1.0, 1.0, 1.0], staleness
-    assert (list_checkpoints(reference)[0][1] / "next_batch.safetensors").is_file()
-    crashed = _crash_and_resume(tmp_path, 1, ["rollout@3", "train@4"], sigint_first=True, extra=extra)
-    _assert_same_run(reference, crashed)
 
 
 @pytest.mark.dist
