@@ -183,6 +183,7 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     buffer or optimizer), or under LoRA the trainer itself with its adapters off (``BaseReference``)."""
     from safetensors.torch import load_file
 
+    from megaflow.models.common.finite import refuse_non_finite
     from megaflow.models.registry import get_family
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
     from megaflow.trainer.settings import lora_settings, optimizer_config, transformer_kwargs
@@ -194,6 +195,7 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     if not files:
         raise ValueError(f"no safetensors weights in {tdir}")
     state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    refuse_non_finite(state.items(), str(tdir))
     opt = optimizer_config(cfg)
     lora = lora_settings(cfg)
     trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora)

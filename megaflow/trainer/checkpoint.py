@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 
 from megaflow.config.files import CKPT_META as META_FILE  # the one home of the name (stdlib-only room)
 from megaflow.bridge.checksum import DEFAULT as DEFAULT_CHECKSUM
+from megaflow.models.common.finite import refuse_non_finite
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
@@ -159,6 +160,7 @@ def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimize
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         chunk.load_state_dict(loaded[key], strict=True)
+    _refuse_non_finite_everywhere(chunks, path)
     with torch.no_grad():
         for name, shadow in (shadows or {}).items():
             for key, tensor_name in shadow_names[name].items():
@@ -168,6 +170,24 @@ def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimize
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
     return meta
+
+
+def _refuse_non_finite_everywhere(chunks: list[torch.nn.Module], path: str | Path) -> None:
+    """Every rank raises the same one-line ValueError when any rank's loaded shard holds NaN or inf (a rank that
+    raised alone would leave the others waiting in the next collective)."""
+    import torch.distributed as dist
+    try:
+        refuse_non_finite((n, p) for chunk in chunks for n, p in chunk.named_parameters())
+        mine = None
+    except ValueError as e:
+        mine = f"{path}: {e}"
+    found = [mine]
+    if dist.is_initialized():
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    bad = next((m for m in found if m), None)
+    if bad:
+        raise ValueError(bad)
 
 
 @contextlib.contextmanager

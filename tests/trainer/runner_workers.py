@@ -19,6 +19,24 @@ def _engine(dcfg: dict, dims: ParallelDims, optimizer: bool):
     return Trainer(cfg, spec="local", optimizer_config=opt)
 
 
+def _load_nan_shard(case: dict, ckpt: str, dims: ParallelDims) -> str | None:
+    """Save a checkpoint whose column-parallel QKV shard on rank 1 only holds a NaN, load it on every rank; the
+    error each rank raised (None: it loaded)."""
+    from megaflow.trainer.checkpoint import load_checkpoint, save_checkpoint
+    eng = _engine(case["dcfg"], dims, optimizer=False)
+    eng.load_diffusers_state_dict(case["state"])
+    if torch.distributed.get_rank() == 1:
+        name, param = next((n, p) for n, p in eng.chunks[0].named_parameters() if "linear_qkv.weight" in n)
+        with torch.no_grad():
+            param.view(-1)[0] = float("nan")
+    save_checkpoint(eng.chunks, ckpt, family="sd3", diffusers_config=case["dcfg"])
+    try:
+        load_checkpoint(eng.chunks, ckpt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     """TP=2 (+SP): 3 Adam steps; save model+optimizer; a 4th step; resume from the checkpoint at
     TP=2 and redo step 4 (must match); load the model at PP=2 (must equal the saved weights)."""
@@ -55,8 +73,9 @@ def train_save_resume_rank(case_path: str, ckpt: str) -> dict:
     eng = _engine(case["dcfg"], ParallelDims(pp=2), optimizer=False)
     load_checkpoint(eng.chunks, ckpt)
     pp2 = dict(eng.iter_full_params())
+    nan_error = _load_nan_shard(case, ckpt + "-nan", tp2)
     destroy_distributed()
-    return {
+    return {"nan_error": nan_error,
         "losses": losses, "fresh_losses": fresh_losses, "fresh_param_err": fresh_err, "step4": step4, "resumed4": resumed4, "fast_paths": fast_paths,
         "resume_param_err": max(float((after4[k] - resumed_after4[k]).abs().max()) for k in after4),
         "pp2_mismatch": sorted(k for k in saved if not torch.equal(saved[k], pp2.get(k, torch.empty(0)))),

@@ -1,5 +1,6 @@
 """Trainer: Adam training steps vs a diffusers + torch AdamW reference, checkpoint resume, and
-resharded loading (TP=2+SP -> PP=2).
+resharded loading (TP=2+SP -> PP=2), a checkpoint with a NaN in one rank's shard refused on every rank, and
+``refuse_non_finite`` on a pipeline's state dict.
 
 Needs: CPU, gloo, 2 processes (one launch), diffusers in the parent only. Tolerances: per-step
 SFT losses vs the reference <= 1e-5; resumed step 4 vs uninterrupted step 4: loss <= 1e-6 and
@@ -50,3 +51,19 @@ def test_train_steps_match_reference_and_checkpoint_resume(tmp_path):
         assert r["pp2_mismatch"] == []
         # resumed from the checkpoint saved before the first step: the same 3 steps, the same weights
         assert r["fresh_losses"] == r["losses"] and r["fresh_param_err"] == 0.0
+        # a NaN in rank 1's shard only: every rank refuses the checkpoint with the same line (none waits alone)
+        assert r["nan_error"] is not None and "ckpt-nan" in r["nan_error"] and "non-finite" in r["nan_error"]
+        assert "\n" not in r["nan_error"] and r["nan_error"] == out[0]["nan_error"]
+
+
+def test_non_finite_weights_are_one_line():
+    from megaflow.models.common.finite import refuse_non_finite
+    good = {"a": torch.ones(3), "steps": torch.tensor([1, 2])}  # integer tensors are not checked
+    refuse_non_finite(good.items(), "pipe/transformer")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(4)
+        t[2] = bad
+        with pytest.raises(ValueError) as e:
+            refuse_non_finite([*good.items(), ("blocks.0.w", t)], "pipe/transformer")
+        msg = str(e.value)
+        assert msg.startswith("pipe/transformer: blocks.0.w holds 1 non-finite value(s)") and "\n" not in msg
