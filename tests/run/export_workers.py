@@ -24,7 +24,6 @@ def _trainer(run_dir: str, pipeline_dir: str):
 
 
 def _save(cfg, trainer, run_dir: str, pipeline_dir: str, iteration: int, *, optimizer) -> dict:
-    from megaflow.run.build import build_trainer
     from megaflow.bridge.convert import engine_named_params
     from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
     from megaflow.parallel.distributed import destroy_distributed

@@ -9,17 +9,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+from reward_runs import train_with_reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-REPO = Path(__file__).resolve().parents[2]
 STUCK = """
 import time
 from pathlib import Path
@@ -51,16 +49,7 @@ def _record_descendants(proc: subprocess.Popen, seen: set[int]) -> None:
 def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tmp_path):
     (tmp_path / "stuckreward.py").write_text(STUCK)
     called = tmp_path / "stuckreward.called"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    sets = ['run.name="stuck"', f'run.output_dir="{tmp_path / "runs"}"', 'reward.weights={"stuckreward:score" = 1.0}',
-            "reward.kwargs={}", "reward.timeout_s=0", "train.iterations=3", "rollout.prompts_per_iter=1",
-            "rollout.group_size=2", "rollout.num_steps=2", "rollout.height=32", "rollout.width=32",
-            "train.micro_batch_size=2"]
-    cmd = [sys.executable, "-m", "megaflow.cli", "train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd, env = train_with_reward(tmp_path, "stuck", "stuckreward:score", ["reward.timeout_s=0", "train.iterations=3"])
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     seen: set[int] = set()

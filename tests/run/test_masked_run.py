@@ -3,19 +3,16 @@ scores (fast), and `megaflow train` with a reward returning the wrong length (sl
 Needs: CPU, 1 process (the end-to-end test ~1 min)."""
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from reward_runs import train_with_reward
 
 from megaflow.rewards.base import safe_score
 from megaflow.rollout.types import RewardScores
 from megaflow.run.masked import MaskedWatch
 
-REPO = Path(__file__).resolve().parents[2]
 NAN = float("nan")
 
 
@@ -61,16 +58,8 @@ def test_train_with_a_wrong_length_reward_stops_after_k_iterations(tmp_path):
         "import torch\n"
         "def score(images, prompts, metadata):\n"
         "    return torch.zeros(len(prompts) + 1)  # one score too many\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    sets = ['run.name="masked"', f'run.output_dir="{tmp_path / "runs"}"', "reward.weights={\"badreward:score\" = 1.0}",
-            "reward.kwargs={}", "train.iterations=10", "train.max_masked_iterations=2", "rollout.prompts_per_iter=1",
-            "rollout.group_size=2", "rollout.num_steps=2", "rollout.height=32", "rollout.width=32",
-            "train.micro_batch_size=2"]
-    cmd = [sys.executable, "-m", "megaflow.cli", "train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd, env = train_with_reward(tmp_path, "masked", "badreward:score",
+                                 ["train.iterations=10", "train.max_masked_iterations=2"])
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and lines, r.stderr[-3000:]
