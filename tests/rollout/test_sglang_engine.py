@@ -3,14 +3,16 @@
 One engine is started from the session's tiny SD3 pipeline and shared by every test here, in file
 order; the crash test restarts it and the last test shuts it down. Checks: trajectory layout, log-prob
 recomputation with megaflow's flow math (1e-6), parity with the reference sampler (1e-5), weight update by
-tensors and from disk (checksums verified, images change and come back), release/resume on CPU, a
-worker killed mid-run (restart + retry, logged), and shutdown stopping exactly our worker processes.
+tensors and from disk (checksums verified, images change and come back), release/resume on CPU, the sockets
+(listeners on loopback only, the scheduler on an ipc path in a 0700 directory), a worker killed mid-run (restart +
+retry, logged), and shutdown stopping exactly our worker processes (and removing that directory).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 
@@ -22,6 +24,7 @@ import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.flow.step import config_for_step, sigma_max_of, transition_log_prob
 from megaflow.rollout.reference import ReferenceSampler, sde_step_indices, transition_config
 from megaflow.rollout.types import RolloutRequest
+from megaflow.testing import sockets
 import megaflow.rollout.sglang as sglang_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -225,6 +228,23 @@ def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
     assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok  # back to the pipeline's weights
 
 
+def test_engine_listens_only_on_loopback_and_its_private_directory(engine):
+    """No engine process listens beyond loopback (SGLang's TCP store listened on every interface before megaflow's
+    plugin moved the rendezvous to a file), and the scheduler's ZMQ socket, which unpickles what it receives, is an
+    ipc socket in a 0700 directory of ours rather than a 127.0.0.1 port any local user can reach."""
+    server = engine._server
+    procs = [p for pid in server.pids for p in sockets.tree(pid)]
+    listening = sockets.inet_listeners(procs)
+    assert listening and all(sockets.is_loopback(ip) for _, ip, _ in listening), listening
+    info = os.stat(server.socket_dir)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    endpoints = server.server_args.scheduler_endpoints
+    assert endpoints and all(e.startswith(f"ipc://{server.socket_dir}/") for e in endpoints), endpoints
+    bound = {c.laddr for p in procs for c in p.net_connections(kind="unix") if c.laddr}
+    assert {e.removeprefix("ipc://") for e in endpoints} <= bound, bound
+    print("listening:", sorted({f"{ip}:{port}" for _, ip, port in listening}), "ipc:", endpoints)
+
+
 def test_release_resume_on_cpu(engine):
     engine.release()  # CPU: documented no-op, but generate must refuse until resume
     with pytest.raises(RuntimeError, match="released"):
@@ -257,10 +277,11 @@ def test_worker_killed_mid_run_is_restarted_and_retried(engine, caplog):
 
 
 def test_shutdown_stops_exactly_our_workers(engine):
-    pids = engine.health().worker_pids
+    pids, socket_dir = engine.health().worker_pids, engine._server.socket_dir
     assert sglang_engine.worker_processes_alive(pids) == pids
     engine.shutdown()
     assert sglang_engine.worker_processes_alive(pids) == []
+    assert not os.path.exists(socket_dir)
     assert not engine.health().alive
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(_requests())

@@ -1,7 +1,8 @@
 """A second SIGTERM abandons a run whatever it waits on: `megaflow train` whose reward never returns (and has no
 time limit, reward.timeout_s = 0) gets SIGTERM once the reward is called (a stop at the iteration boundary,
 which never comes), then SIGTERM again 3 s later (past DUPLICATE_S); it must exit within 20 s of the second,
-with code 143, and leave none of its child processes (the SGLang engine workers) alive. The signals go to the
+with code 143, and leave none of its child processes (the SGLang engine workers) alive. While it is stuck, every
+TCP socket the run's processes listen on must be on loopback. The signals go to the
 driver's PID only, as `kill PID` sends them: the workers are never signalled by the test.
 Needs: CPU, 1 process, a real SGLang engine (~1 min, slow)."""
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 import psutil
 import pytest
 from reward_runs import train_with_reward
+
+from megaflow.testing import sockets
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -61,6 +64,9 @@ def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tm
             time.sleep(0.2)
         assert called.exists(), f"the reward was never called (rc {proc.poll()})"
         assert seen, "the run started no child process (no engine workers?)"
+        listening = sockets.inet_listeners(sockets.tree(proc.pid))  # a live run: driver, engine workers
+        assert all(sockets.is_loopback(ip) for _, ip, _ in listening), listening
+        print(f"a live run listens on {len(listening)} TCP sockets, all loopback:", sorted({ip for _, ip, _ in listening}))
         proc.send_signal(signal.SIGTERM)  # first: stop at the iteration boundary, which never comes
         time.sleep(3.0)
         assert proc.poll() is None

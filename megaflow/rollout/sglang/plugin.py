@@ -24,6 +24,13 @@ function the bridge hashes with on the trainer's side (dtype string, shape tuple
 same digests as SGLang's) -- which hashes the bytes in place, with the algorithm named by ``CHECKSUM_VAR`` in
 the worker's environment (``EngineServer.start`` sets it from the engine's ``checksum``; default xxh3).
 
+Sockets. A single-node engine's workers rendezvous through a file in the engine's private directory (a
+``tempfile.mkdtemp``, mode 0700, made by ``EngineServer.start`` and named to the workers by ``SOCKET_DIR_VAR``)
+instead of SGLang's TCP store, which listens on every interface; their gloo transport stays on loopback
+(``GLOO_SOCKET_IFNAME=lo`` unless set); and the scheduler's ZMQ socket, which unpickles what it receives, is an ipc
+socket in that directory instead of a 127.0.0.1 port that any local user could reach. Multi-node engines
+(SGLang's ``dist_init_addr``) keep their TCP endpoints: those must be reachable from the other nodes.
+
 The plugin acts only in processes started with ``MEGAFLOW_SGLANG_GC_FREEZE=1`` in their environment
 (``EngineServer.start`` sets it while it spawns workers), so other SGLang uses of the same environment are
 left alone.
@@ -39,10 +46,17 @@ PAYLOAD_TARGET = ("sglang.multimodal_gen.runtime.post_training.weights_updater.W
                   "_materialize_weights_iter")
 HASH_TARGET = "sglang.multimodal_gen.runtime.post_training.tensor_update_checker.compute_tensor_sha256"
 CHECKSUM_VAR = "MEGAFLOW_SGLANG_CHECKSUM"
+ENDPOINT_TARGET = "sglang.multimodal_gen.runtime.server_args.server_args.ServerArgs.scheduler_endpoint_for"
+RENDEZVOUS_TARGET = "sglang.multimodal_gen.runtime.distributed.parallel_state.init_distributed_environment"
+SOCKET_DIR_VAR = "MEGAFLOW_SGLANG_SOCKET_DIR"
+LOOPBACK_TCP = "tcp://127.0.0.1:"
 KEEP_KEY = "megaflow_keep_mapping"  # the payload key (weights.KEEP_KEY)
 
 _kept: dict[str, object] = {}
 """Staging-slot key -> the last flattened tensor received under it (this worker's kept mappings)."""
+
+_socket_dirs: dict[int, str] = {}
+"""In the process hosting engines: scheduler port -> that engine's private directory (``own_sockets``)."""
 
 
 def register() -> None:
@@ -56,6 +70,46 @@ def register() -> None:
     plugin_hook(HOOK_TARGET)(freeze_heap)
     plugin_hook(PAYLOAD_TARGET)(keep_mapping)
     plugin_hook(HASH_TARGET, HookType.REPLACE)(tensor_digest)
+    plugin_hook(ENDPOINT_TARGET, HookType.AROUND)(private_scheduler_endpoint)
+    plugin_hook(RENDEZVOUS_TARGET, HookType.AROUND)(private_rendezvous)
+
+
+def own_sockets(scheduler_port: int, directory: str) -> None:
+    """In the hosting process: the engine whose scheduler port is ``scheduler_port`` keeps its sockets in
+    ``directory`` (its workers learn it from ``SOCKET_DIR_VAR``)."""
+    _socket_dirs[scheduler_port] = directory
+
+
+def disown_sockets(scheduler_port: int) -> None:
+    _socket_dirs.pop(scheduler_port, None)
+
+
+def _socket_dir(scheduler_port: int) -> str | None:
+    return _socket_dirs.get(scheduler_port) or os.environ.get(SOCKET_DIR_VAR)
+
+
+def private_scheduler_endpoint(original, server_args, replica: int, *args, **kwargs) -> str:
+    """Around ``ServerArgs.scheduler_endpoint_for``: a loopback TCP endpoint becomes an ipc socket in the
+    engine's private directory (in the hosting process and in the workers alike)."""
+    endpoint = original(server_args, replica, *args, **kwargs)
+    directory = _socket_dir(server_args.scheduler_port)
+    if directory is None or not endpoint.startswith(LOOPBACK_TCP):
+        return endpoint
+    return f"ipc://{directory}/scheduler-{replica}"
+
+
+def private_rendezvous(original, *args, **kwargs):
+    """Around SGLang's ``init_distributed_environment`` in a worker: a loopback TCP rendezvous (a TCP store
+    that would listen on every interface) becomes a file store in the engine's private directory."""
+    import inspect
+
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    method, directory = bound.arguments["distributed_init_method"], os.environ.get(SOCKET_DIR_VAR)
+    if directory and isinstance(method, str) and method.startswith(LOOPBACK_TCP):
+        bound.arguments["distributed_init_method"] = f"file://{directory}/rendezvous"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return original(*bound.args, **bound.kwargs)
 
 
 def freeze_heap(result, *args, **kwargs) -> None:

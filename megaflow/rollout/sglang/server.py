@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -131,6 +133,23 @@ def _worker_output(log_file: Path | None):
             os.close(f)
 
 
+def _own_sockets(server_args, socket_dir: str) -> None:
+    """Register ``socket_dir`` as this engine's private directory and check that its scheduler endpoints moved
+    there (megaflow's SGLang plugin must have hooked ``ServerArgs.scheduler_endpoint_for`` in this process)."""
+    plugin.own_sockets(server_args.scheduler_port, socket_dir)
+    public = [e for e in server_args.scheduler_endpoints if e.startswith(plugin.LOOPBACK_TCP)]
+    if public:
+        raise RuntimeError(f"the engine's scheduler would listen on {public[0]}: megaflow's SGLang plugin is not "
+                           "active in this process (SGLang's hooks were applied before the engine started)")
+
+
+def _disown_sockets(server_args, socket_dir: str | None) -> None:
+    if server_args is not None:
+        plugin.disown_sockets(server_args.scheduler_port)
+    if socket_dir is not None:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (picked by the OS)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -155,6 +174,7 @@ class EngineServer:
 
     def __init__(self, server_args, processes, client, family: str):
         self.server_args, self.processes, self.client, self.family = server_args, processes, client, family
+        self.socket_dir: str | None = None  # the workers' private rendezvous and ipc sockets (``start``)
         self.pids = [p.pid for p in processes]
         # Children the workers spawned: ours too, so shutdown stops them (psutil guards PID reuse).
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
@@ -171,18 +191,27 @@ class EngineServer:
         # must not wipe the host's logging setup, so it is restored afterwards.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
+        socket_dir = tempfile.mkdtemp(prefix="megaflow-engine-")  # 0700: the workers' rendezvous and ipc sockets
+        server_args = None
         try:
             with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
-                  _env_var(plugin.CHECKSUM_VAR, checksum), _worker_output(log_file)):
+                  _env_var(plugin.CHECKSUM_VAR, checksum), _env_var(plugin.SOCKET_DIR_VAR, socket_dir),
+                  _worker_output(log_file)):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
+                _own_sockets(server_args, socket_dir)
                 processes = launch_server(server_args, launch_http_server=False)
+        except BaseException:
+            _disown_sockets(server_args, socket_dir)
+            raise
         finally:
             root.handlers[:] = handlers
             root.setLevel(level)
         client = SchedulerClient()
         client.initialize(server_args)
-        return cls(server_args, processes, client, family)
+        server = cls(server_args, processes, client, family)
+        server.socket_dir = socket_dir
+        return server
 
     def dead_workers(self) -> list[int]:
         return [p.pid for p in self.processes if not p.is_alive()]
@@ -283,3 +312,4 @@ class EngineServer:
             except psutil.NoSuchProcess:
                 pass
         self.client.close()  # wakes any thread blocked in recv (ContextTerminated) so it can retry
+        _disown_sockets(self.server_args, self.socket_dir)
