@@ -19,7 +19,6 @@ bit-equal for the same seeds; their ODE evaluations of the same weights agree (s
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import time

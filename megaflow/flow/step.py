@@ -53,7 +53,6 @@ __all__ = [
     "transition_log_prob",
     "sde_step_mask",
     "config_for_step",
-    "sample_sde_window",
 ]
 
 KINDS = ("sde", "cps", "ode")

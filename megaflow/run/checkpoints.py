@@ -14,7 +14,6 @@ import json
 import re
 from pathlib import Path
 
-from megaflow.config.files import CKPT_META as MODEL_META  # family + diffusers config, in MODEL_DIR
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"

@@ -6,7 +6,6 @@ Module-level functions only: pickled by reference into the rank.
 from __future__ import annotations
 
 import megaflow  # noqa: F401  (import guards before megatron)
-import torch
 
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.distributed import destroy_distributed, init_distributed

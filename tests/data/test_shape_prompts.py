@@ -1,5 +1,4 @@
 """ShapeEval prompt grammar, categories and the seeded train/eval split. Needs: CPU, 1 process."""
-import itertools
 
 import numpy as np
 import pytest

@@ -17,7 +17,7 @@ import torch
 from megaflow.config import load_config
 from megaflow.models.flux import tiny as flux_tiny
 from megaflow.models.sd3 import tiny as sd3_tiny
-from megaflow.plan.memory import GIB, format_plan, plan, trainer_items
+from megaflow.plan.memory import format_plan, plan, trainer_items
 from megaflow.plan.dit import (
     LORA_STAGE_EXTRA, STAGE_EXTRA, block_activation_units, dims_from_config, total_params,
 )

@@ -8,7 +8,6 @@ balancer's decision itself is never replaced. The one ``engine`` test starts 2 r
 """
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from pathlib import Path

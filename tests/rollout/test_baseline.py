@@ -6,7 +6,6 @@ against diffusers' own ``StableDiffusion3Pipeline.__call__`` and its log-probs a
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
