@@ -14,7 +14,6 @@ import json
 import re
 from pathlib import Path
 
-
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 MODEL_DIR = "model"

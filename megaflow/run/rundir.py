@@ -29,7 +29,8 @@ import tomllib
 from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
-from megaflow.run.checkpoints import MODEL_DIR, MODEL_META, STATE_FILE, list_checkpoints
+from megaflow.config.files import CKPT_META
+from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
@@ -254,11 +255,11 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, P
 def _check_checkpoint(cfg: MegaflowConfig, ckpt: Path) -> None:
     """The model family and tp / pp layout the checkpoint ``ckpt`` was saved with are ``cfg``'s (what can be
     checked without its run's ``config.toml``)."""
-    meta, state = _read_json(ckpt / MODEL_DIR / MODEL_META), _read_json(ckpt / STATE_FILE)
+    meta, state = _read_json(ckpt / MODEL_DIR / CKPT_META), _read_json(ckpt / STATE_FILE)
     family = meta.get("family", cfg.model.family)
     if family != cfg.model.family:
         raise ValueError(f"--resume: model.family = {cfg.model.family!r} differs from the checkpoint's {family!r} "
-                         f"({ckpt / MODEL_DIR / MODEL_META}); resume with the same config")
+                         f"({ckpt / MODEL_DIR / CKPT_META}); resume with the same config")
     layout = state.get("layout") or {}
     for key in ("tp", "pp"):
         value = getattr(cfg.parallel, key)

@@ -13,7 +13,8 @@ import pytest
 
 from megaflow.config import load_config, save_config
 from megaflow.run import rundir
-from megaflow.run.checkpoints import MODEL_DIR, MODEL_META, STATE_FILE, checkpoint_dir
+from megaflow.config.files import CKPT_META
+from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
 from megaflow.run.rundir import RunDir, check_run_dir
 
 
@@ -26,7 +27,7 @@ def _checkpoint(cfg, run_dir, iteration, *, config=True):
     with the family and layout it was saved with, and the metrics so far)."""
     d = checkpoint_dir(run_dir, iteration)
     (d / MODEL_DIR).mkdir(parents=True)
-    (d / MODEL_DIR / MODEL_META).write_text(json.dumps({"format": 1, "family": cfg.model.family}))
+    (d / MODEL_DIR / CKPT_META).write_text(json.dumps({"format": 1, "family": cfg.model.family}))
     (d / STATE_FILE).write_text(json.dumps({"iteration": iteration, "layout": {"tp": 1, "pp": 1}}))
     (run_dir / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(iteration + 1)))
     if config:
