@@ -32,7 +32,7 @@ from megaflow.config.files import check_pipeline, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.config.schema import MegaflowConfig
-from megaflow.data.prompts import MAX_PROMPT_CHARS, read_jsonl_prompts
+from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
@@ -189,14 +189,18 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
 
 
 def _check_prompt_file(path: str, key: str) -> None:
-    """A text or .jsonl prompt file (config ``key``) that the prompt pool can read; ConfigError otherwise."""
-    jsonl = Path(path).suffix == ".jsonl"  # a line holds the prompt and its metadata
-    check_text_file(path, key, max_line=None if jsonl else MAX_PROMPT_CHARS)
-    if jsonl:
-        try:
+    """A text, .jsonl or .parquet prompt file or a ``datasets`` directory (config ``key``) that the prompt pool
+    can read; ConfigError otherwise. A table (parquet, dataset) is read whole, as the run will read it."""
+    try:
+        if is_table_source(path):  # binary: not for the text-file check
+            prompt_pool(path, seed=0, key=key)
+            return
+        jsonl = Path(path).suffix == ".jsonl"  # a line holds the prompt and its metadata
+        check_text_file(path, key, max_line=None if jsonl else MAX_PROMPT_CHARS)
+        if jsonl:
             read_jsonl_prompts(path, key)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    except ValueError as e:  # ConfigError is one too
+        raise ConfigError(str(e)) from None
 
 
 def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:

@@ -69,13 +69,15 @@ class LoRAConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts), a text file (one prompt a line) "
-                       "or a .jsonl file (one object a line: 'prompt' plus fields the rewards get as metadata); "
-                       "at most 2000 characters a prompt and 64 MiB a file.")
+    prompts: str = opt("shapes", "Prompt source: 'shapes' (ShapeEval train prompts), a text file (one prompt a line), "
+                       "a .jsonl file (one object a line: 'prompt' plus fields the rewards get as metadata), a "
+                       ".parquet file or a Hugging Face datasets directory (Dataset.save_to_disk; one split, e.g. "
+                       ".../train): a string column 'prompt', the other columns metadata; at most 2000 characters "
+                       "a prompt and 64 MiB a text file.")
     shapes_categories: list = opt([], "ShapeEval categories to draw from (empty = all).", items=str)
-    test_prompts: str = opt("", "Held-out prompts for `megaflow train`'s evaluation (eval.every): a text file or a "
-                            ".jsonl file, read and checked like data.prompts; its first eval.num prompts are "
-                            "sampled. Empty = none.")
+    test_prompts: str = opt("", "Held-out prompts for `megaflow train`'s evaluation (eval.every): a text, .jsonl "
+                            "or .parquet file or a datasets directory, read and checked like data.prompts; its "
+                            "first eval.num prompts are sampled. Empty = none.")
 
 
 @dataclass(kw_only=True)

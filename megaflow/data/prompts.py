@@ -1,5 +1,6 @@
 """Where a run's prompts come from: a pool (the ShapeEval grammar's training prompts, the lines of a text
-file, or the objects of a ``.jsonl`` file: a ``"prompt"`` plus fields handed to the rewards as metadata) and
+file, the objects of a ``.jsonl`` file, the rows of a ``.parquet`` file or of a Hugging Face ``datasets``
+directory (``Dataset.save_to_disk``): a ``"prompt"`` plus fields / columns handed to the rewards as metadata) and
 the endless, seeded stream over it that the loop draws from."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def json_object(text: str, where: str, want: str) -> dict:
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """A prompt with metadata for the rewards (a ``.jsonl`` line's fields other than ``"prompt"``)."""
+    """A prompt with metadata for the rewards (a ``.jsonl`` line's fields or a table row's columns other than
+    ``"prompt"``)."""
 
     text: str
     metadata: dict = field(default_factory=dict)
@@ -41,43 +43,131 @@ def prompt_and_metadata(item: str | PromptRecord) -> tuple[str, dict]:
     return item, {}
 
 
+def prompt_record(prompt, metadata: dict, where: str) -> PromptRecord:
+    """One row of a prompt file (``.jsonl`` line, parquet or dataset row) checked: ``prompt`` a non-empty string
+    of at most ``MAX_PROMPT_CHARS`` characters; ValueError ``"<where>: why"`` (``where`` names the config key,
+    the file and the row)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: needs a non-empty string 'prompt'")
+    if len(prompt.strip()) > MAX_PROMPT_CHARS:
+        raise ValueError(f"{where}: a prompt of {len(prompt.strip())} characters, longer than the "
+                         f"{MAX_PROMPT_CHARS} a prompt may have")
+    return PromptRecord(prompt.strip(), metadata)
+
+
 def read_jsonl_prompts(path: str | Path, key: str = "data.prompts") -> list[PromptRecord]:
-    """The records of a ``.jsonl`` prompt file: one JSON object a line with a non-empty string ``"prompt"`` of
-    at most ``MAX_PROMPT_CHARS`` characters (blank lines skipped); ValueError naming the config ``key``, the
-    file and line of the first bad one."""
+    """The records of a ``.jsonl`` prompt file: one JSON object a line with a ``"prompt"`` (``prompt_record``;
+    blank lines skipped); ValueError naming the config ``key``, the file and line of the first bad one."""
     path, records = Path(path), []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         obj = json_object(line, f"{key}: {path} line {n}", "expected a JSON object")
-        prompt = obj.pop("prompt", None)
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{key}: {path} line {n}: needs a non-empty string 'prompt'")
-        if len(prompt.strip()) > MAX_PROMPT_CHARS:
-            raise ValueError(f"{key}: {path} line {n}: a prompt of {len(prompt.strip())} characters, longer "
-                             f"than the {MAX_PROMPT_CHARS} a prompt may have")
-        records.append(PromptRecord(prompt.strip(), obj))
+        records.append(prompt_record(obj.pop("prompt", None), obj, f"{key}: {path} line {n}"))
     return records
+
+
+def _table_records(table, path: Path, key: str) -> list[PromptRecord]:
+    """The rows of a pyarrow table: its string column ``"prompt"`` (``prompt_record``), the other columns each
+    row's metadata (plain Python values); ValueError without that column or without rows (rows count from 0)."""
+    if "prompt" not in table.column_names:
+        raise ValueError(f"{key}: {path} has no 'prompt' column (columns: {', '.join(table.column_names) or 'none'})")
+    if table.num_rows == 0:
+        raise ValueError(f"{key}: {path} has no prompts (an empty table)")
+    records = []
+    for i, row in enumerate(table.to_pylist()):
+        records.append(prompt_record(row.pop("prompt"), row, f"{key}: {path} row {i} (counting from 0)"))
+    return records
+
+
+def _needs(module: str, path: Path, key: str):
+    """``import module`` or ValueError saying how to install it (pyarrow and datasets are optional)."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pip = module.split(".")[0]
+        raise ValueError(f"{key}: reading {path} needs {pip}: pip install {pip}") from None
+
+
+def read_parquet_prompts(path: str | Path, key: str = "data.prompts") -> list[PromptRecord]:
+    """The rows of a ``.parquet`` prompt table (``_table_records``); ValueError naming the config ``key`` and
+    the file when it is unreadable, has no ``"prompt"`` column, no rows or a bad prompt."""
+    path = Path(path)
+    pq = _needs("pyarrow.parquet", path, key)
+    import pyarrow as pa
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{key}: {path} is not a readable parquet file ({why})") from None
+    return _table_records(table, path, key)
+
+
+def _dataset_dir(path: Path, key: str) -> None:
+    """ValueError unless ``path`` is one ``save_to_disk`` split with rows: a ``DatasetDict`` directory (naming
+    its splits), a directory that is no dataset, and a dataset of no shards (which ``load_from_disk`` fails
+    on) are refused."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (ValueError, KeyError, TypeError):
+            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise ValueError(f"{key}: {path} is a DatasetDict (splits: {', '.join(map(str, splits))}); point {key} "
+                         f"at one split's directory, e.g. {path / str(splits[0] if splits else 'train')}")
+    if not ((path / "dataset_info.json").is_file() and (path / "state.json").is_file()):
+        raise ValueError(f"{key}: {path} is not a file, nor a Hugging Face datasets directory "
+                         "(Dataset.save_to_disk: dataset_info.json and state.json)")
+    try:
+        shards = json.loads((path / "state.json").read_text()).get("_data_files")
+    except (ValueError, AttributeError):
+        shards = None  # load_from_disk says what is wrong
+    if shards == []:
+        raise ValueError(f"{key}: {path} has no prompts (an empty table)")
+
+
+def read_dataset_prompts(path: str | Path, key: str = "data.prompts") -> list[PromptRecord]:
+    """The rows of a Hugging Face ``datasets`` directory written by ``Dataset.save_to_disk`` (``_dataset_dir``,
+    ``_table_records``); ValueError naming the config ``key`` and the directory for what either refuses."""
+    path = Path(path)
+    _dataset_dir(path, key)
+    datasets = _needs("datasets", path, key)
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged directory: one line, whatever datasets raised
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{key}: {path} is not a readable datasets directory ({why})") from None
+    return _table_records(dataset.with_format("arrow")[:], path, key)
 
 
 def prompt_pool(source: str, *, seed: int, categories: Sequence[str] = (),
                 key: str = "data.prompts") -> list[str] | list[PromptRecord]:
     """The prompts of ``source`` (``data.prompts``): ``"shapes"`` = ShapeEval training prompts of ``categories``
-    (all when empty) drawn with ``seed``; a ``.jsonl`` file = its records (``read_jsonl_prompts``); else a text
-    file with one prompt per line. ValueError naming the config ``key`` and a missing, empty or malformed file."""
+    (all when empty) drawn with ``seed``; a ``.jsonl`` / ``.parquet`` file or a ``datasets`` directory = its
+    records (``read_jsonl_prompts`` / ``read_parquet_prompts`` / ``read_dataset_prompts``); else a text file with
+    one prompt per line. ValueError naming the config ``key`` and a missing, empty or malformed source."""
     if source == SHAPES:
         from megaflow.data.shapes import CATEGORIES, sample_prompts
         return sample_prompts("train", SHAPES_POOL, seed=seed, categories=tuple(categories) or CATEGORIES)
     path = Path(source)
-    if not path.is_file():
+    if path.is_dir():
+        pool = read_dataset_prompts(path, key)
+    elif not path.is_file():
         raise ValueError(f"{key}: no such prompt file {path}")
-    if path.suffix == ".jsonl":
+    elif path.suffix == ".parquet":
+        pool = read_parquet_prompts(path, key)
+    elif path.suffix == ".jsonl":
         pool = read_jsonl_prompts(path, key)
     else:
         pool = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not pool:
         raise ValueError(f"{key}: {path} has no prompts")
     return pool
+
+
+def is_table_source(path: str | Path) -> bool:
+    """A prompt source read as a table, not as text: a ``.parquet`` file or a directory (``datasets``)."""
+    return Path(path).suffix == ".parquet" or Path(path).is_dir()
 
 
 class PromptStream:
