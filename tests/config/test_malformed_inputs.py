@@ -323,6 +323,10 @@ CASES = {
                                "p.jsonl line 2: not JSON"),
     "prompts jsonl no prompt": (lambda t: [*TRAIN, *_prompts(t, b'{"text": "OPEN"}\n', name="p.jsonl")],
                                 "p.jsonl line 1: needs a non-empty string 'prompt'"),
+    "prompts parquet corrupt": (lambda t: [*TRAIN, *_prompts(t, b"PAR1 not a table " * 64, name="p.parquet")],
+                                "p.parquet is not a readable parquet file ("),
+    "prompts a directory, no dataset": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True, name="ds")],
+                                        "ds is not a file, nor a Hugging Face datasets directory"),
     # pipelines (model.pretrained)
     "pretrained missing": (lambda t: [*TRAIN, "--set", f'model.pretrained="{t / "nope"}"'], "nope is not a directory"),
     "no model_index.json": (lambda t: [*TRAIN, *_pipe(t, lambda p: (p / "model_index.json").unlink())], "has no model_index.json"),
