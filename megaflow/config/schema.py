@@ -216,6 +216,10 @@ class TrainConfig:
                              "keep their memory during training (no colocated release on GPU). Checkpoints hold "
                              "the batch collected ahead, so a resumed run equals the uninterrupted one.",
                              ge=0, le=1)
+    offload: str = opt("none", "What the trainer moves to host memory while the engines sample, and back before it "
+                       "trains (bridge.mode = 'colocated' with max_staleness = 0 only). optimizer: the optimizer "
+                       "states (Adam moments, mixed-precision fp32 main params) and the DDP grad buffers; all: also "
+                       "the model weights, after each weight sync.", choices=("none", "optimizer", "all"))
     warmup_iterations: int = opt(0, "Linear learning-rate warm-up over the first N iterations (a fresh Adam's first "
                                  "steps are its largest relative to the gradient's signal).", ge=0, le=MAX_ITERS)
     lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (down to 0 at the last "

@@ -56,7 +56,8 @@ class Run:
     ema: EMA | None
     """The EMA of the trained weights (``train.ema_decay``), which evaluation and export read; None when off."""
     phases: Phases
-    """The engines' accelerator memory, released around training (colocated, GPU)."""
+    """The engines' accelerator memory, released around training (colocated, GPU), and the trainer's offload
+    outside training (``train.offload``)."""
     reporter: RunReporter
     """Metrics, progress, curves and samples (written by the driver)."""
     diffusers_config: dict
@@ -104,7 +105,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
         prompts = prompt_stream(cfg, consumed)
         # the asynchronous loop samples while it trains: the engines keep their memory
-        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated" and cfg.train.max_staleness == 0)
+        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated" and cfg.train.max_staleness == 0,
+                        trainer=trainer_offload(cfg, trainer))
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
@@ -115,6 +117,14 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     return Run(cfg=cfg, run_dir=run_dir, placement=placement, trainer=trainer, reference=reference, rollout=rollout,
                sampler=sampler, sync=sync, prompts=prompts, algorithm=algorithm, ema=ema, phases=phases, reporter=reporter,
                diffusers_config=dconfig, history=history, start=start, next_batch=next_batch)
+
+
+def trainer_offload(cfg: MegaflowConfig, trainer):
+    """What moves the trainer's parts off its device outside training (``train.offload``; None: "none")."""
+    if cfg.train.offload == "none":
+        return None
+    from megaflow.trainer.offload import TrainerOffload
+    return TrainerOffload(trainer, cfg.train.offload)
 
 
 def build_ema(cfg: MegaflowConfig, trainer):

@@ -83,6 +83,7 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
     metrics: dict = run.history[-1] if run.history else {}
     with run.algorithm.engine_weights():
         initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly what they sample with
+    run.phases.synced()
     run.engine_version = run.start
     if run.start == 0:
         run.reporter.iteration(0, initial_sync)
@@ -101,7 +102,8 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         last = it == cfg.train.iterations
         run.history.append({"iteration": it, **metrics})
         if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
-            metrics["checkpoint/write_s"] = save(run, it, batch)
+            with run.phases.resident():  # the optimizer states and weights are saved from the device
+                metrics["checkpoint/write_s"] = save(run, it, batch)
         run.reporter.iteration(it, metrics, images=images, captions=captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
@@ -133,13 +135,14 @@ def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
         if driver:
             evaluate(run.sampler, when)
         return
-    with run.ema.applied():
-        sync_weights(run.trainer, run.sync)
-    if driver:
-        evaluate(run.sampler, when)
-    if when != "after":
-        with run.algorithm.engine_weights():
+    with run.phases.resident():  # the EMA goes into the trainer's weights
+        with run.ema.applied():
             sync_weights(run.trainer, run.sync)
+        if driver:
+            evaluate(run.sampler, when)
+        if when != "after":
+            with run.algorithm.engine_weights():
+                sync_weights(run.trainer, run.sync)
 
 
 def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,
@@ -171,6 +174,7 @@ def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Bat
         ahead["time/ahead_wait_s"] = time.perf_counter() - t0 - t_rollout - t_train
     with run.algorithm.engine_weights():
         sync_metrics = sync_weights(run.trainer, run.sync, it)
+    run.phases.synced()
     run.engine_version = it
     metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
                **run.phases.metrics, **ahead, "time/rollout_s": t_rollout, "time/train_s": t_train,

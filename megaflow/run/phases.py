@@ -7,6 +7,14 @@ CPU-only host the engines share host RAM with the trainer and SGLang's release p
 (it calls torch.cuda.synchronize unconditionally), so the switch is skipped and only the
 memory figures are logged -- stated once in the log, not silently. Metrics: ``colocate/switch_seconds``
 and the memory figures ``mem/<name>_rollout`` / ``mem/<name>_train``.
+
+With ``train.offload`` the trainer's side switches too (a megaflow.trainer.offload.TrainerOffload; on CPU as
+well): entering training the engines release first, then the trainer reloads; leaving it the trainer offloads
+its optimizer states and grad buffers, then the engines resume -- the two peaks never add. Its weights
+(``"all"``) leave in :meth:`Phases.synced`, once a weight sync has given them to the engines. Whatever reads the
+trainer's states or writes its weights outside training (a checkpoint, the EMA's evaluation sync) runs inside
+:meth:`Phases.resident`. Metrics: ``offload/bytes``, ``offload/seconds`` (the iteration's offloads),
+``reload/seconds``.
 """
 from __future__ import annotations
 
@@ -34,12 +42,15 @@ def memory_snapshot() -> dict[str, float]:
 
 
 class Phases:
-    """Switches engines off the accelerator for training when ``enabled`` (GPU colocated mode)."""
+    """Switches engines off the accelerator for training when ``enabled`` (GPU colocated mode), and the
+    ``trainer``'s offloadable parts off it outside training (``train.offload``; None: off)."""
 
-    def __init__(self, engines: list, *, enabled: bool):
+    def __init__(self, engines: list, *, enabled: bool, trainer=None):
         self.engines = engines
         self.enabled = enabled and torch.cuda.is_available()
+        self.trainer = trainer
         self.metrics: dict[str, float] = {}
+        self._resident = 0
         if enabled and not self.enabled:
             log.info("phases: no CUDA device; engines keep their memory during training (release is GPU-only)")
 
@@ -50,13 +61,45 @@ class Phases:
         if self.enabled:
             for e in self.engines:
                 e.release()
+        offload = {}
+        if self.trainer is not None:
+            offload["reload/seconds"] = self.trainer.reload()["seconds"]
         during = memory_snapshot()
         try:
             yield
         finally:
+            if self.trainer is not None:
+                moved = self.trainer.offload(["states"])
+                offload.update({"offload/bytes": moved["bytes"], "offload/seconds": moved["seconds"]})
             if self.enabled:
                 for e in self.engines:
                     e.resume()
-            self.metrics = {"colocate/switch_seconds": time.perf_counter() - t0,
+            self.metrics = {"colocate/switch_seconds": time.perf_counter() - t0, **offload,
                             **{f"{k}_rollout": v for k, v in before.items()},
                             **{f"{k}_train": v for k, v in during.items()}}
+
+    def synced(self) -> None:
+        """The engines hold the trainer's weights (after a weight sync): the trainer's parts leave (all of
+        ``train.offload``'s; the weights only from here), counted into this iteration's metrics."""
+        if self.trainer is None or self._resident:
+            return
+        moved = self.trainer.offload()
+        for key, value in (("offload/bytes", moved["bytes"]), ("offload/seconds", moved["seconds"])):
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+
+    @contextlib.contextmanager
+    def resident(self):
+        """The trainer whole on its device for the block (a checkpoint reads its optimizer states; the EMA's
+        evaluation writes its weights), its parts offloaded again after. The engines keep their memory: the
+        trainer is back beside them only as it was without offload."""
+        if self.trainer is None:
+            yield
+            return
+        self.trainer.reload()
+        self._resident += 1
+        try:
+            yield
+        finally:
+            self._resident -= 1
+            if not self._resident:
+                self.trainer.offload()

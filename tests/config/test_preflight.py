@@ -203,3 +203,15 @@ def test_disaggregated_placement_is_checked_across_fields(monkeypatch):
         pf.preflight(load_config(None, [*dis, 'rollout.engine_hosts="rank"']), "show")
     with pytest.raises(ConfigError, match="runs only with bridge.mode = 'colocated'"):
         pf.preflight(load_config(None, [*dis, "lora.rank=4"]), "show")
+
+
+def test_trainer_offload_needs_the_synchronous_colocated_loop():
+    pf.preflight(load_config(None, ['train.offload="all"']), "show")
+    with pytest.raises(ConfigError, match=r"train.offload = 'optimizer' with bridge.mode = 'colocated', "
+                       r"train.max_staleness = 1: .* only while the engines sample alone"):
+        pf.preflight(load_config(None, ['train.offload="optimizer"', "train.max_staleness=1"]), "show")
+    with pytest.raises(ConfigError, match=r"train.offload = 'all' with bridge.mode = 'distributed'"):
+        pf.preflight(load_config(None, ['rollout.placement="disaggregated"', 'rollout.engine_ranks=1',
+                                        'bridge.mode="distributed"', 'train.offload="all"']), "show")
+    with pytest.raises(ConfigError, match="train.offload"):
+        load_config(None, ['train.offload="grads"'])

@@ -143,3 +143,21 @@ def test_train_evaluates_test_prompts_every_n(tmp_path):
     for it in (0, 2, 3):
         assert (run / "eval" / f"iter{it:05d}.png").is_file()
     assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_train_loop_offload_optimizer_is_the_same_run(tmp_path):
+    """train.offload = "optimizer": the optimizer states and grad buffers leave the trainer during every rollout
+    (offload/bytes > 0 each iteration; a checkpoint every iteration reloads them around the write) and the run
+    equals the one without offload."""
+    rows = {}
+    for name, extra in (("plain", ()), ("offload", ("--set", 'train.offload="optimizer"'))):
+        _train(tmp_path, name, "--set", "train.iterations=3", "--set", "train.save_every=1", *extra)
+        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows["offload"]] == [0, 1, 2, 3]
+    for r in rows["offload"][1:]:
+        assert r["offload/bytes"] > 0 and r["offload/seconds"] >= 0 and r["reload/seconds"] >= 0, r
+    assert all("offload/bytes" not in r for r in rows["plain"])
+    for key in ("reward/total", "train/loss", "train/grad_norm", "train/logp_abs_diff_rollout"):
+        assert [r.get(key) for r in rows["offload"]] == [r.get(key) for r in rows["plain"]], key
