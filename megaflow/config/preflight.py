@@ -28,7 +28,7 @@ import socket
 import urllib.parse
 from pathlib import Path
 
-from megaflow.config.files import check_pipeline, check_text_file
+from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.config.schema import MegaflowConfig
@@ -359,9 +359,12 @@ def _check_lora(cfg: MegaflowConfig, *, files: bool = True) -> None:
                           "(SGLang's lora_merge tensor update) runs only with bridge.mode = 'colocated'")
     if lo.init and files:
         path = Path(lo.init)
-        if not (path.is_file() or (path / "pytorch_lora_weights.safetensors").is_file()):
+        if path.is_dir():
+            path = path / "pytorch_lora_weights.safetensors"
+        if not path.is_file():
             raise ConfigError(f"lora.init = {lo.init!r}: no such file (or directory with "
                               "pytorch_lora_weights.safetensors)")
+        check_safetensors(path, "lora.init")  # the header, before any weights are read
 
 
 def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int, int | None]:

@@ -30,6 +30,21 @@ def test_preflight_refuses(overrides, message, monkeypatch):
         pf.preflight(load_config(None, overrides), "train")
 
 
+def test_preflight_reads_the_lora_init_header(tmp_path, monkeypatch):
+    """A lora.init that is no safetensors file (here a text file, and a truncated adapter in a directory) is one
+    line naming lora.init and the file, before any weights are read."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    text = tmp_path / "adapter.safetensors"
+    text.write_text("not weights\n")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "pytorch_lora_weights.safetensors").write_bytes(b"\x10\x00")
+    for init, what in ((text, "corrupt or truncated"), (folder, "truncated")):
+        with pytest.raises(ConfigError, match=rf"lora.init: .*{what}") as err:
+            pf.preflight(load_config(None, ["lora.rank=4", f"lora.init='{init}'"]), "train")
+        assert "\n" not in str(err.value)
+
+
 def test_shipped_lora_demo_config_passes(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
