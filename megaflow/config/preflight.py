@@ -1,15 +1,14 @@
-"""Everything about a run that can be checked before the work starts, with the standard library only.
+"""Everything about a run that can be checked before the work starts, with the standard library only (and
+pyarrow / datasets only to read a prompt table the config names).
 
 ``load_config`` checks each field alone (type, range, choices) and a few cross-field rules. ``preflight``
 adds what needs the files a config names, the machine, or several fields at once -- the mistakes that
 otherwise surface only after torch, megatron and the SGLang engines have started (~20 s in, behind a page
 of warnings). It raises :class:`ConfigError` with one line naming the key and, where there is one, the
 file. No torch import: ``megaflow config show`` / ``train`` / ``demo`` stop a bad config in well under a
-second (``tests/config/test_malformed_inputs.py``).
+second (``tests/config/test_malformed_inputs.py``). ``command`` says what the config is for:
 
-``command`` says what the config is for:
-
-* ``"train"``: the FlowGRPO loop (``megaflow train``, ``bench learn``), including the launch (WORLD_SIZE);
+* ``"train"``: the RL loop (``megaflow train``, ``bench learn``), including the launch (WORLD_SIZE);
 * ``"demo"``: the same, and ``model.pretrained`` is required;
 * ``"show"``: ``megaflow config show``: everything ``train`` checks except the launch (a config is
   often shown on a login node for a torchrun job); with ``files=False`` also without the files it names;
@@ -358,9 +357,7 @@ def _check_lora(cfg: MegaflowConfig, *, files: bool = True) -> None:
         raise ConfigError(f"lora.rank = {lo.rank} with bridge.mode = {cfg.bridge.mode!r}: the LoRA sync "
                           "(SGLang's lora_merge tensor update) runs only with bridge.mode = 'colocated'")
     if lo.init and files:
-        path = Path(lo.init)
-        if path.is_dir():
-            path = path / "pytorch_lora_weights.safetensors"
+        path = Path(lo.init) / ("pytorch_lora_weights.safetensors" if Path(lo.init).is_dir() else "")
         if not path.is_file():
             raise ConfigError(f"lora.init = {lo.init!r}: no such file (or directory with "
                               "pytorch_lora_weights.safetensors)")
