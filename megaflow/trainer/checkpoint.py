@@ -26,6 +26,7 @@ from megaflow.config.files import CKPT_META as META_FILE  # the one home of the 
 from megaflow.bridge.checksum import DEFAULT as DEFAULT_CHECKSUM
 from megaflow.models.common.finite import refuse_non_finite
 from megaflow.parallel.distributed import barrier, rank
+from megaflow.trainer.dcp_metadata import check_dcp_metadata
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
@@ -142,12 +143,20 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     return dst
 
 
+def _check_before_reading(path: str | Path, trust: bool) -> None:
+    """The manifest, then (unless ``trust``) the DCP metadata's pickle against its allow-list."""
+    verify_manifest(path, trust=trust)
+    if not trust:
+        check_dcp_metadata(path)
+
+
 def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None,
                     shadows: dict | None = None, trust: bool = False) -> dict:
     """Collective: load model chunks (any TP/PP layout), optionally the optimizer and shadow weights (as saved by
-    ``save_checkpoint``); returns meta. First every rank checks the directory against its manifest (``trust``:
-    a directory without one is loaded unchecked; see megaflow.trainer.manifest)."""
-    verify_manifest(path, trust=trust)
+    ``save_checkpoint``); returns meta. First every rank checks the directory against its manifest and reads the
+    DCP metadata's pickle through an allow-list (``trust``: a directory without a manifest is loaded unchecked;
+    see megaflow.trainer.manifest, megaflow.trainer.dcp_metadata)."""
+    _check_before_reading(path, trust)
     meta = read_meta(path)
     state = _model_sharded_state_dict(chunks)
     shadow_names = {}
@@ -246,7 +255,7 @@ def load_full_state_dict(path: str | Path, *, shadow: str | None = None,
     building a model (optimizer and shadow tensors are skipped). ``shadow`` (e.g. "ema"): the shadow's tensors
     replace the model's of the same name (under LoRA the shadow holds only the adapters); ValueError when the
     checkpoint has none. The directory is checked against its manifest first (``trust``: see ``load_checkpoint``)."""
-    verify_manifest(path, trust=trust)
+    _check_before_reading(path, trust)
     meta = read_meta(path)
     with _process_group_for_reading():
         tensors = dist_checkpointing.load_plain_tensors(str(path))
