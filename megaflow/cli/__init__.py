@@ -19,7 +19,8 @@ from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.run.interrupt import Interrupted
 
-TRUST_HELP = "Load a checkpoint lacking MANIFEST.json unchecked (torch unpickles it): only from a trusted source."
+TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the checks of its pickles (torch unpickles them): "
+              "only from a trusted source.")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
