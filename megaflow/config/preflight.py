@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import socket
 import urllib.parse
 from pathlib import Path
 
+from megaflow.config.dotted import is_dotted_path, unfindable
 from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
@@ -49,7 +49,6 @@ BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
-_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -65,11 +64,6 @@ def cuda_available() -> bool:
             or Path("/dev/dxg").exists() or Path("/dev/kfd").exists())
 
 
-def is_dotted_path(text: str) -> bool:
-    """``'pkg.mod:fn'`` (attribute may be dotted): the syntax only, nothing is imported."""
-    return bool(_DOTTED.match(text))
-
-
 def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
     """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError.
 
@@ -81,7 +75,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
-    _check_run(cfg)
+    _check_run(cfg, files=files)
     _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
     _check_recompute(cfg)
     if command == "pretrain":
@@ -99,7 +93,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     return cfg
 
 
-def _check_run(cfg: MegaflowConfig) -> None:
+def _check_run(cfg: MegaflowConfig, *, files: bool = True) -> None:
     try:
         run_dir_of(cfg)
     except ValueError as e:
@@ -109,6 +103,8 @@ def _check_run(cfg: MegaflowConfig) -> None:
     spec = cfg.model.spec
     if spec not in BUILTIN_SPECS and not is_dotted_path(spec):
         raise ConfigError(f"model.spec = {spec!r}: expected one of {', '.join(BUILTIN_SPECS)} or 'pkg.mod:fn'")
+    if files and spec not in BUILTIN_SPECS and unfindable(spec):  # the run's Python path (not a login node's)
+        raise ConfigError(f"model.spec = {spec!r}: no module {unfindable(spec)!r} on this Python path")
     if spec == "te":
         if not cuda_available():
             raise ConfigError("model.spec = 'te': Transformer Engine layers need a CUDA device; this machine has "
@@ -210,6 +206,8 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
         if ":" in name:
             if not is_dotted_path(name):
                 raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
+            if files and unfindable(name):
+                raise ConfigError(f"reward.weights: {name!r}: no module {unfindable(name)!r} on this Python path")
         elif name not in REWARD_NAMES:
             raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
                               "or 'pkg.module:callable')")

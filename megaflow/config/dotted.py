@@ -1,0 +1,42 @@
+"""``'pkg.mod:fn'`` paths a config names (``model.spec``, custom rewards in ``reward.weights``), checked before the
+run imports them: the syntax, and that the module can be found on this process's Python path -- found, not
+imported (a user's module may import torch), so a module that exists but fails on import is still the run's to
+report."""
+from __future__ import annotations
+
+import importlib.machinery
+import re
+import sys
+
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def is_dotted_path(text: str) -> bool:
+    """``'pkg.mod:fn'`` (attribute may be dotted): the syntax only, nothing is imported."""
+    return bool(_DOTTED.match(text))
+
+
+def module_findable(module: str) -> bool:
+    """Whether ``import module`` would find it (an already imported one, or one on ``sys.path``, package by
+    package), without executing any of it."""
+    parts, found = module.split("."), None
+    for i in range(len(parts)):
+        name = ".".join(parts[:i + 1])
+        if name in sys.modules:
+            found = sys.modules[name].__spec__
+            continue
+        locations = None if i == 0 else (found.submodule_search_locations if found else None)
+        if i > 0 and not locations:
+            return False
+        found = importlib.machinery.PathFinder.find_spec(name, locations)
+        if found is None and i == 0:
+            found = importlib.machinery.BuiltinImporter.find_spec(name) or importlib.machinery.FrozenImporter.find_spec(name)
+        if found is None:
+            return False
+    return True
+
+
+def unfindable(path: str) -> str | None:
+    """The module of ``'pkg.mod:fn'`` when it cannot be found (``module_findable``), else None."""
+    module = path.partition(":")[0]
+    return None if module_findable(module) else module
