@@ -103,8 +103,8 @@ def _check_run(cfg: MegaflowConfig, *, files: bool = True) -> None:
     spec = cfg.model.spec
     if spec not in BUILTIN_SPECS and not is_dotted_path(spec):
         raise ConfigError(f"model.spec = {spec!r}: expected one of {', '.join(BUILTIN_SPECS)} or 'pkg.mod:fn'")
-    if files and spec not in BUILTIN_SPECS and unfindable(spec):  # the run's Python path (not a login node's)
-        raise ConfigError(f"model.spec = {spec!r}: no module {unfindable(spec)!r} on this Python path")
+    if files and spec not in BUILTIN_SPECS and (missing := unfindable(spec)):  # the run's Python path
+        raise ConfigError(f"model.spec = {spec!r}: no module {missing!r} on this Python path")
     if spec == "te":
         if not cuda_available():
             raise ConfigError("model.spec = 'te': Transformer Engine layers need a CUDA device; this machine has "
@@ -206,8 +206,8 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
         if ":" in name:
             if not is_dotted_path(name):
                 raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
-            if files and unfindable(name):
-                raise ConfigError(f"reward.weights: {name!r}: no module {unfindable(name)!r} on this Python path")
+            if files and (missing := unfindable(name)):
+                raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
         elif name not in REWARD_NAMES:
             raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
                               "or 'pkg.module:callable')")

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 
 import torch
 
-MODES = ("none", "optimizer", "all")
 PARTS = {"none": (), "optimizer": ("states",), "all": ("states", "weights")}
+MODES = tuple(PARTS)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -140,7 +140,7 @@ class TrainerOffload:
         for m in self.trainer.model:
             m.zero_grad_buffer()
             grads += sum(b.grad_data.numel() * b.grad_data.element_size() for b in _grad_buffers(m))
-            m.offload_grad_buffers(**({"empty_cache": False} if self.cuda else {"synchronize": False, "empty_cache": False}))
+            m.offload_grad_buffers(synchronize=self.cuda, empty_cache=False)
         skip = {p.untyped_storage()._cdata for p in self._params()}  # main params that ARE the weights stay
         return grads + self._copies.offload("states", _storages(optimizer_tensors(opt), self.device, skip))
 
@@ -150,7 +150,7 @@ class TrainerOffload:
     def _restore_grads(self) -> int:
         grads = 0
         for m in self.trainer.model:
-            m.restore_grad_buffers(**({} if self.cuda else {"synchronize": False}))
+            m.restore_grad_buffers(synchronize=self.cuda)
             grads += sum(b.grad_data.numel() * b.grad_data.element_size() for b in _grad_buffers(m))
         return grads
 

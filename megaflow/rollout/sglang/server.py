@@ -172,9 +172,9 @@ def worker_processes_alive(pids: Sequence[int]) -> list[int]:
 class EngineServer:
     """One running set of SGLang worker processes and the client that talks to them (no threads)."""
 
-    def __init__(self, server_args, processes, client, family: str):
+    def __init__(self, server_args, processes, client, family: str, socket_dir: str | None = None):
         self.server_args, self.processes, self.client, self.family = server_args, processes, client, family
-        self.socket_dir: str | None = None  # the workers' private rendezvous and ipc sockets (``start``)
+        self.socket_dir = socket_dir  # the workers' private rendezvous and ipc sockets (``start``), removed by ``stop``
         self.pids = [p.pid for p in processes]
         # Children the workers spawned: ours too, so shutdown stops them (psutil guards PID reuse).
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
@@ -209,9 +209,7 @@ class EngineServer:
             root.setLevel(level)
         client = SchedulerClient()
         client.initialize(server_args)
-        server = cls(server_args, processes, client, family)
-        server.socket_dir = socket_dir
-        return server
+        return cls(server_args, processes, client, family, socket_dir)
 
     def dead_workers(self) -> list[int]:
         return [p.pid for p in self.processes if not p.is_alive()]
