@@ -194,6 +194,16 @@ def check_plan_args(gpus: int, gpu_mem_gib: float) -> int:
     return gpus
 
 
+def token_counts(cfg: MegaflowConfig, d: DiTDims, vae_factor: int = 8) -> tuple[int, int]:
+    """(image, text) tokens of one sample at the rollout's size: latent / patch (FLUX packs 2x2 latents into one
+    token); text = T5's max_sequence_length (+ CLIP's 77 for SD3), or the family's default."""
+    pack = 2 if d.family == "flux" else d.patch
+    image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
+    text = cfg.rollout.max_sequence_length + (77 if d.family == "sd3" else 0) if cfg.rollout.max_sequence_length \
+        else DEFAULT_TEXT_TOKENS[d.family]
+    return image, text
+
+
 def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
     """The plan as a dict: dims, token counts, one RankPlan per group of ranks, fits."""
     d, enc, vae_factor = pipeline_dims(cfg)
@@ -202,10 +212,7 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
     dims = ParallelDims.of(p)
     dims.dp_for(trainers, ranks=f"the {trainers} trainer GPU(s) of --gpus {gpus}")
     dims.check_model(None, d.num_blocks, d.source)
-    pack = 2 if d.family == "flux" else d.patch
-    image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
-    text = cfg.rollout.max_sequence_length + (77 if d.family == "sd3" else 0) if cfg.rollout.max_sequence_length \
-        else DEFAULT_TEXT_TOKENS[d.family]
+    image, text = token_counts(cfg, d, vae_factor)
     groups: dict[tuple, RankPlan] = {}
     for rank in range(gpus):
         trains = rank < trainers  # disaggregated: the last ranks only sample

@@ -86,7 +86,7 @@ def test_step_prediction_is_megaflow_plans():
 
     for recompute in ("none", "full"):
         ours = model.predicted(recompute)
-        cfg = load_config(None, [*model.SETTING, f"train.recompute={recompute}", "model.pretrained=no-such-dir"])
+        cfg = load_config(None, [*model.SETTINGS["sd3"], f"train.recompute={recompute}", "model.pretrained=no-such-dir"])
         result = plan(cfg, gpus=1, gpu_mem_gib=80)
         (group,) = result["groups"]
         assert (ours["image_tokens"], ours["text_tokens"]) == (result["image_tokens"], result["text_tokens"]) == (1024, 333)
@@ -137,3 +137,47 @@ def test_step_body_on_cpu():
         assert set(r["phase_peak_over_steady_gib"]) == {"forward_backward", "optimizer_step"}, r
     assert rec["none"]["losses"] == rec["full"]["losses"]  # recompute changes memory, not numbers
     assert rec["full"]["predicted_gib"]["activations"] < rec["none"]["predicted_gib"]["activations"]
+
+
+@pytest.mark.slow
+def test_flux_lora_step_body_on_cpu():
+    """The FLUX LoRA step's path (packed tokens, ids, guidance; rank-32 adapters on a frozen bf16 base) with
+    megaflow's tiny FLUX config: only the adapters train, and they do (the loss moves; at the default lr and
+    B = 0 four steps move it little)."""
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
+                "from megaflow.models.flux.tiny import tiny_config\n"
+                "r = model.measure_step('none', torch.device('cpu'), tiny_config(), steps=2, family='flux')\n"
+                "print(json.dumps(r, default=str))")
+    assert rec["status"] == "fail" and rec["losses_finite"], rec  # no CUDA memory: the ratio is 0, out of bounds
+    assert rec["tokens"] == {"image": 1024, "text": 512, "batch": 1}, rec
+    assert 0 < rec["trained_params"] < rec["params"] / 2 and rec["losses"][-1] != rec["losses"][0], rec
+    assert "LoRA adapters" in rec["predicted_gib"], rec
+
+
+@pytest.mark.slow
+def test_offload_body_on_cpu():
+    """The offload check's path with the step test's tiny model: every moved storage comes back with the same
+    checksum, the bytes moved are the plan's items of the tiny model's kind, and training goes on."""
+    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import offload\n"
+                "from megaflow.plan.dit import BUILTIN\n"
+                "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
+                "            caption_projection_dim=16, dual_attention_layers=[0])\n"
+                "print(json.dumps(offload.measure_offload(torch.device('cpu'), conf), default=str))")
+    assert rec["status"] == "pass" and rec["exact_round_trip"] and rec["losses_finite"], rec
+    assert len(rec["rounds"]) == 2 and len(rec["losses"]) == 4, rec
+    for r in rec["rounds"]:
+        assert r["offload_gib"]["states"] > 2 * r["offload_gib"]["weights"] > 0, r  # fp32 grads + Adam vs bf16
+        assert r["reload_gib"] == pytest.approx(sum(r["offload_gib"].values())), r
+
+
+def test_checksums_see_one_changed_bit():
+    import torch
+
+    from megaflow.testing.gpu.offload import checksums
+
+    a = torch.randn(1000, dtype=torch.bfloat16)
+    view = a[10:20]  # a view of the same storage is counted once
+    before = checksums([a, view])
+    assert len(before) == 1
+    a.view(torch.int16)[500] ^= 1
+    assert checksums([a]) != before

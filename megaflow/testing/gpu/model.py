@@ -9,7 +9,8 @@
   table: 24 blocks, hidden 1536, 24 heads, 13 dual-attention blocks), random weights, bf16, Adam (megatron's
   distributed optimizer, as ``megaflow train`` builds it), batch 1 of 1024 image (64x64 latent, patch 2) + 333
   text tokens: median train-step time, CUDA peak memory, and ``megaflow plan``'s trainer items for the same
-  setting (``SETTING``), as measured/predicted ratios.
+  setting (``SETTINGS["sd3"]``), as measured/predicted ratios; ``step_flux_lora``: the same for a FLUX.1-dev-shaped
+  DiT (19 + 38 blocks, hidden 3072) training LoRA adapters of rank 32 on its frozen bf16 base.
 """
 from __future__ import annotations
 
@@ -23,10 +24,17 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 """Largest velocity error relative to max |diffusers velocity| that passes."""
 RATIO_BOUNDS = (0.6, 1.6)
 """measured / predicted trainer memory that passes (tests/plan/test_plan.py's bounds on CPU)."""
-SETTING = ["model.family=sd3", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
-           "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=1.0", "parallel.tp=1"]
-"""``--set`` overrides of the SD3.5-M step (plus train.recompute): 512 px = 64x64 latent = 1024 tokens at patch 2,
-no CFG (batch 1), no KL reference; text 77 + 256 = 333 tokens (the default without rollout.max_sequence_length)."""
+SETTINGS = {
+    "sd3": ["model.family=sd3", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
+            "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=1.0", "parallel.tp=1"],
+    "flux": ["model.family=flux", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
+             "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=3.5", "parallel.tp=1",
+             "lora.rank=32"],
+}
+"""``--set`` overrides of each step check (plus train.recompute): 512 px = 1024 image tokens (SD3: 64x64 latent at
+patch 2; FLUX: 32x32 packed 2x2 latents), batch 1 (SD3 without CFG; FLUX's guidance is an input), no KL
+reference; text: SD3 77 + 256 = 333 tokens, FLUX 512 (the defaults without rollout.max_sequence_length);
+FLUX.1-dev trains LoRA adapters of rank 32 on the frozen base."""
 STEPS, WARMUP = 5, 2
 
 
@@ -113,58 +121,71 @@ def parity_te() -> dict:
     return _parity("te")
 
 
-def predicted(recompute: str) -> dict:
-    """``megaflow plan``'s trainer items (bytes) for ``SETTING`` + ``train.recompute``, SD3.5-M built-in dims, 1 GPU.
-    Standard library + megaflow config only (no torch), so the CPU test calls it too."""
+def predicted(recompute: str, family: str = "sd3") -> dict:
+    """``megaflow plan``'s trainer items (bytes) for ``SETTINGS[family]`` + ``train.recompute``, the family's
+    built-in dims, 1 GPU. Standard library + megaflow config only (no torch), so the CPU test calls it too."""
     from megaflow.config import load_config
-    from megaflow.plan.dit import BUILTIN, DEFAULT_TEXT_TOKENS, dims_from_config
-    from megaflow.plan.memory import trainer_items
+    from megaflow.plan.dit import BUILTIN, dims_from_config
+    from megaflow.plan.memory import token_counts, trainer_items
 
-    cfg = load_config(None, [*SETTING, f"train.recompute={recompute}"])
-    source, conf = BUILTIN["sd3"]
-    dims = dims_from_config("sd3", conf, source)
-    image = (cfg.rollout.height // 8 // dims.patch) * (cfg.rollout.width // 8 // dims.patch)
-    text = DEFAULT_TEXT_TOKENS["sd3"]  # CLIP 77 + T5 256: rollout.max_sequence_length unset
+    cfg = load_config(None, [*SETTINGS[family], f"train.recompute={recompute}"])
+    source, conf = BUILTIN[family]
+    dims = dims_from_config(family, conf, source)
+    image, text = token_counts(cfg, dims)
     items, info = trainer_items(cfg, dims, world=1, stage=0, image=image, text=text)
     step = sum(v for k, v in items.items() if k not in ("runtime", "GRPO microbatches (1 step)"))
     return {"items": items, "info": info, "train_step_bytes": step, "image_tokens": image, "text_tokens": text}
 
 
-def _sd35m_trainer(recompute: str, conf: dict):
+def _trainer(recompute: str, conf: dict, family: str = "sd3"):
     """(Trainer, megaflow config) of the step check for diffusers config ``conf``, random weights."""
     from megaflow.config import load_config
     from megaflow.models.registry import get_family
     from megaflow.trainer.runner import Trainer
-    from megaflow.trainer.settings import optimizer_config, transformer_kwargs
+    from megaflow.trainer.settings import lora_settings, optimizer_config, transformer_kwargs
 
-    cfg = load_config(None, [*SETTING, f"train.recompute={recompute}"])
-    mcfg = get_family("sd3").config_from_diffusers(dict(conf), **transformer_kwargs(cfg))
-    return Trainer(mcfg, family="sd3", spec=cfg.model.spec, optimizer_config=optimizer_config(cfg)), cfg
+    cfg = load_config(None, [*SETTINGS[family], f"train.recompute={recompute}"])
+    mcfg = get_family(family).config_from_diffusers(dict(conf), **transformer_kwargs(cfg))
+    return Trainer(mcfg, family=family, spec=cfg.model.spec, optimizer_config=optimizer_config(cfg),
+                   lora=lora_settings(cfg)), cfg
 
 
-def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev) -> dict:
+def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev, family: str = "sd3") -> dict:
+    """One random rectified-flow microbatch of the family's input layout (SD3: latent images; FLUX: packed
+    tokens with their position ids and the guidance input)."""
     import torch
 
     from megaflow.trainer.runner import rectified_flow_microbatch
 
-    side = int(image_tokens ** 0.5) * conf["patch_size"]  # latent side
     g = torch.Generator(device=dev).manual_seed(0)
-    x0, noise = (torch.randn(1, conf["in_channels"], side, side, device=dev, generator=g) for _ in range(2))
+    if family == "flux":
+        shape = (1, image_tokens, conf["in_channels"])
+    else:
+        side = int(image_tokens ** 0.5) * conf["patch_size"]  # latent side
+        shape = (1, conf["in_channels"], side, side)
+    x0, noise = (torch.randn(*shape, device=dev, generator=g) for _ in range(2))
     ehs = torch.randn(1, text_tokens, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
     pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
-    return rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
+    mb = rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
+    if family == "flux":
+        from megaflow.models.flux.model import image_ids
+
+        side = int(image_tokens ** 0.5)
+        mb.update(txt_ids=torch.zeros(text_tokens, 3, device=dev), img_ids=image_ids(side, side).to(dev),
+                  guidance=torch.full((1,), 3.5, device=dev))
+    return mb
 
 
-def _step(recompute: str) -> dict:
+def _step(recompute: str, family: str = "sd3") -> dict:
     require_cuda()
     require_module("megatron.core")
     import torch
 
-    return measure_step(recompute, torch.device("cuda", 0))
+    return measure_step(recompute, torch.device("cuda", 0), family=family)
 
 
-def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS) -> dict:
-    """The step check's body: ``conf`` (default: SD3.5-M, megaflow plan's built-in table) on ``dev``; memory
+def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS, family: str = "sd3") -> dict:
+    """The step check's body: ``conf`` (default: the family's built-in table in megaflow plan) on ``dev``; memory
     figures are CUDA's (0 on CPU, where the CPU test runs a tiny ``conf`` through the same path)."""
     import torch
 
@@ -174,19 +195,19 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.plan.dit import BUILTIN
 
-    conf, cuda = conf or BUILTIN["sd3"][1], dev.type == "cuda"
+    conf, cuda = conf or BUILTIN[family][1], dev.type == "cuda"
     mem = (lambda: torch.cuda.memory_allocated()) if cuda else (lambda: 0)
     peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    plan = predicted(recompute)
+    plan = predicted(recompute, family)
     init_distributed(ParallelDims(), seed=0)
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        trainer, cfg = _sd35m_trainer(recompute, conf)
+        trainer, cfg = _trainer(recompute, conf, family)
         build_s, built = time.perf_counter() - t0, mem()
-        mb = _microbatch(conf, plan["image_tokens"], plan["text_tokens"], dev)
+        mb = _microbatch(conf, plan["image_tokens"], plan["text_tokens"], dev, family)
         times, losses, steady, peak_before = [], [], 0, 0
         for i in range(WARMUP + steps):
             if i == WARMUP:  # optimizer states exist now: what a step adds on top is activations + temporaries
@@ -201,10 +222,11 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
         step_peak = peak()
         phases = _phase_peaks(trainer, mb, steady, peak, sync, cuda)
         params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+        trained = sum(p.numel() for c in trainer.chunks for p in c.parameters() if p.requires_grad)
         spec = resolve_impl(cfg.model.spec)
     finally:
         destroy_distributed()
-    return _step_record(recompute, plan, spec=spec, params=params, build_s=build_s, built=built, steady=steady,
+    return _step_record(recompute, plan, spec=spec, params=params, trained=trained, build_s=build_s, built=built, steady=steady,
                         peak=max(peak_before, step_peak), step_peak=step_peak, times=times[WARMUP:], losses=losses,
                         phases=phases)
 
@@ -231,7 +253,7 @@ def _phase_peaks(trainer, mb: dict, steady: int, peak, sync, cuda: bool) -> dict
     return {"forward_backward": fwd_bwd, "optimizer_step": over()}
 
 
-def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, steady, peak, step_peak, times,
+def _step_record(recompute: str, plan: dict, *, spec, params, trained, build_s, built, steady, peak, step_peak, times,
                  losses, phases: dict) -> dict:
     gib = 2**30
     act_pred = plan["items"]["activations"]
@@ -241,7 +263,7 @@ def _step_record(recompute: str, plan: dict, *, spec, params, build_s, built, st
     ok = finite and RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]
     median = statistics.median(times)
     return {
-        "status": "pass" if ok else "fail", "recompute": recompute, "spec": spec, "params": params,
+        "status": "pass" if ok else "fail", "recompute": recompute, "spec": spec, "params": params, "trained_params": trained,
         "tokens": {"image": plan["image_tokens"], "text": plan["text_tokens"], "batch": 1},
         "build_s": round(build_s, 2), "step_s_median": round(median, 4), "step_s_all": [round(t, 4) for t in times],
         "losses": losses, "measured_gib": {"after_build": built / gib, "steady_before_step": steady / gib,
@@ -264,3 +286,8 @@ def step_recompute_none() -> dict:
 def step_recompute_full() -> dict:
     """SD3.5-M train step, every block recomputed in backward (train.recompute = full)."""
     return _step("full")
+
+
+def step_flux_lora() -> dict:
+    """FLUX.1-dev-shaped train step, LoRA rank 32 on the frozen bf16 base (SETTINGS["flux"])."""
+    return _step("none", "flux")

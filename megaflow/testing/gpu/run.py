@@ -43,6 +43,8 @@ CHECKS = {
                                        ("cuda", "megatron.core")),
     "step_sd35m_recompute_full": Check("megaflow.testing.gpu.model:step_recompute_full", 150,
                                        ("cuda", "megatron.core")),
+    "step_flux_lora_r32": Check("megaflow.testing.gpu.model:step_flux_lora", 180, ("cuda", "megatron.core")),
+    "offload": Check("megaflow.testing.gpu.offload:offload", 150, ("cuda", "megatron.core")),
     "parity_te": Check("megaflow.testing.gpu.model:parity_te", 120,
                        ("cuda", "megatron.core", "diffusers", "transformer_engine")),
 }
