@@ -328,7 +328,7 @@ def _check_bridge(cfg: MegaflowConfig) -> None:
         raise ConfigError(f"bridge.mode = 'disk' writes the weights on rank 0 only; with rollout.engine_hosts = "
                           f"{r.engine_hosts!r} use bridge.mode = 'colocated' or 'distributed'")
     t = cfg.train
-    if t.offload != "none" and (b.mode != "colocated" or t.max_staleness != 0):
+    if t.offload != "none" and not cfg.phased:
         raise ConfigError(f"train.offload = {t.offload!r} with bridge.mode = {b.mode!r}, train.max_staleness = "
                           f"{t.max_staleness}: the trainer offloads only while the engines sample alone (bridge.mode "
                           "= 'colocated', train.max_staleness = 0)")

@@ -350,3 +350,10 @@ class MegaflowConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics."})
     pretrain: PretrainConfig = field(default_factory=PretrainConfig, metadata={"help": "megaflow pretrain."})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "ShapeEval before/after (megaflow demo)."})
+
+    @property
+    def phased(self) -> bool:
+        """The engine hosts switch between a rollout and a training phase: the engines sample alone, then the
+        trainer trains alone (bridge.mode = 'colocated', synchronous loop). On GPU the engines release their memory
+        for training, and ``train.offload`` moves the trainer's parts off the device for the rollout."""
+        return self.bridge.mode == "colocated" and self.train.max_staleness == 0

@@ -8,7 +8,9 @@ input), what the optimizer step's temporaries add beyond the activations, one op
 (every micro-batch's inputs, on the GPU together), the frozen KL
 reference (weights only; none under LoRA, where the reference is the base with the adapters off) and a runtime
 allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
-encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. The model
+encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. A trainer rank
+with engines in a phased run (colocated, synchronous) peaks at the larger of its training and rollout phases
+(``phase_bytes``, with ``train.offload``); any other rank holds every item at once. The model
 numbers are ``megaflow.plan.dit``'s. Estimates, not measurements: the figures to compare with a run are
 in tests/plan/test_plan.py and the README.
 """
@@ -45,10 +47,36 @@ class RankPlan:
     items: dict[str, float] = field(default_factory=dict)
     info: dict[str, float] = field(default_factory=dict)
     """Figures shown for comparison, not counted (activations without recompute)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """A trainer rank hosting engines in a phased run (``MegaflowConfig.phased``): the bytes of each phase
+    ("train", "rollout"); empty: every item is held at once."""
 
     @property
     def total(self) -> float:
-        return sum(self.items.values())
+        """The rank's peak: the larger phase, or every item together."""
+        return max(self.phases.values()) if self.phases else sum(self.items.values())
+
+
+ROLLOUT_RESIDENT = {
+    "none": ("weights", "LoRA adapters", "grads (fp32 buffer)", "optimizer (Adam, /dp)", "KL reference", "runtime"),
+    "optimizer": ("weights", "LoRA adapters", "KL reference", "runtime"),
+    "all": ("KL reference", "runtime"),
+}
+"""The trainer items that stay on the GPU while its engines sample, per ``train.offload`` (megaflow.trainer.offload:
+"optimizer" moves the Adam states, fp32 main params and grad buffers; "all" the model's parameters too, the
+adapters with them; the frozen KL reference stays). The activations, the optimizer step's temporaries and the
+step's microbatches exist only in training."""
+
+
+def phase_bytes(items: dict[str, float], offload: str, buffers: float) -> dict[str, float]:
+    """{"train", "rollout"} bytes of a phased trainer rank with engines: in training the engines have released
+    their memory (SGLang moves their modules to host memory), so only the trainer's items count; while they
+    sample, their items and what the trainer keeps (``ROLLOUT_RESIDENT``; with "all", the model's non-parameter
+    buffers ``buffers`` too, which stay)."""
+    engines = sum(v for k, v in items.items() if k.startswith("engine"))
+    trainer = sum(items.values()) - engines
+    kept = sum(items.get(k, 0.0) for k in ROLLOUT_RESIDENT[offload]) + (buffers if offload == "all" else 0.0)
+    return {"train": trainer, "rollout": kept + engines}
 
 
 def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> tuple[dict[int, int], int]:
@@ -222,13 +250,16 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
             # an engine rank's own process still holds a CUDA context, NCCL buffers and received buckets
             items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
                 else ({"runtime": RUNTIME_OVERHEAD}, {})
+            phases = {}
             if key[2]:
                 items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
-            groups[key] = RankPlan(ranks=[], items=items, info=info)
+                if trains and cfg.phased:
+                    phases = phase_bytes(items, cfg.train.offload, buffer_bytes(d) if stage == 0 else 0.0)
+            groups[key] = RankPlan(ranks=[], items=items, info=info, phases=phases)
         groups[key].ranks.append(rank)
     limit = gpu_mem_gib * GIB
     return {"dims": d, "params": total_params(d), "image_tokens": image, "text_tokens": text, "gpus": gpus,
-            "groups": list(groups.values()), "limit": limit,
+            "groups": list(groups.values()), "limit": limit, "offload": cfg.train.offload,
             "fits": all(g.total <= limit for g in groups.values())}
 
 
@@ -248,5 +279,9 @@ def format_plan(result: dict) -> str:
         lines.append(f"rank {span}: {g.total / GIB:.1f} GiB, {fits}")
         lines += [f"    {name:<30} {value / GIB:8.2f} GiB" for name, value in g.items.items()]
         lines += [f"    ({name}: {value / GIB:.2f} GiB)" for name, value in g.info.items()]
+        if g.phases:
+            lines.append(f"    peak per phase (train.offload = {result['offload']!r}; engines released in training): "
+                         + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in g.phases.items())
+                         + f" (all items at once: {sum(g.items.values()) / GIB:.1f} GiB)")
     lines.append(f"fits: {'yes' if result['fits'] else 'no'}")
     return "\n".join(lines)

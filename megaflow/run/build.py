@@ -105,7 +105,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
         prompts = prompt_stream(cfg, consumed)
         # the asynchronous loop samples while it trains: the engines keep their memory
-        phases = Phases(rollout.engines, enabled=cfg.bridge.mode == "colocated" and cfg.train.max_staleness == 0,
+        phases = Phases(rollout.engines, enabled=cfg.phased,
                         trainer=trainer_offload(cfg, trainer))
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly

@@ -127,8 +127,9 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
                       gpu_mem_gib=80)
     rank0, others = rank0_only["groups"]
     assert rank0.ranks == [0] and others.ranks == list(range(1, 8))
-    assert rank0.total - others.total == pytest.approx(sum(v for k, v in rank0.items.items() if k.startswith("engine")))
-    assert sd3["groups"][0].total == pytest.approx(rank0.total)
+    engines = sum(v for k, v in rank0.items.items() if k.startswith("engine"))
+    assert sum(rank0.items.values()) - others.total == pytest.approx(engines) and not others.phases
+    assert sd3["groups"][0].total == pytest.approx(rank0.total) == pytest.approx(rank0.phases["rollout"])
     flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)  # LoRA, engine on every rank
     assert abs(flux["params"] - 11.9e9) < 0.05e9 and flux["fits"]
     items = flux["groups"][0].items
@@ -136,7 +137,7 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     full = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0"]), gpus=16, gpu_mem_gib=80)
     assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
     text = format_plan(full)
-    assert "DOES NOT FIT" in text and "fits: no" in text
+    assert "DOES NOT FIT" in text and "fits: no" in text and "rollout 97.7 GiB" in text
     # disaggregated: a second node of 8 engine GPUs (engine ranks); the trainer GPUs carry no engine, those carry no trainer
     dis = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"',
                                                               "rollout.engine_ranks=8", 'bridge.mode="distributed"']),
@@ -149,3 +150,31 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
     with pytest.raises(ValueError, match="does not divide the .* trainer GPU"):
         plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=6, gpu_mem_gib=80)
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer", "all"])
+def test_plan_phases_with_trainer_offload(offload):
+    """A phased rank (colocated, synchronous) peaks at the larger of its training phase (the trainer's items; the
+    engines released) and its rollout phase (the engines' items and what train.offload leaves on the GPU), summed
+    here by hand from the items; FLUX.1-dev full-parameter on 2x8 H100 fits with the optimizer offloaded."""
+    cfg = load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0", f"train.offload={offload}"])
+    (group,) = plan(cfg, gpus=16, gpu_mem_gib=80)["groups"]
+    items = group.items
+    engines = sum(v for k, v in items.items() if k.startswith("engine"))
+    train = sum(items.values()) - engines
+    assert train == pytest.approx(sum(items[k] for k in ("weights", "grads (fp32 buffer)", "optimizer (Adam, /dp)",
+                                                         "activations", "GRPO microbatches (1 step)", "KL reference",
+                                                         "optimizer step temporaries", "runtime")))
+    states = items["grads (fp32 buffer)"] + items["optimizer (Adam, /dp)"]
+    kept = {"none": train - items["activations"] - items["GRPO microbatches (1 step)"]
+            - items["optimizer step temporaries"], "optimizer": items["weights"] + items["KL reference"]
+            + items["runtime"], "all": items["KL reference"] + items["runtime"]}[offload]
+    if offload == "none":
+        assert kept == pytest.approx(items["weights"] + states + items["KL reference"] + items["runtime"])
+    assert group.phases == pytest.approx({"train": train, "rollout": kept + engines})
+    assert group.total == pytest.approx(max(train, kept + engines))
+    assert (group.total <= 80 * 2**30) == (offload != "none")
+    # asynchronous: the engines keep their memory while the trainer trains, every item at once
+    (ahead,) = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0", "train.max_staleness=1"]), gpus=16,
+                    gpu_mem_gib=80)["groups"]
+    assert not ahead.phases and ahead.total == pytest.approx(sum(items.values()))
