@@ -1,9 +1,10 @@
-"""``'pkg.mod:fn'`` paths a config names (``model.spec``, custom rewards in ``reward.weights``), checked before the
-run imports them: the syntax, and that the module can be found on this process's Python path -- found, not
-imported (a user's module may import torch), so a module that exists but fails on import is still the run's to
-report."""
+"""``'pkg.mod:fn'`` paths a config names (``model.spec``, custom rewards in ``reward.weights``): checked before the
+run imports them (the syntax, and that the module can be found on this process's Python path -- found, not
+imported: a user's module may import torch, so a module that exists but fails on import is still the run's to
+report), and resolved when the run needs the object (``resolve``)."""
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import re
 import sys
@@ -40,3 +41,21 @@ def unfindable(path: str) -> str | None:
     """The module of ``'pkg.mod:fn'`` when it cannot be found (``module_findable``), else None."""
     module = path.partition(":")[0]
     return None if module_findable(module) else module
+
+
+def resolve(path: str, what: str) -> object:
+    """The object ``'pkg.mod:attr'`` names (``attr`` may be dotted), imported now; ValueError naming ``what`` (e.g.
+    "reward", "model.spec") and ``path`` when the syntax is wrong, the module does not import or an attribute is
+    missing."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"bad {what} path {path!r}: expected 'pkg.module:attr'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj

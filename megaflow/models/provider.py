@@ -11,30 +11,23 @@ VPP), the form megatron's schedules, DDP and optimizer take.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megaflow.config.dotted import resolve
 from megaflow.models.registry import get_family
 
 BUILTIN_SPECS = ("auto", "local", "te")
 
 
 def load_callable(path: str) -> Callable[..., Any]:
-    """Import ``"pkg.mod:fn"`` (attribute paths like ``"pkg.mod:Cls.make"`` allowed)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected a dotted path 'pkg.mod:fn', got {path!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
+    """The callable ``"pkg.mod:fn"`` names (attribute paths like ``"pkg.mod:Cls.make"`` allowed)."""
+    obj = resolve(path, "model.spec")
     if not callable(obj):
-        raise ValueError(f"{path!r} is not callable")
+        raise ValueError(f"model.spec {path!r} is not callable")
     return obj
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 
+from megaflow.config.dotted import resolve
 from megaflow.rewards.aesthetic import AestheticReward
 from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.clip import ClipScore, PickScore
@@ -69,22 +69,6 @@ class _FunctionReward:
         return self.fn(images, prompts, metadata, **self.kwargs)
 
 
-def resolve_dotted(path: str) -> object:
-    """The object named by ``"pkg.module:attr"`` (attr may be dotted); ValueError if missing."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"bad reward path {path!r}: expected 'pkg.module:callable'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {path!r}: cannot import module {module_name!r} ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {path!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _instantiate(factory: Callable, name: str, kwargs: Mapping[str, object]):
     try:
         inspect.signature(factory).bind(**kwargs)
@@ -98,7 +82,7 @@ def _instantiate(factory: Callable, name: str, kwargs: Mapping[str, object]):
 def build_reward(name: str, **kwargs) -> Callable:
     """A reward callable from a registry key or a dotted path (see module docstring)."""
     if ":" in name:
-        target = resolve_dotted(name)
+        target = resolve(name, "reward")
         if not callable(target):
             raise ValueError(f"reward {name!r} is not callable")
         if not inspect.isclass(target):

@@ -81,7 +81,7 @@ def test_registry_and_provider_errors():
     assert registry.get_family("sd3").diffusers_class == "SD3Transformer2DModel"
     with pytest.raises(ValueError, match="'nope'"):
         registry.get_family("nope")
-    with pytest.raises(ValueError, match="pkg.mod:fn"):
+    with pytest.raises(ValueError, match="bad model.spec path 'no_colon'"):
         provider.load_callable("no_colon")
     with pytest.raises(ValueError, match="no attribute"):
         provider.load_callable("megaflow.models.sd3.spec:missing_fn")
