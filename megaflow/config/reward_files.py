@@ -1,12 +1,14 @@
-"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``), checked with the
-standard library only (no torch): preflight calls ``check_model_reward`` for each such reward in
-``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
+"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``, ``imagereward``),
+checked with the standard library only (no torch): preflight calls ``check_model_reward`` for each such reward
+in ``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
 directory is one line naming the key and the path.
 
 A model directory must hold ``config.json`` (a JSON object: what ``CLIPModel.from_pretrained`` reads); a
 processor directory ``preprocessor_config.json`` (as downloaded from the hub) or ``processor_config.json`` (as
 ``CLIPProcessor.save_pretrained`` writes it); a head file must exist, be ``.safetensors`` (header-checked),
-``.pt``, ``.pth`` or ``.bin``.
+``.pt``, ``.pth`` or ``.bin``. ``imagereward`` reads no transformers directory: ``path`` must hold the
+``IMAGEREWARD_FILES`` of its hub download (``med_config.json`` a JSON object) and ``tokenizer_path`` a BERT
+tokenizer (one of ``TOKENIZER_FILES``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from megaflow.config.load import ConfigError
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 HEAD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+IMAGEREWARD_FILES = ("ImageReward.pt", "med_config.json")
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
+BERT_DOWNLOAD = "hf download google-bert/bert-base-uncased --local-dir TOK"
 # reward name -> (kwarg naming the model dir, kwarg naming the processor dir or None, kwarg naming a head file
 # or None, what the user downloads)
 MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
@@ -27,6 +32,7 @@ MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
                   "laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"),
     "aesthetic": ("clip_path", None, "head_path",
                   "hf download openai/clip-vit-large-patch14 --local-dir DIR, and the LAION aesthetic head file"),
+    "imagereward": ("path", "tokenizer_path", None, "hf download THUDM/ImageReward --local-dir DIR"),
 }
 
 
@@ -78,6 +84,9 @@ def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | Non
     ``--kwargs ``)."""
     model_key, processor_key, head_key, download = MODEL_REWARDS[name]
     where = f"reward.kwargs.{name}." if where is None else where
+    if name == "imagereward":
+        check_imagereward(kwargs, where)
+        return
     if model_key not in kwargs:
         raise ConfigError(f"{where}{model_key}: the {name} reward needs a local model directory ({download})")
     separate = processor_key is not None and kwargs.get(processor_key) is not None
@@ -89,3 +98,31 @@ def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | Non
         if head_key not in kwargs:
             raise ConfigError(f"{where}{head_key}: the {name} reward needs its head's weights file ({download})")
         check_head_file(kwargs[head_key], f"{where}{head_key}")
+
+
+def _directory(path: object, key: str, what: str) -> Path:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of {what}, got {path!r}")
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory")
+    return Path(path)
+
+
+def check_imagereward(kwargs: Mapping[str, object], where: str) -> None:
+    """``path``: a directory holding ``IMAGEREWARD_FILES``; ``tokenizer_path``: a BERT tokenizer directory (both
+    required; each message names the download)."""
+    download = MODEL_REWARDS["imagereward"][3]
+    if kwargs.get("path") is None:
+        raise ConfigError(f"{where}path: the imagereward reward needs the directory of its download ({download})")
+    p = _directory(kwargs["path"], f"{where}path", "the ImageReward download")
+    for name in IMAGEREWARD_FILES:
+        if not (p / name).is_file():
+            raise ConfigError(f"{where}path: {p} has no {name} (not an ImageReward download: {download})")
+    read_json(p / "med_config.json", f"{where}path")
+    if kwargs.get("tokenizer_path") is None:
+        raise ConfigError(f"{where}tokenizer_path: the imagereward reward needs the bert-base-uncased tokenizer's "
+                          f"directory ({BERT_DOWNLOAD})")
+    t = _directory(kwargs["tokenizer_path"], f"{where}tokenizer_path", "a tokenizer directory")
+    if not any((t / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{where}tokenizer_path: {t} has no {' or '.join(TOKENIZER_FILES)} (not a BERT tokenizer "
+                          f"directory: {BERT_DOWNLOAD})")

@@ -29,8 +29,9 @@ MLP_LINEARS = (0, 2, 4, 6, 7)  # indices of the Linear layers in the published n
 MLP_DROPOUTS = {1: 0.2, 3: 0.2, 5: 0.1}
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file or a torch-saved state dict (CPU, no code run)."""
+def read_state_dict(path: str | Path, what: str = "aesthetic head") -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file or a torch-saved state dict (CPU, no code run); ``what`` starts
+    the one-line ValueError about a file that is neither."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -38,13 +39,16 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is the same user mistake
-        raise ValueError(f"aesthetic head {path}: not a torch state dict ({type(e).__name__}: {e})") from None
+        why = " ".join(str(e).split())  # torch's unpickling messages span lines: one line, shortened
+        raise ValueError(f"{what} {path}: not a torch state dict ({type(e).__name__}: {why[:200]})") from None
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"aesthetic head {path}: expected a state dict of tensors, got {type(obj).__name__}")
+        raise ValueError(f"{what} {path}: expected a state dict of tensors, got {type(obj).__name__}")
     return obj
 
 
-def _mlp(state: dict[str, torch.Tensor]) -> nn.Sequential:
+def mlp_from_state(state: dict[str, torch.Tensor]) -> nn.Sequential:
+    """The published MLP's ``nn.Sequential`` (widths from ``state``'s ``layers.N.weight``, dropouts as published),
+    weights not loaded."""
     layers: list[nn.Module] = []
     for i in range(max(MLP_LINEARS) + 1):
         if i in MLP_LINEARS:
@@ -61,7 +65,7 @@ def load_head(path: str | Path) -> nn.Module:
     mlp_keys = {f"layers.{i}.{p}" for i in MLP_LINEARS for p in ("weight", "bias")}
     if set(state) == mlp_keys:
         head: nn.Module = nn.Sequential()
-        head.add_module("layers", _mlp(state))
+        head.add_module("layers", mlp_from_state(state))
     elif set(state) == {"weight", "bias"} and state["weight"].ndim == 2:
         head = nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
     else:

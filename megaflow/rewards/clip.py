@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from torch import nn
 from megaflow.config.reward_files import check_model_reward
 from megaflow.rewards.base import ImageBatch, Reward, to_uint8
 
-_MODELS: dict[tuple[str, str], nn.Module] = {}
+_MODELS: dict[tuple[str, str, str], nn.Module] = {}
 _LOCK = threading.Lock()
 
 
@@ -43,14 +43,21 @@ def _features(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
+def shared_model(kind: str, path: str, device: str, load: Callable[[], nn.Module]) -> nn.Module:
+    """The process's ``kind`` model from ``path`` on ``device``: ``load()`` on first use (then moved, eval, frozen),
+    the same module afterwards."""
+    with _LOCK:
+        if (kind, path, device) not in _MODELS:
+            _MODELS[kind, path, device] = load().to(device).eval().requires_grad_(False)
+        return _MODELS[kind, path, device]
+
+
 def load_clip(path: str, device: str) -> nn.Module:
     """The process's ``CLIPModel`` from directory ``path`` on ``device`` (loaded on first use, then shared)."""
-    with _LOCK:
-        if (path, device) not in _MODELS:
-            from transformers import CLIPModel
-            model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-            _MODELS[path, device] = model.to(device).eval().requires_grad_(False)
-        return _MODELS[path, device]
+    def load() -> nn.Module:
+        from transformers import CLIPModel
+        return CLIPModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return shared_model("clip", path, device, load)
 
 
 def check_number(name: str, key: str, value: object) -> float:

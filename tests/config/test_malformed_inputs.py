@@ -182,6 +182,15 @@ def _clip_dir(tmp: Path, *, config: bool = True) -> Path:
     return d
 
 
+def _imagereward_dir(tmp: Path) -> Path:
+    """A folder that looks like an ImageReward download to the checks (a dummy checkpoint, no weights)."""
+    d = tmp / "imagereward"
+    d.mkdir()
+    (d / "ImageReward.pt").write_bytes(b"not read by the checks")
+    (d / "med_config.json").write_text("{}")
+    return d
+
+
 # --- run dirs: each row's run is `train` with run.name = "r" in <tmp>/runs (the harness sets run.output_dir).
 
 def _runs(tmp: Path, make=None, *extra: str) -> list[str]:
@@ -294,6 +303,10 @@ CASES = {
                                           f'reward.kwargs={{aesthetic = {{clip_path = "{_clip_dir(t)}", '
                                           f'head_path = "{t / "head.pth"}"}}}}'],
                                "reward.kwargs.aesthetic.head_path: no such file"),
+    "imagereward tokenizer missing": (lambda t: [*TRAIN, "--set", "reward.weights={imagereward = 1.0}", "--set",
+                                                 f'reward.kwargs={{imagereward = {{path = "{_imagereward_dir(t)}"}}}}'],
+                                      "reward.kwargs.imagereward.tokenizer_path: the imagereward reward needs the "
+                                      "bert-base-uncased tokenizer's directory (hf download google-bert/bert-base-uncased"),
     "unknown shapes category": (lambda t: [*TRAIN, "--set", 'data.shapes_categories=["squares"]'], "unknown category 'squares'"),
     # run dirs (<run.output_dir>/<run.name>)
     "run dir: output_dir a file": (lambda t: _runs(t, lambda r: r.write_text("")), "runs': not a directory"),
@@ -376,6 +389,11 @@ CASES = {
     "reward: kwargs a list": (lambda t: _reward_images(t, _A, kwargs="[1, 2]"), "--kwargs: want a JSON object"),
     "reward: clipscore without config.json": (lambda t: _reward_images(t, _A, reward="clipscore", kwargs=json.dumps(
         {"path": str(_clip_dir(t, config=False))})), "--kwargs path: "),
+    "reward: imagereward dir without its checkpoint": (lambda t: _reward_images(t, _A, reward="imagereward",
+                                                        kwargs=json.dumps({"path": str(_clip_dir(t)),
+                                                                           "tokenizer_path": str(t)})),
+                                                       "has no ImageReward.pt (not an ImageReward download: "
+                                                       "hf download THUDM/ImageReward"),
     "reward: kwargs not JSON": (lambda t: _reward_images(t, _A, kwargs="{threads: 2}"), "--kwargs: not JSON"),
 }
 if not cuda_available():  # valid settings on a GPU machine
