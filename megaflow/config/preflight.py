@@ -69,8 +69,8 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
 
     ``files=False`` (``config show --no-files``, ``megaflow plan``; only with "show") skips every check of a
     file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file, the
-    model rewards' directories): a config for another machine can be shown and planned where its weights are
-    not downloaded."""
+    model rewards' directories) and a model reward's CUDA ``device`` against this machine: a config for another
+    machine can be shown and planned where its weights are not downloaded and no GPU is."""
     if not files and command != "show":
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
@@ -221,8 +221,8 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
         if name in SERVER_REWARDS:
             _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
         elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward: local model files, a device
-            device = r.kwargs.get(name, {}).get("device", "cpu")
-            if isinstance(device, str) and device.startswith("cuda") and not cuda_available():
+            device = r.kwargs.get(name, {}).get("device", "cpu")  # the GPU is the run's machine's, like the files
+            if files and isinstance(device, str) and device.startswith("cuda") and not cuda_available():
                 raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
                                   "device (use 'cpu')")
             if files:

@@ -8,7 +8,9 @@ input), what the optimizer step's temporaries add beyond the activations, one op
 (every micro-batch's inputs, on the GPU together), the frozen KL
 reference (weights only; none under LoRA, where the reference is the base with the adapters off) and a runtime
 allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
-encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations. A trainer rank
+encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations; on the ranks that
+score (the engine hosts; rank 0 when it evaluates), the model rewards placed on a GPU and one scoring batch's
+activations (``megaflow.plan.rewards``). A trainer rank
 with engines in a phased run (colocated, synchronous) peaks at the larger of its training and rollout phases
 (``phase_bytes``, with ``train.offload``); any other rank holds every item at once. The model
 numbers are ``megaflow.plan.dit``'s. Estimates, not measurements: the figures to compare with a run are
@@ -31,12 +33,13 @@ from megaflow.plan.dit import (
     embed_params,
     final_params, lora_params, total_params,
 )
+from megaflow.plan.rewards import MODELS_ITEM, SCORING_ITEM, describe, reward_items, reward_loads, scoring_ranks
+from megaflow.plan.weights import folder_numel
 
 GIB = 2**30
 OPTIMIZER_STEP_BYTES = 4  # per trained parameter (and data-parallel rank): Adam's fp32 step temporaries
 RUNTIME_OVERHEAD = 2.0 * GIB  # CUDA context, NCCL buffers, allocator slack per GPU process
 _BYTES = {"float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 
 
 @dataclass
@@ -65,18 +68,19 @@ ROLLOUT_RESIDENT = {
 """The trainer items that stay on the GPU while its engines sample, per ``train.offload`` (megaflow.trainer.offload:
 "optimizer" moves the Adam states, fp32 main params and grad buffers; "all" the model's parameters too, the
 adapters with them; the frozen KL reference stays). The activations, the optimizer step's temporaries and the
-step's microbatches exist only in training."""
+step's microbatches exist only in training. The reward models stay in both phases; their scoring activations
+exist only in rollout (megaflow.plan.rewards)."""
 
 
 def phase_bytes(items: dict[str, float], offload: str, buffers: float) -> dict[str, float]:
     """{"train", "rollout"} bytes of a phased trainer rank with engines: in training the engines have released
-    their memory (SGLang moves their modules to host memory), so only the trainer's items count; while they
-    sample, their items and what the trainer keeps (``ROLLOUT_RESIDENT``; with "all", the model's non-parameter
-    buffers ``buffers`` too, which stay)."""
-    engines = sum(v for k, v in items.items() if k.startswith("engine"))
-    trainer = sum(items.values()) - engines
-    kept = sum(items.get(k, 0.0) for k in ROLLOUT_RESIDENT[offload]) + (buffers if offload == "all" else 0.0)
-    return {"train": trainer, "rollout": kept + engines}
+    their memory (SGLang moves their modules to host memory) and the batch is scored, so the trainer's items and
+    the reward models count; while they sample, their items, the rewards' and what the trainer keeps
+    (``ROLLOUT_RESIDENT``; with "all", the model's non-parameter buffers ``buffers`` too, which stay)."""
+    rollout_only = sum(v for k, v in items.items() if k.startswith("engine") or k == SCORING_ITEM)
+    kept = sum(items.get(k, 0.0) for k in (*ROLLOUT_RESIDENT[offload], MODELS_ITEM))
+    return {"train": sum(items.values()) - rollout_only,
+            "rollout": kept + (buffers if offload == "all" else 0.0) + rollout_only}
 
 
 def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> tuple[dict[int, int], int]:
@@ -95,7 +99,8 @@ def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
     if root is not None and (root / "transformer" / "config.json").is_file():
         conf = json.loads((root / "transformer" / "config.json").read_text())
         dims = dims_from_config(family, conf, f"{root}/transformer/config.json")
-        enc = {"text encoders": sum(_numel(p) for p in root.glob("text_encoder*")), "vae": _numel(root / "vae")}
+        enc = {"text encoders": sum(folder_numel(p) for p in root.glob("text_encoder*")),
+               "vae": folder_numel(root / "vae")}
         vae_conf = root / "vae" / "config.json"
         blocks = json.loads(vae_conf.read_text()).get("block_out_channels", [0] * 4) if vae_conf.is_file() else [0] * 4
         return dims, enc, 2 ** (len(blocks) - 1)
@@ -104,21 +109,6 @@ def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
                          "downloaded to: the built-in table of the family is used when it is missing)")
     source, conf = BUILTIN[family]
     return dims_from_config(family, conf, source), dict(BUILTIN_ENCODERS[family]), 8
-
-
-def _numel(folder: Path) -> int:
-    """Elements of every tensor in a folder's safetensors files (read from their headers)."""
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                count = 1
-                for n in meta["shape"]:
-                    count *= n
-                total += count
-    return total
 
 
 def _stage_blocks(d: DiTDims, pp: int, stage: int) -> range:
@@ -241,26 +231,29 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
     dims.dp_for(trainers, ranks=f"the {trainers} trainer GPU(s) of --gpus {gpus}")
     dims.check_model(None, d.num_blocks, d.source)
     image, text = token_counts(cfg, d, vae_factor)
+    loads = reward_loads(cfg)
+    scorers = scoring_ranks(cfg, placement)
     groups: dict[tuple, RankPlan] = {}
     for rank in range(gpus):
         trains = rank < trainers  # disaggregated: the last ranks only sample
         stage = (rank // (trainers // p.pp)) if p.pp > 1 and trains else 0
-        key = (trains, stage, placement.get(rank, 0))
+        key = (trains, stage, placement.get(rank, 0), rank in scorers)
         if key not in groups:
             # an engine rank's own process still holds a CUDA context, NCCL buffers and received buckets
             items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
                 else ({"runtime": RUNTIME_OVERHEAD}, {})
-            phases = {}
             if key[2]:
                 items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
-                if trains and cfg.phased:
-                    phases = phase_bytes(items, cfg.train.offload, buffer_bytes(d) if stage == 0 else 0.0)
+            if key[3]:
+                items.update(reward_items(cfg, loads))
+            phases = phase_bytes(items, cfg.train.offload, buffer_bytes(d) if stage == 0 else 0.0) \
+                if key[2] and trains and cfg.phased else {}
             groups[key] = RankPlan(ranks=[], items=items, info=info, phases=phases)
         groups[key].ranks.append(rank)
     limit = gpu_mem_gib * GIB
     return {"dims": d, "params": total_params(d), "image_tokens": image, "text_tokens": text, "gpus": gpus,
             "groups": list(groups.values()), "limit": limit, "offload": cfg.train.offload,
-            "fits": all(g.total <= limit for g in groups.values())}
+            "rewards": describe(loads), "fits": all(g.total <= limit for g in groups.values())}
 
 
 def format_plan(result: dict) -> str:
@@ -270,7 +263,7 @@ def format_plan(result: dict) -> str:
              f"{buffer_bytes(d) / GIB:.2f} GiB fp32 buffers), hidden {d.hidden}, "
              f"{d.blocks}{f' + {d.single_blocks} single' if d.single_blocks else ''} blocks, "
              f"{result['image_tokens']} image + {result['text_tokens']} text tokens",
-             f"GPUs: {result['gpus']}, limit {result['limit'] / GIB:.1f} GiB per GPU"]
+             f"GPUs: {result['gpus']}, limit {result['limit'] / GIB:.1f} GiB per GPU", *result["rewards"]]
     for g in result["groups"]:
         ranks = g.ranks
         span = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]}" if ranks == list(

@@ -7,7 +7,9 @@ Needs: CPU; 1 process for the measured part (slow). Checks:
   where activations dominate; also under LoRA, base frozen, adapters on two target sets), and the predicted trainer memory (weights, fp32 grads, Adam, activations) vs the
   peak RSS of building the trainer and one train step: ratio printed, asserted within [0.6, 1.6];
 - the plan of both GPU configs (built-in tables) and of a tiny pipeline dir (read from its files);
-- LoRA activations by linear implementation, and one optimizer step's GRPO microbatches (exact arithmetic).
+- LoRA activations by linear implementation, and one optimizer step's GRPO microbatches (exact arithmetic);
+- the reward models: a tiny local CLIP's count against the loaded model's numel, the built-in table without the
+  directory, the items only on the scoring ranks of a config with a model reward on a GPU.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from megaflow.plan.memory import format_plan, plan, trainer_items
 from megaflow.plan.dit import (
     LORA_STAGE_EXTRA, STAGE_EXTRA, block_activation_units, dims_from_config, total_params,
 )
+from megaflow.plan.rewards import MODELS_ITEM, REWARD_MODELS, SCORING_ITEM, reward_load
 from megaflow.testing.dist import run_multiprocess
 
 import plan_workers
 
 SD3 = sd3_tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0, 1), num_layers=4, attention_head_dim=16,
                            num_attention_heads=4, caption_projection_dim=64, sample_size=64, pos_embed_max_size=64)
+REWARD_ITEMS = {MODELS_ITEM, SCORING_ITEM}
 FLUX = flux_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, axes_dims_rope=(4, 6, 6))
 
 
@@ -127,7 +131,9 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
                       gpu_mem_gib=80)
     rank0, others = rank0_only["groups"]
     assert rank0.ranks == [0] and others.ranks == list(range(1, 8))
-    engines = sum(v for k, v in rank0.items.items() if k.startswith("engine"))
+    # rank 0 hosts the engines and scores (PickScore on its GPU); the others neither
+    engines = sum(v for k, v in rank0.items.items() if k.startswith(("engine", "reward")))
+    assert REWARD_ITEMS <= set(rank0.items) and not REWARD_ITEMS & set(others.items)
     assert sum(rank0.items.values()) - others.total == pytest.approx(engines) and not others.phases
     assert sd3["groups"][0].total == pytest.approx(rank0.total) == pytest.approx(rank0.phases["rollout"])
     flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)  # LoRA, engine on every rank
@@ -137,7 +143,8 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     full = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0"]), gpus=16, gpu_mem_gib=80)
     assert not full["fits"] and "KL reference" in full["groups"][0].items  # full-parameter at this layout
     text = format_plan(full)
-    assert "DOES NOT FIT" in text and "fits: no" in text and "rollout 97.7 GiB" in text
+    assert "DOES NOT FIT" in text and "fits: no" in text and "rollout 101.7 GiB" in text
+    assert "reward pickscore: 986.1M params from CLIP ViT-H/14" in text and "reward models" in text
     # disaggregated: a second node of 8 engine GPUs (engine ranks); the trainer GPUs carry no engine, those carry no trainer
     dis = plan(load_config("configs/sd3_medium_8xh100.toml", ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"',
                                                               "rollout.engine_ranks=8", 'bridge.mode="distributed"']),
@@ -145,7 +152,7 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
     trainers, engines = dis["groups"]
     assert trainers.ranks == list(range(8)) and engines.ranks == list(range(8, 16)) and dis["fits"]
     assert trainers.total == pytest.approx(others.total)  # the colocated rank without engines
-    assert set(engines.items) == {"runtime", *(k for k in rank0.items if k.startswith("engine"))}
+    assert set(engines.items) == {"runtime", *(k for k in rank0.items if k.startswith(("engine", "reward")))}
     tiny = plan(load_config(None, [f"model.pretrained={tiny_sd3_dir}"]), gpus=1, gpu_mem_gib=3)
     assert str(tiny_sd3_dir) in tiny["dims"].source and tiny["fits"]
     with pytest.raises(ValueError, match="does not divide the .* trainer GPU"):
@@ -155,26 +162,95 @@ def test_plan_gpu_configs_and_a_pipeline_dir(tiny_sd3_dir):
 @pytest.mark.parametrize("offload", ["none", "optimizer", "all"])
 def test_plan_phases_with_trainer_offload(offload):
     """A phased rank (colocated, synchronous) peaks at the larger of its training phase (the trainer's items; the
-    engines released) and its rollout phase (the engines' items and what train.offload leaves on the GPU), summed
-    here by hand from the items; FLUX.1-dev full-parameter on 2x8 H100 fits with the optimizer offloaded."""
+    engines released, the batch scored) and its rollout phase (the engines' items, the reward's scoring batch and
+    what train.offload leaves on the GPU; the reward model stays in both), summed here by hand from the items;
+    FLUX.1-dev full-parameter on 2x8 H100 fits with the optimizer offloaded."""
     cfg = load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0", f"train.offload={offload}"])
     (group,) = plan(cfg, gpus=16, gpu_mem_gib=80)["groups"]
     items = group.items
     engines = sum(v for k, v in items.items() if k.startswith("engine"))
-    train = sum(items.values()) - engines
+    rollout_only = engines + items["reward scoring activations"]  # the batch is scored before training
+    train = sum(items.values()) - rollout_only
     assert train == pytest.approx(sum(items[k] for k in ("weights", "grads (fp32 buffer)", "optimizer (Adam, /dp)",
                                                          "activations", "GRPO microbatches (1 step)", "KL reference",
-                                                         "optimizer step temporaries", "runtime")))
+                                                         "optimizer step temporaries", "runtime", "reward models")))
     states = items["grads (fp32 buffer)"] + items["optimizer (Adam, /dp)"]
     kept = {"none": train - items["activations"] - items["GRPO microbatches (1 step)"]
             - items["optimizer step temporaries"], "optimizer": items["weights"] + items["KL reference"]
-            + items["runtime"], "all": items["KL reference"] + items["runtime"]}[offload]
+            + items["runtime"] + items["reward models"],
+            "all": items["KL reference"] + items["runtime"] + items["reward models"]}[offload]
     if offload == "none":
-        assert kept == pytest.approx(items["weights"] + states + items["KL reference"] + items["runtime"])
-    assert group.phases == pytest.approx({"train": train, "rollout": kept + engines})
-    assert group.total == pytest.approx(max(train, kept + engines))
+        assert kept == pytest.approx(items["weights"] + states + items["KL reference"] + items["runtime"]
+                                     + items["reward models"])
+    assert group.phases == pytest.approx({"train": train, "rollout": kept + rollout_only})
+    assert group.total == pytest.approx(max(train, kept + rollout_only))
     assert (group.total <= 80 * 2**30) == (offload != "none")
     # asynchronous: the engines keep their memory while the trainer trains, every item at once
     (ahead,) = plan(load_config("configs/flux_dev_2x8xh100.toml", ["lora.rank=0", "train.max_staleness=1"]), gpus=16,
                     gpu_mem_gib=80)["groups"]
     assert not ahead.phases and ahead.total == pytest.approx(sum(items.values()))
+
+
+def _tiny_clip_dir(root) -> tuple:
+    """A tiny transformers CLIP saved to ``root`` and its parameter count, counted from the loaded model."""
+    from transformers import CLIPConfig, CLIPModel
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=77)
+    vision = dict(hidden_size=48, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(root)
+    loaded = CLIPModel.from_pretrained(root)
+    return root, sum(p.numel() for p in loaded.parameters())
+
+
+def _with_reward(config: str, weights: str, kwargs: str, *extra: str):
+    return load_config(config, [f"reward.weights={weights}", f"reward.kwargs={kwargs}", *extra])
+
+
+def test_plan_reward_models_from_a_local_clip_dir(tmp_path):
+    """A local model directory's count (safetensors headers) equals the loaded CLIPModel's numel; its vision config
+    sizes the scoring batch; two CLIP rewards on one directory and device share one copy (load_clip)."""
+    clip, n = _tiny_clip_dir(tmp_path / "clip")
+    load = reward_load("pickscore", {"path": str(clip), "device": "cuda", "batch_size": 2})
+    assert load.model == n and load.head == 0 and str(clip) in load.source
+    assert load.scoring == 2 * 4 * (17 * 48 * 12 + 4 * 17 * 17)  # (32 / 8)^2 + 1 tokens, width 48, 4 heads
+    cfg = _with_reward("configs/sd3_medium_8xh100.toml", "{pickscore=1.0}",
+                       f'{{pickscore={{path="{clip}",device="cuda"}}}}')
+    (group,) = plan(cfg, gpus=8, gpu_mem_gib=80)["groups"]
+    assert group.items[MODELS_ITEM] == n * 4  # float32
+    both = _with_reward("configs/sd3_medium_8xh100.toml", "{pickscore=1.0,clipscore=0.0}",
+                        f'{{pickscore={{path="{clip}",device="cuda"}},clipscore={{path="{clip}",device="cuda"}}}}')
+    assert plan(both, gpus=8, gpu_mem_gib=80)["groups"][0].items[MODELS_ITEM] == n * 4
+
+
+def test_plan_reward_items_only_where_a_model_reward_is_on_a_gpu():
+    """No model reward, or one on the CPU: no reward item (the CPU one is listed as not counted). One on a GPU: on
+    the engine hosts, and on rank 0 when it evaluates on test prompts."""
+    shapes = ["data.prompts=shapes", "reward.weights={shapeeval_partial=1.0}", "reward.kwargs={}"]
+    none = plan(load_config("configs/sd3_medium_8xh100.toml", shapes), gpus=8, gpu_mem_gib=80)
+    assert not REWARD_ITEMS & set(none["groups"][0].items) and none["rewards"] == []
+    cpu = plan(load_config("configs/sd3_medium_8xh100.toml", ['reward.kwargs={pickscore={path="x"}}']), gpus=8,
+               gpu_mem_gib=80)
+    assert not REWARD_ITEMS & set(cpu["groups"][0].items) and "on cpu (not on a GPU: not counted)" in cpu["rewards"][0]
+    dis = ['rollout.placement="disaggregated"', 'rollout.engine_hosts="rank0"', "rollout.engine_ranks=8",
+           'bridge.mode="distributed"']
+    trainers, engines = plan(load_config("configs/sd3_medium_8xh100.toml", dis), gpus=16, gpu_mem_gib=80)["groups"]
+    assert REWARD_ITEMS <= set(engines.items) and not REWARD_ITEMS & set(trainers.items)
+    evaluating = dis + ['data.test_prompts="data/pickscore/test.txt"', "eval.every=10"]
+    driver, trainers, engines = plan(load_config("configs/sd3_medium_8xh100.toml", evaluating), gpus=16,
+                                     gpu_mem_gib=80)["groups"]
+    assert driver.ranks == [0] and REWARD_ITEMS <= set(driver.items) and not REWARD_ITEMS & set(trainers.items)
+
+
+def test_plan_reward_builtin_table_without_the_directory():
+    """Without the local directory the published counts are used: PickScore's ViT-H/14 (~3.7 GiB in float32, a
+    16-image scoring batch ~0.3 GiB), and the rows of rewards added elsewhere (hpsv2, imagereward)."""
+    pick = reward_load("pickscore", {"path": "models/absent", "device": "cuda"})
+    assert pick.model == REWARD_MODELS["pickscore"].params == 986_109_441 and "built-in table" in pick.source
+    assert 0.2 < pick.scoring / 2**30 < 0.4
+    assert reward_load("hpsv2", {"path": "absent.pt", "device": "cuda"}).model == 986_109_441
+    assert reward_load("imagereward", {"path": "absent", "device": "cuda"}).model == 446_665_953
+    aesthetic = reward_load("aesthetic", {"clip_path": "absent", "head_path": "absent.pth", "device": "cuda"})
+    assert (aesthetic.model, aesthetic.head) == (427_616_513, 927_969)
+    flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)
+    assert flux["groups"][0].items[MODELS_ITEM] == 986_109_441 * 4
