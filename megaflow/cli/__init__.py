@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_show.set_defaults(handler=_cmd_config_show)
 
     p_plan = sub.add_parser("plan", help="GPU memory per rank of a run (weights, grads, optimizer, activations with "
-                            "and without recompute, KL reference, engines) and whether it fits; nothing starts.")
+                            "and without recompute, KL reference, engines, reward models on a GPU) and whether it fits; "
+                            "nothing starts.")
     add_config_args(p_plan)
     p_plan.add_argument("--gpus", type=int, default=0,
                         help="GPUs of the launch (default: WORLD_SIZE if set, else parallel.tp * pp * cp).")
