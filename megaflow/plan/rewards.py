@@ -5,8 +5,9 @@ and the driver (rank 0) builds the rewards again for ``megaflow train``'s evalua
 with ``data.test_prompts`` (megaflow.run.evaluation). A model reward loads onto its ``reward.kwargs.<name>.device``
 (default "cpu", not counted; "cuda" is the process's own GPU; a "cuda:N" lands on GPU N of the node, counted on
 the scoring rank all the same) in float32, and stays there for the whole run: nothing moves it in a phased
-run's training phase, so "reward models" counts in both phases. The CLIP rewards share one copy per (directory,
-device) per process (megaflow.rewards.clip.load_clip), so two of them on one directory count once.
+run's training phase, so "reward models" counts in both phases. A process keeps one copy per (kind, directory,
+device) (megaflow.rewards.clip.shared_model: the CLIP rewards share the kind "clip"), so two CLIP rewards on one
+directory count once.
 
 Parameters: from the local model directory ``reward.kwargs.<name>.<model key>`` (the key is
 megaflow.config.reward_files.MODEL_REWARDS's) when it holds the safetensors ``from_pretrained`` loads (their
@@ -34,7 +35,7 @@ from megaflow.config.schema import MegaflowConfig
 from megaflow.plan.dit import INFERENCE_LIVE
 from megaflow.plan.weights import safetensors_numel, transformers_weights
 
-REWARD_BYTES = 4  # float32: megaflow.rewards.clip.load_clip (dtype=torch.float32); hpsv2 / imagereward as published
+REWARD_BYTES = 4  # float32: megaflow.rewards.clip.load_clip, imagereward's loader (.float()); hpsv2 as published
 DEFAULT_DEVICE, DEFAULT_BATCH = "cpu", 16  # the model rewards' defaults (megaflow.rewards.clip.ClipEmbedder)
 MODELS_ITEM, SCORING_ITEM = "reward models", "reward scoring activations"
 
@@ -49,25 +50,26 @@ class RewardModel:
     width: int = 1024      # image tower: hidden size, attention heads, tokens at its input size
     heads: int = 16
     tokens: int = 257      # 224 px / patch 14 = 16 x 16 patches + the class token
-    shared: bool = True    # loaded by megaflow.rewards.clip.load_clip (one copy per directory and device)
+    kind: str = "clip"     # megaflow.rewards.clip.shared_model's kind: one copy per (kind, directory, device)
 
 
 # Parameter counts: the CLIP ones are sum(p.numel()) of transformers' CLIPModel built from the published config.json
 # (openai/clip-vit-large-patch14: 427,616,513 = vision 303.2M + text 123.1M + projections; CLIP ViT-H/14 as in
 # yuvalkirstain/PickScore_v1 and laion/CLIP-ViT-H-14-laion2B-s32B-b79K: 986,109,441 = vision 630.8M + text 353.0M,
 # open_clip's docs/model_profile.csv lists ViT-H-14 at 986.11M). HPS v2 / v2.1 fine-tune open_clip's ViT-H-14
-# (HPSv2's create_model_and_transforms("ViT-H-14")), the same count. ImageReward (THUDM; its models/BLIP code):
-# BLIP ViT-L/16 at 224 px 303,301,632 + the BERT-base text encoder with cross-attention to the 1024-wide image
-# tokens (med_config: vocab 30524, 12 layers, no token-type table) 141,977,088 + vision/text projections to 256
-# 459,264 + the MLP 768-1024-128-64-16-1 927,969 = 446,665,953 (x 4 bytes = 1.79 GB, ImageReward.pt's size). The
-# LAION aesthetic head is that MLP shape too (927,969).
+# (HPSv2's create_model_and_transforms("ViT-H-14")), the same count. ImageReward (THUDM/ImageReward; what
+# megaflow.rewards.imagereward loads of it): BLIP ViT-L/16 at 224 px 303,301,632 + the BERT-base text encoder with
+# cross-attention to the 1024-wide image tokens (vocab 30524, 12 layers, no token-type table, no pooler)
+# 141,977,088 + the MLP 768-1024-128-64-16-1 927,969 = 446,206,689 (ImageReward.pt also holds BLIP's unused
+# vision/text projections, 459,264 more: x 4 bytes = 1.79 GB, the file's size). The LAION aesthetic head is that
+# MLP shape too (927,969). tests/plan/test_plan.py builds each from its config on the meta device and compares.
 REWARD_MODELS = {
     "clipscore": RewardModel(427_616_513, "CLIP ViT-L/14, openai/clip-vit-large-patch14"),
     "pickscore": RewardModel(986_109_441, "CLIP ViT-H/14, yuvalkirstain/PickScore_v1", width=1280),
     "aesthetic": RewardModel(427_616_513, "CLIP ViT-L/14 + the LAION aesthetic MLP", head=927_969),
-    "hpsv2": RewardModel(986_109_441, "OpenCLIP ViT-H-14, HPS v2", width=1280, shared=False),
-    "imagereward": RewardModel(446_665_953, "BLIP ViT-L/16 + BERT-base + MLP, ImageReward", tokens=197,
-                               shared=False),
+    "hpsv2": RewardModel(986_109_441, "OpenCLIP ViT-H-14, HPS v2", width=1280, kind="hpsv2"),
+    "imagereward": RewardModel(446_206_689, "BLIP ViT-L/16 + BERT-base + MLP, ImageReward", tokens=197,
+                               kind="imagereward"),
 }
 
 
@@ -76,7 +78,7 @@ class RewardLoad:
     """One configured model reward: what it puts on its device."""
 
     name: str
-    model: int             # parameters of the model (shared by rewards with the same ``key``)
+    model: int             # parameters of the model (one copy for the rewards with the same ``key``)
     head: int              # parameters of its own head
     source: str
     device: str
@@ -131,7 +133,7 @@ def reward_load(name: str, kwargs: dict) -> RewardLoad:
     batch = batch if isinstance(batch, int) and batch > 0 else DEFAULT_BATCH
     return RewardLoad(name=name, model=params, head=_head(row, kwargs.get(head_key) if head_key else None),
                       source=source, device=device, batch=batch, scoring=scoring_bytes(batch, tokens, width, heads),
-                      key=(str(path), str(device)) if row.shared else (name, str(device)))
+                      key=(row.kind, str(path), str(device)))
 
 
 def reward_loads(cfg: MegaflowConfig) -> list[RewardLoad]:

@@ -249,8 +249,44 @@ def test_plan_reward_builtin_table_without_the_directory():
     assert pick.model == REWARD_MODELS["pickscore"].params == 986_109_441 and "built-in table" in pick.source
     assert 0.2 < pick.scoring / 2**30 < 0.4
     assert reward_load("hpsv2", {"path": "absent.pt", "device": "cuda"}).model == 986_109_441
-    assert reward_load("imagereward", {"path": "absent", "device": "cuda"}).model == 446_665_953
+    assert reward_load("imagereward", {"path": "absent", "device": "cuda"}).model == 446_206_689
     aesthetic = reward_load("aesthetic", {"clip_path": "absent", "head_path": "absent.pth", "device": "cuda"})
     assert (aesthetic.model, aesthetic.head) == (427_616_513, 927_969)
     flux = plan(load_config("configs/flux_dev_2x8xh100.toml"), gpus=16, gpu_mem_gib=80)
     assert flux["groups"][0].items[MODELS_ITEM] == 986_109_441 * 4
+
+
+def test_reward_table_counts_equal_the_models():
+    """The built-in rows against the models built from the published configs (meta device, no weights): CLIP ViT-L/14
+    (openai/clip-vit-large-patch14), ViT-H/14 (PickScore_v1, laion CLIP-ViT-H-14; HPS v2's OpenCLIP ViT-H-14 is the
+    same network), ImageReward as megaflow.rewards.imagereward builds it (BLIP ViT-L/16, cross-attention BERT-base
+    without pooler, MLP head), the aesthetic MLP."""
+    from transformers import (BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel, CLIPConfig,
+                              CLIPModel)
+
+    from megaflow.rewards.aesthetic import mlp_from_state
+
+    def numel(*models):
+        return sum(p.numel() for m in models for p in m.parameters())
+
+    def clip(text_width, text_layers, width, layers, projection):
+        text = dict(hidden_size=text_width, intermediate_size=4 * text_width, num_attention_heads=text_width // 64,
+                    num_hidden_layers=text_layers, max_position_embeddings=77, vocab_size=49408)
+        vision = dict(hidden_size=width, intermediate_size=4 * width, num_attention_heads=16,
+                      num_hidden_layers=layers, image_size=224, patch_size=14)
+        return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection))
+
+    widths = [(768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]
+    head = {f"layers.{i}.weight": torch.empty(o, n) for i, (n, o) in zip((0, 2, 4, 6, 7), widths)}
+    with torch.device("meta"):
+        large, huge = clip(768, 12, 1024, 24, 768), clip(1024, 24, 1280, 32, 1024)
+        vit = BlipVisionModel(BlipVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                               num_attention_heads=16, image_size=224, patch_size=16))
+        bert = BlipTextModel(BlipTextConfig(vocab_size=30524, hidden_size=768, encoder_hidden_size=1024,
+                                            intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                                            max_position_embeddings=512, is_decoder=True), add_pooling_layer=False)
+        mlp = mlp_from_state(head)
+    assert numel(large) == REWARD_MODELS["clipscore"].params == REWARD_MODELS["aesthetic"].params
+    assert numel(huge) == REWARD_MODELS["pickscore"].params == REWARD_MODELS["hpsv2"].params
+    assert numel(mlp) == REWARD_MODELS["aesthetic"].head
+    assert numel(vit, bert, mlp) == REWARD_MODELS["imagereward"].params
