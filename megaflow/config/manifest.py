@@ -63,7 +63,8 @@ def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
 def check_reward_args(name: str, kwargs_json: str | None) -> dict:
     """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown built-in
     name, a malformed ``pkg.module:callable``, kwargs that are not a JSON object or (``clipscore``,
-    ``pickscore``, ``aesthetic``, ``imagereward``) a missing or malformed model directory or head file."""
+    ``pickscore``, ``aesthetic``, ``imagereward``, ``hpsv2``) a missing or malformed model directory, head,
+    checkpoint or tokenizer."""
     if ":" in name:
         module, _, attr = name.partition(":")
         if not module or not attr or " " in name:

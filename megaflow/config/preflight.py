@@ -42,7 +42,7 @@ from megaflow.parallel.placement import launch_layout
 # tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
                 "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge", "clipscore",
-                "pickscore", "aesthetic", "imagereward")
+                "pickscore", "aesthetic", "imagereward", "hpsv2")
 SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
 SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 BUILTIN_SPECS = ("auto", "local", "te")
@@ -220,7 +220,7 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
     for name in r.weights:
         if name in SERVER_REWARDS:
             _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
-        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward: local model files, a device
+        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward / hps: local files, a device
             device = r.kwargs.get(name, {}).get("device", "cpu")  # the GPU is the run's machine's, like the files
             if files and isinstance(device, str) and device.startswith("cuda") and not cuda_available():
                 raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "

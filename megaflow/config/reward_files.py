@@ -1,6 +1,6 @@
-"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``, ``imagereward``),
-checked with the standard library only (no torch): preflight calls ``check_model_reward`` for each such reward
-in ``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
+"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``, ``imagereward``,
+``hpsv2``), checked with the standard library only (no torch): preflight calls ``check_model_reward`` for each such
+reward in ``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
 directory is one line naming the key and the path.
 
 A model directory must hold ``config.json`` (a JSON object: what ``CLIPModel.from_pretrained`` reads); a
@@ -8,7 +8,9 @@ processor directory ``preprocessor_config.json`` (as downloaded from the hub) or
 ``CLIPProcessor.save_pretrained`` writes it); a head file must exist, be ``.safetensors`` (header-checked),
 ``.pt``, ``.pth`` or ``.bin``. ``imagereward`` reads no transformers directory: ``path`` must hold the
 ``IMAGEREWARD_FILES`` of its hub download (``med_config.json`` a JSON object) and ``tokenizer_path`` a BERT
-tokenizer (one of ``TOKENIZER_FILES``).
+tokenizer (one of ``TOKENIZER_FILES``). The rewards of ``CHECKPOINT_REWARDS`` (``hpsv2``) read one checkpoint file
+(the same suffixes as a head) and a CLIP tokenizer directory (``tokenizer.json``, or ``vocab.json`` and
+``merges.txt``); each missing or wrong one is a line naming the argument and its ``hf download`` command.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ HEAD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 IMAGEREWARD_FILES = ("ImageReward.pt", "med_config.json")
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
 BERT_DOWNLOAD = "hf download google-bert/bert-base-uncased --local-dir TOK"
+HPS_CHECKPOINT = "hf download xswu/HPSv2 HPS_v2.1_compressed.pt --local-dir DIR (path = DIR/HPS_v2.1_compressed.pt)"
+CLIP_H_TOKENIZER = "hf download laion/CLIP-ViT-H-14-laion2B-s32B-b79K --local-dir DIR"
 # reward name -> (kwarg naming the model dir, kwarg naming the processor dir or None, kwarg naming a head file
 # or None, what the user downloads)
 MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
@@ -33,7 +37,11 @@ MODEL_REWARDS: dict[str, tuple[str, str | None, str | None, str]] = {
     "aesthetic": ("clip_path", None, "head_path",
                   "hf download openai/clip-vit-large-patch14 --local-dir DIR, and the LAION aesthetic head file"),
     "imagereward": ("path", "tokenizer_path", None, "hf download THUDM/ImageReward --local-dir DIR"),
+    "hpsv2": ("path", "tokenizer_path", None, f"{HPS_CHECKPOINT}; tokenizer: {CLIP_H_TOKENIZER}"),
 }
+# Rewards whose model argument names an OpenCLIP checkpoint FILE and whose processor argument a tokenizer
+# directory (megaflow.rewards.hps): name -> (the checkpoint's download, the tokenizer's download).
+CHECKPOINT_REWARDS: dict[str, tuple[str, str]] = {"hpsv2": (HPS_CHECKPOINT, CLIP_H_TOKENIZER)}
 
 
 def check_model_dir(path: object, key: str, *, processor: bool = True, hint: str = "") -> Path:
@@ -78,12 +86,52 @@ def check_head_file(path: object, key: str) -> Path:
     return p
 
 
+def check_weights_file(path: object, key: str, what: str, download: str) -> Path:
+    """A weights file (``HEAD_SUFFIXES``; a safetensors header is checked); ConfigError naming ``key`` and how to
+    download it (``download``) otherwise, ``what`` saying what is missing when ``path`` is None."""
+    if path is None:
+        raise ConfigError(f"{key}: {what} ({download})")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of a local weights file, got {path!r} ({download})")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{key}: {p} is a directory; name the weights file in it ({download})")
+    if not p.is_file():
+        raise ConfigError(f"{key}: no such file {p} ({download})")
+    if p.suffix not in HEAD_SUFFIXES:
+        raise ConfigError(f"{key}: {p} is not a weights file (expected {', '.join(HEAD_SUFFIXES)})")
+    if p.suffix == ".safetensors":
+        check_safetensors(p, key)
+    return p
+
+
+def check_tokenizer_dir(path: object, key: str, name: str, download: str) -> Path:
+    """A CLIP tokenizer directory (``tokenizer.json``, or ``vocab.json`` and ``merges.txt``)."""
+    if path is None:
+        raise ConfigError(f"{key}: the {name} reward needs a local CLIP tokenizer directory ({download})")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key}: expected the path of a local tokenizer directory, got {path!r} ({download})")
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{key}: {p} is not a directory ({download})")
+    if not (p / "tokenizer.json").is_file() and not all((p / f).is_file() for f in ("vocab.json", "merges.txt")):
+        raise ConfigError(f"{key}: {p} has no tokenizer.json or vocab.json + merges.txt (not a CLIP tokenizer "
+                          f"directory; {download})")
+    return p
+
+
 def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | None = None) -> None:
     """The files of model reward ``name`` (a key of ``MODEL_REWARDS``) its ``kwargs`` name; ``where`` comes
     before each argument's name in messages (default ``reward.kwargs.<name>.``; ``megaflow eval reward``:
     ``--kwargs ``)."""
     model_key, processor_key, head_key, download = MODEL_REWARDS[name]
     where = f"reward.kwargs.{name}." if where is None else where
+    if name in CHECKPOINT_REWARDS:
+        checkpoint, tokenizer = CHECKPOINT_REWARDS[name]
+        check_weights_file(kwargs.get(model_key), f"{where}{model_key}", f"the {name} reward needs its checkpoint file",
+                           checkpoint)
+        check_tokenizer_dir(kwargs.get(processor_key), f"{where}{processor_key}", name, tokenizer)
+        return
     if name == "imagereward":
         check_imagereward(kwargs, where)
         return

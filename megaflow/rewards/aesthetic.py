@@ -29,9 +29,11 @@ MLP_LINEARS = (0, 2, 4, 6, 7)  # indices of the Linear layers in the published n
 MLP_DROPOUTS = {1: 0.2, 3: 0.2, 5: 0.1}
 
 
-def read_state_dict(path: str | Path, what: str = "aesthetic head") -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | Path, what: str = "aesthetic head", *, nested: str | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The tensors of a ``.safetensors`` file or a torch-saved state dict (CPU, no code run); ``what`` starts
-    the one-line ValueError about a file that is neither."""
+    the one-line ValueError about a file that is neither. ``nested``: a torch-saved dict holding the state dict
+    under this key (a training checkpoint, e.g. ``{"state_dict": ..., "epoch": ...}``) gives that one."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -41,6 +43,8 @@ def read_state_dict(path: str | Path, what: str = "aesthetic head") -> dict[str,
     except Exception as e:  # noqa: BLE001 - any unpickling failure is the same user mistake
         why = " ".join(str(e).split())  # torch's unpickling messages span lines: one line, shortened
         raise ValueError(f"{what} {path}: not a torch state dict ({type(e).__name__}: {why[:200]})") from None
+    if nested is not None and isinstance(obj, dict) and isinstance(obj.get(nested), dict):
+        obj = obj[nested]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{what} {path}: expected a state dict of tensors, got {type(obj).__name__}")
     return obj

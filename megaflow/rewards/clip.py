@@ -18,6 +18,9 @@ padded and truncated to the text tower's positions (77 for CLIP). Embeddings are
 * ``aesthetic``: the LAION aesthetic predictor v2 shape: L2-normalised CLIP image embedding -> a head from
   ``head_path`` (see ``load_head``), the prompt unused.
 
+``hpsv2`` (``megaflow.rewards.hps``) shares ``ClipEmbedder`` and ``shared_model`` with an OpenCLIP checkpoint
+converted to a ``CLIPModel`` (``megaflow.rewards.openclip``).
+
 The files are checked first (``megaflow.config.reward_files``): a missing directory is one line, before torch
 loads anything.
 """
@@ -27,6 +30,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,21 +79,36 @@ def check_options(name: str, device: object, batch_size: object) -> None:
 
 
 class ClipEmbedder:
-    """L2-normalised CLIP image and text embeddings from a local model (and processor) directory."""
+    """L2-normalised CLIP image and text embeddings from a local model (and processor) directory, or (``of``) from
+    a model, tokenizer and image transform at hand."""
 
     def __init__(self, path: str, *, processor_path: str | None = None, device: str = "cpu", batch_size: int = 16):
         from transformers import CLIPProcessor
+        processor = CLIPProcessor.from_pretrained(processor_path or path, local_files_only=True)
+        transform = processor.image_processor
+        self._setup(load_clip(path, device), processor.tokenizer,
+                    lambda arrays: transform(images=arrays, return_tensors="pt")["pixel_values"], device, batch_size)
+
+    @classmethod
+    def of(cls, model: nn.Module, tokenizer, pixels: Callable[[list[np.ndarray]], torch.Tensor], *,
+           device: str = "cpu", batch_size: int = 16) -> ClipEmbedder:
+        """An embedder of ``model`` (a ``CLIPModel`` on ``device``), ``tokenizer`` (a transformers tokenizer) and
+        ``pixels`` (uint8 [H, W, 3] arrays -> the model's float pixel batch [B, 3, S, S])."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, pixels, device, batch_size)
+        return self
+
+    def _setup(self, model: nn.Module, tokenizer, pixels: Callable, device: str, batch_size: int) -> None:
+        self.model, self.tokenizer, self.pixels = model, tokenizer, pixels
         self.device, self.batch_size = device, batch_size
-        self.processor = CLIPProcessor.from_pretrained(processor_path or path, local_files_only=True)
-        self.model = load_clip(path, device)
 
     def images(self, images: ImageBatch) -> torch.Tensor:
         """[B, D] unit-norm image embeddings (float32, on the CPU)."""
         arrays, out = list(to_uint8(images)), []
         for i in range(0, len(arrays), self.batch_size):
-            pixels = self.processor.image_processor(images=arrays[i:i + self.batch_size], return_tensors="pt")
+            pixels = self.pixels(arrays[i:i + self.batch_size])
             with torch.no_grad():
-                emb = _features(self.model.get_image_features(pixel_values=pixels["pixel_values"].to(self.device)))
+                emb = _features(self.model.get_image_features(pixel_values=pixels.to(self.device)))
             out.append(emb.float().cpu())
         return nn.functional.normalize(torch.cat(out), dim=-1)
 
@@ -98,8 +117,8 @@ class ClipEmbedder:
         max_len = self.model.config.text_config.max_position_embeddings
         out = []
         for i in range(0, len(prompts), self.batch_size):
-            tokens = self.processor.tokenizer(list(prompts[i:i + self.batch_size]), padding=True, truncation=True,
-                                              max_length=max_len, return_tensors="pt")
+            tokens = self.tokenizer(list(prompts[i:i + self.batch_size]), padding=True, truncation=True,
+                                    max_length=max_len, return_tensors="pt")
             with torch.no_grad():
                 emb = _features(self.model.get_text_features(input_ids=tokens["input_ids"].to(self.device),
                                                              attention_mask=tokens["attention_mask"].to(self.device)))

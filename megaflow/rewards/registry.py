@@ -22,6 +22,7 @@ from megaflow.rewards.aesthetic import AestheticReward
 from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.clip import ClipScore, PickScore
 from megaflow.rewards.color import ColorTarget
+from megaflow.rewards.hps import HpsV2
 from megaflow.rewards.imagereward import ImageRewardScore
 from megaflow.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from megaflow.rewards.ocr import OcrReward
@@ -44,6 +45,7 @@ REWARDS: dict[str, Callable[..., object]] = {
     "pickscore": PickScore,
     "aesthetic": AestheticReward,
     "imagereward": ImageRewardScore,
+    "hpsv2": HpsV2,
 }
 
 
