@@ -6,7 +6,10 @@ Module-level functions only: they are pickled by reference into the ranks.
 """
 from __future__ import annotations
 
+import functools
+
 import megaflow  # noqa: F401  (import guards before megatron)
+
 import torch
 
 from megaflow.parallel.dims import ParallelDims
@@ -74,6 +77,11 @@ def grads_rank(cases_path: str, layouts: list[dict]) -> dict:
     return report
 
 
+def _forward_only(eng, microbatch: dict):
+    """The first chunk's forward graph on one microbatch (what autograd saves for backward)."""
+    return eng.model[0](**eng.family.model_inputs(eng.config, microbatch))
+
+
 def memory_rank(case_path: str) -> dict:
     """One process: peak RSS above the start and autograd's saved bytes of one forward + backward
     (``megaflow.testing.memory``), without recompute, with it, and without it again (to show the
@@ -91,13 +99,9 @@ def memory_rank(case_path: str) -> dict:
         mbs = _microbatches(case["batches"])
         params = [p for c in eng.chunks for p in c.parameters()]
         eng.forward_backward(mbs, rectified_flow_loss)  # warm-up (lazy allocations, grad tensors)
-        _, peak = peak_rss(lambda: eng.forward_backward(mbs, rectified_flow_loss))
+        _, peak = peak_rss(functools.partial(eng.forward_backward, mbs, rectified_flow_loss))
 
-        def forward_only_graph():
-            model = eng.model[0]
-            return model(**eng.family.model_inputs(eng.config, mbs[0]))
-
-        _, saved = saved_tensor_bytes(forward_only_graph, exclude=params)
+        _, saved = saved_tensor_bytes(functools.partial(_forward_only, eng, mbs[0]), exclude=params)
         out[label] = dict(peak_rss=peak, saved=saved, param_bytes=sum(p.numel() * p.element_size() for p in params))
         grads[label] = {k: v.clone() for k, v in eng.iter_full_grads()}
         del eng, mbs, params

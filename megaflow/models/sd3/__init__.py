@@ -5,7 +5,7 @@
 from megaflow.models.registry import ModelFamily
 from megaflow.models.sd3 import config, model, weight_map
 from megaflow.models.sd3.config import MMDiTConfig, from_diffusers
-from megaflow.models.sd3.model import SD3MMDiT, pipeline_seq_length
+from megaflow.models.sd3.model import SD3MMDiT
 from megaflow.models.sd3.spec import get_mmdit_layer_spec
 
 FAMILY = ModelFamily.from_modules("sd3", "SD3Transformer2DModel", config=config, model=model, weight_map=weight_map,
