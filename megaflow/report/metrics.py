@@ -49,8 +49,8 @@ class MetricsLog:
         return row
 
     def log(self, step: int, values: dict) -> None:
-        """The numbers among ``values`` to every backend at ``step`` (an evaluation's figures: their own file
-        is eval.jsonl)."""
+        """The numbers among ``values`` to every backend at ``step`` (an evaluation's figures, which are no
+        metrics.jsonl row)."""
         if self.enabled and self.backends and (values := numbers(values)):
             for b in self.backends:
                 b.scalars(step, values)

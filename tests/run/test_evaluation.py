@@ -111,3 +111,20 @@ def test_shapes_figures():
     assert evaluation.shapes_figures(res) == {
         "eval/accuracy": 0.5, "eval/partial_mean": 0.7, "eval/num": 4, "eval/seen_accuracy": 0.25,
         "eval/category/single": 1.0, "eval/category/count": 0.0}
+
+
+def test_demo_evaluation_for_the_backends(tmp_path):
+    """The demo's ShapeEval result as the reporter takes it: the held-out figures, the TRAIN prompts' accuracy,
+    and the held-out images saved under the result's folder, captioned with prompt and verdict."""
+    from megaflow.run.demo import demo_evaluation
+    from megaflow.shapeeval.evaluate import evaluate_engine
+
+    sampler = FakeSampler()
+    res = evaluate_engine(sampler, num=4, num_seen=0, seed=0, num_steps=2, resolution=32, out_dir=tmp_path / "ev")
+    res["train"] = evaluate_engine(sampler, num=4, num_seen=0, seed=0, num_steps=2, resolution=32, split="train",
+                                   out_dir=tmp_path / "ev_train")
+    result = demo_evaluation(res)
+    assert result.figures == {**evaluation.shapes_figures(res), "eval/train_accuracy": res["train"]["accuracy"]}
+    assert [c.rsplit(" | ", 1)[0] for c in result.captions] == [r.prompt for r in sampler.requests[0]]
+    assert [c.endswith("| pass") for c in result.captions] == res["passed"]
+    assert len(result.images) == 4 and tuple(result.images[0].shape) == (3, 32, 32)
