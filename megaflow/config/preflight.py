@@ -88,6 +88,9 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard = true: the tensorboard package is not installed "
+                          "(pip install tensorboard, or set logging.tensorboard = false)")
     if files or not cfg.model.pretrained:
         _check_model(cfg)
     return cfg

@@ -268,11 +268,17 @@ class BridgeConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    wandb: bool = opt(False, "Log metrics (and the first 16 images of each sample grid, captioned with prompt "
-                      "and reward) to Weights & Biases. wandb picks online or offline itself: WANDB_MODE if set, "
-                      "else online after 'wandb login' or with WANDB_API_KEY (neither: a one-line error); files go "
-                      "under <run dir>/wandb. --resume continues the same W&B run (its id is kept in "
-                      "<run dir>/wandb_id).")
+    wandb: bool = opt(False, "Log to Weights & Biases what metrics.jsonl holds (every row's numbers, step = "
+                      "iteration), the eval.every / demo evaluations' eval/* figures at their iteration (0 = "
+                      "before training), and the first 16 images of each sample grid ('samples') and of each "
+                      "evaluation ('eval/images'), captioned with prompt and reward. wandb picks online or "
+                      "offline itself: WANDB_MODE if set, else online after 'wandb login' or with WANDB_API_KEY "
+                      "(neither: a one-line error); files go under <run dir>/wandb. --resume continues the same "
+                      "W&B run (its id is kept in <run dir>/wandb_id).")
+    tensorboard: bool = opt(False, "Write the same as logging.wandb (numbers as float32 scalars; each image as "
+                            "'<tag>/NN' with its captions in the text '<tag>/captions') to TensorBoard event "
+                            "files in <run dir>/tensorboard (torch.utils.tensorboard; needs the tensorboard "
+                            "package). --resume hides what an earlier session logged after the checkpoint.")
     project: str = opt("megaflow", "W&B project of the run (logging.wandb).")
     entity: str = opt("", "W&B entity (team or user) of the run; empty = wandb's default entity.")
     tags: list = opt([], "W&B tags of the run, e.g. [\"sd3\", \"nft\"].", items=str)

@@ -1,2 +1,2 @@
 """What a person sees of a run: ``progress`` (bar, summary lines, curves, samples), ``metrics`` (metrics.jsonl,
-wandb, image grids) and ``plots``."""
+the metrics backends of ``backends``: W&B, TensorBoard; image grids) and ``plots``."""

@@ -1,5 +1,5 @@
-"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, optional wandb (metrics and captioned sample
-images, resumable); image grids.
+"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, and the same numbers, the sample images
+and the evaluations to the metrics backends (W&B, TensorBoard: megaflow.report.backends); image grids.
 
 ``megaflow.report.progress.RunReporter`` writes through ``MetricsLog`` and prints what a person reads; a
 resumed run first rewrites ``metrics.jsonl`` with its checkpoint's rows (``write_metrics_rows``).
@@ -9,90 +9,68 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
+
+from megaflow.report.backends import MetricsBackend, numbers, to_uint8
 
 
-WANDB_ID_FILE = "wandb_id"  # <run dir>/wandb_id: the W&B run id, so --resume continues the same W&B run
-WANDB_MAX_IMAGES = 16  # sample images logged to W&B per sampled iteration (the first ones, groups in order)
+class Evaluation(NamedTuple):
+    """What an evaluation hook (megaflow.run.evaluation, the demo's) hands the reporter: its ``eval/*`` figures
+    and images ([3, H, W] tensors in [0, 1]) with one caption each (prompt and score)."""
 
-
-def wandb_init_kwargs(run_dir: Path, config=None, *, resume: bool = False) -> dict:
-    """``wandb.init`` keyword arguments of a run: ``logging.project`` / ``entity`` (empty: wandb's default) /
-    ``tags`` of ``config`` (a MegaflowConfig; None: the default one), the run dir's name and ``<run dir>/wandb``
-    for files, the config as a dict; ``resume`` with a stored ``<run dir>/wandb_id``: that id, resume="allow".
-    No ``mode``: wandb decides online / offline itself (WANDB_MODE, ``wandb login``, WANDB_API_KEY)."""
-    import dataclasses
-
-    from megaflow.config import MegaflowConfig
-
-    config = MegaflowConfig() if config is None else config
-    kwargs = {"project": config.logging.project, "name": Path(run_dir).name, "dir": str(run_dir),
-              "config": dataclasses.asdict(config), "tags": list(config.logging.tags)}
-    if config.logging.entity:
-        kwargs["entity"] = config.logging.entity
-    id_file = Path(run_dir) / WANDB_ID_FILE
-    if resume and id_file.is_file() and id_file.read_text().strip():
-        kwargs.update(id=id_file.read_text().strip(), resume="allow")
-    return kwargs
-
-
-def _init_wandb(run_dir: Path, config, resume: bool):
-    """``wandb.init`` of the run; its id stored in ``<run dir>/wandb_id``. No W&B credentials (and no
-    WANDB_MODE) is a one-line ValueError."""
-    import wandb as wb
-
-    try:
-        run = wb.init(**wandb_init_kwargs(run_dir, config, resume=resume))
-    except wb.errors.UsageError as e:
-        raise ValueError(f"logging.wandb: {e} (or set WANDB_MODE=offline to log under the run dir)") from None
-    (Path(run_dir) / WANDB_ID_FILE).write_text(f"{run.id}\n")
-    return run
+    figures: dict
+    images: list
+    captions: list[str]
 
 
 class MetricsLog:
-    """Appends one JSON object per ``write`` (``{"iteration": step, **metrics}``) to <run_dir>/metrics.jsonl,
-    and with ``wandb`` logs the numbers (and ``log_images``) to a W&B run (``wandb_init_kwargs``)."""
+    """Appends one JSON object per ``write`` (``{"iteration": step, **metrics}``) to <run_dir>/metrics.jsonl
+    and gives its numbers to every backend; ``log`` and ``log_images`` go to the backends only. Closing it
+    closes them."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool = True, wandb: bool = False, config=None, resume: bool = False):
+    def __init__(self, run_dir: Path, *, enabled: bool = True, backends: list[MetricsBackend] = ()):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.backends = list(backends)
         self._fh = None
-        self._wandb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a")
-        if wandb:
-            self._wandb = _init_wandb(Path(run_dir), config, resume)
 
     def write(self, step: int, metrics: dict) -> dict:
-        """Append one row (numbers as floats) and return it."""
+        """Append one row (numbers as floats), log its numbers to the backends and return it."""
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         row = {"iteration": step, **clean}
         if self.enabled:
             self._fh.write(json.dumps(row, sort_keys=True, default=str) + "\n")
             self._fh.flush()
-            if self._wandb is not None:
-                self._wandb.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
+            self.log(step, clean)
         return row
 
-    def log_images(self, step: int, images, captions: list[str]) -> None:
-        """Log the first ``WANDB_MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]) to W&B as
-        ``samples``, each a ``wandb.Image`` with its caption; nothing without W&B."""
-        if self._wandb is None:
-            return
-        import torch
-        import wandb as wb
+    def log(self, step: int, values: dict) -> None:
+        """The numbers among ``values`` to every backend at ``step`` (an evaluation's figures, which are no
+        metrics.jsonl row)."""
+        if self.enabled and self.backends and (values := numbers(values)):
+            for b in self.backends:
+                b.scalars(step, values)
 
-        pairs = list(zip(images, captions))[:WANDB_MAX_IMAGES]
-        media = [wb.Image((img.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
-                          .permute(1, 2, 0).numpy(), caption=caption) for img, caption in pairs]
-        self._wandb.log({"samples": media}, step=step)
+    def log_images(self, step: int, tag: str, images, captions: list[str]) -> None:
+        """The first ``backends.MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]) with their captions
+        to every backend under ``tag`` at ``step``."""
+        if not (self.enabled and self.backends):
+            return
+        arrays = to_uint8(images)
+        for b in self.backends:
+            b.images(step, tag, arrays, list(captions)[:len(arrays)])
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+            self._fh = None
+        for b in self.backends:
+            b.close()
+        self.backends = []
 
 
 def write_metrics_rows(run_dir: Path, rows: list[dict]) -> None:

@@ -3,12 +3,14 @@
 ``RunReporter`` is driven by the loop (megaflow.run.loop), one ``iteration`` call per iteration (rank 0 only does
 anything). It owns, under the run directory:
 
-- ``metrics.jsonl``: every row, through ``megaflow.report.metrics.MetricsLog``;
+- ``metrics.jsonl``: every row, through ``megaflow.report.metrics.MetricsLog``, which also hands the rows, the
+  samples and the evaluations (``evaluation``) to the metrics backends (``logging.wandb``,
+  ``logging.tensorboard``: megaflow.report.backends);
 - ``curves.png``: reward mean ± std, each reward component, KL, clip fraction, trainer-vs-engine log-prob
   mismatch and seconds per iteration, redrawn (atomically) with every summary line;
 - ``samples/iterNNNNN.png``: the iteration's images, one group per row, every ``logging.sample_every``
-  iterations and at the last one (with ``logging.wandb`` also logged to W&B, each captioned with its prompt and
-  reward).
+  iterations and at the last one (the first 16 also to the backends as ``samples``, each captioned with its
+  prompt and reward).
 
 On a terminal (stderr is a TTY) a tqdm bar counts iterations (reward in the postfix; tqdm shows s/it
 and the ETA) and closes at the last iteration; elsewhere (logs, CI) and with ``verbose`` (engine logs
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 
 from megaflow.config import MegaflowConfig
-from megaflow.report.metrics import MetricsLog
+from megaflow.report.backends import open_backends
+from megaflow.report.metrics import Evaluation, MetricsLog
 from megaflow.report.plots import Panel, panel_plot
 
 
@@ -47,14 +50,14 @@ class RunReporter:
         self._drawn = 0  # rows in the last curves.png
         if enabled and start_iteration > 0:
             self.rows = previous_rows(self.run_dir / "metrics.jsonl", start_iteration)
-        self._metrics = MetricsLog(self.run_dir, enabled=enabled, wandb=cfg.logging.wandb, config=cfg,
-                                   resume=start_iteration > 0)
+        backends = open_backends(self.run_dir, cfg, start=start_iteration) if enabled else []
+        self._metrics = MetricsLog(self.run_dir, enabled=enabled, backends=backends)
 
     def iteration(self, it: int, metrics: dict, images=None, captions: list[str] | None = None) -> None:
         """Record iteration ``it``: a metrics.jsonl row always; bar, summary, curves and samples for the
         counted iterations (``it > start_iteration``; the row of the initial weight sync is not one).
         ``images``: the iteration's samples ([N, 3, H, W] or N [3, H, W] tensors in [0, 1], groups in order);
-        ``captions``: one per image (prompt and reward), under each image logged to W&B."""
+        ``captions``: one per image (prompt and reward), with each image logged to a backend."""
         if not self.enabled:
             return
         row = self._metrics.write(it, metrics)
@@ -77,9 +80,18 @@ class RunReporter:
             from megaflow.report.metrics import save_image_grid
             save_image_grid(torch.stack(list(images)), self.run_dir / "samples" / f"iter{it:05d}.png",
                             columns=self.group_size)
-            self._metrics.log_images(it, list(images), captions or [""] * len(images))
+            self._metrics.log_images(it, "samples", list(images), captions or [""] * len(images))
         if last:
             self._close_bar()
+
+    def evaluation(self, step: int, result: Evaluation) -> None:
+        """An evaluation of the weights after iteration ``step`` (0: before training) to the backends: its
+        figures as numbers, its images under ``eval/images``."""
+        if not self.enabled:
+            return
+        self._metrics.log(step, result.figures)
+        if result.images:
+            self._metrics.log_images(step, "eval/images", result.images, result.captions)
 
     def summary(self, row: dict) -> str:
         """One line: iteration, reward mean ± std, KL, clip fraction, grad norm, s/it and ETA."""

@@ -3,8 +3,9 @@
 From the shipped pretrained model (``model.pretrained``), the demo evaluates the engine on a fixed set of
 held-out prompts and seeds, runs the FlowGRPO loop (megaflow.run.loop.run) with a ShapeEval reward on TRAIN
 prompts, and evaluates the same prompts and seeds again. It writes ``<run dir>/summary.json``, the
-before/after images and grids (``eval_before/``, ``eval_after/``) beside the run's ``curves.png`` and ends
-with one line: ``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
+before/after images and grids (``eval_before/``, ``eval_after/``) beside the run's ``curves.png`` (and hands
+both evaluations to the metrics backends at steps 0 and ``train.iterations``) and ends with one line:
+``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     results: dict[str, dict] = {}
     e = cfg.eval
 
-    def evaluate(rollout, when: str | int) -> None:
+    def evaluate(rollout, when: str | int):
         common = dict(seed=e.seed, num_steps=e.num_steps or cfg.rollout.num_steps, resolution=cfg.rollout.height,
                       max_sequence_length=cfg.rollout.max_sequence_length or None)
         res = evaluate_engine(rollout, num=e.num, num_seen=e.num_seen, out_dir=run_dir / f"eval_{when}", **common)
@@ -74,6 +75,7 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
         print(f"[megaflow] ShapeEval {when}: held-out {res['accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
               f"{res['num']} prompts); seen categories {res['seen'].get('accuracy', float('nan')):.3f}{train}",
               flush=True)
+        return demo_evaluation(res)
 
     metrics = run(cfg, evaluate=evaluate, verbose=verbose)
     wall = time.perf_counter() - t0
@@ -106,6 +108,17 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     print(f"ShapeEval (held-out, {before['num']} prompts): {before['accuracy']:.2f} -> {after['accuracy']:.2f} "
           f"in {m}m{s:02d}s   (summary: {run_dir / 'summary.json'})", flush=True)
     return summary
+
+
+def demo_evaluation(res: dict):
+    """A ShapeEval result of the demo as the reporter takes it: ``eval/*`` figures (``eval/train_accuracy``:
+    the TRAIN prompts' accuracy, when evaluated) and the first held-out images with prompt and verdict."""
+    from megaflow.report.metrics import Evaluation
+    from megaflow.run.evaluation import shapes_figures, shapes_samples
+    figures = shapes_figures(res)
+    if "train" in res:
+        figures["eval/train_accuracy"] = res["train"]["accuracy"]
+    return Evaluation(figures, *shapes_samples(res))
 
 
 def _train_prompt_summary(before: dict, after: dict) -> dict:

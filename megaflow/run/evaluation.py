@@ -16,7 +16,9 @@ Two kinds, by the config:
 Each evaluation appends one JSON row ``{"iteration": n, "when": ..., "eval/...": ...}`` to
 ``<run dir>/eval.jsonl`` (``iteration`` 0 = before training, ``train.iterations`` = after) and saves a captioned
 grid ``<run dir>/eval/iterNNNNN.png`` (prompt and score under each image). It is kept apart from
-metrics.jsonl, whose rows are one per training iteration (resume and the curves read them so).
+metrics.jsonl, whose rows are one per training iteration (resume and the curves read them so). The hook returns
+an ``Evaluation`` (megaflow.report.metrics): the loop hands its figures and its first images, captioned with
+prompt and score, to the metrics backends (W&B, TensorBoard) at the iteration's step.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from pathlib import Path
 from typing import Callable
 
 from megaflow.config import MegaflowConfig
+from megaflow.report.backends import MAX_IMAGES
+from megaflow.report.metrics import Evaluation
 
-Evaluate = Callable[[object, "str | int"], None]
+Evaluate = Callable[[object, "str | int"], "Evaluation | None"]
 GRID_COLUMNS = 8
 
 
@@ -105,7 +109,7 @@ def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
     prompts, metadata = [p for p, _ in items], [m for _, m in items]
     state: dict = {}  # the reward and settled config, made at the first evaluation (a model reward loads then)
 
-    def evaluate(sampler, when: str | int) -> None:
+    def evaluate(sampler, when: str | int):
         import torch
 
         from megaflow.report.metrics import save_image_grid
@@ -120,10 +124,13 @@ def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
         labels = [f"{t:.3f} {p}" for t, p in zip(totals, prompts)]
         save_image_grid(images, grid_path(run_dir, when, cfg.train.iterations), columns=GRID_COLUMNS, scale=2,
                         labels=labels)
-        record(run_dir, when, cfg.train.iterations, {**figures, "eval/num": len(prompts)})
+        row = record(run_dir, when, cfg.train.iterations, {**figures, "eval/num": len(prompts)})
         total = figures["eval/reward_total"]
         shown = "masked" if total is None else f"{total:.4f}"
         print(f"[megaflow] eval {when}: reward {shown} over {len(prompts)} test prompts", flush=True)
+        captions = [f"{p} | reward {t:.3f}" for p, t in zip(prompts, totals)]
+        return Evaluation(figures={k: v for k, v in row.items() if k.startswith("eval/")},
+                          images=list(images[:MAX_IMAGES]), captions=captions[:MAX_IMAGES])
     return evaluate
 
 
@@ -136,8 +143,24 @@ def shapes_figures(res: dict) -> dict:
     return figures
 
 
+def shapes_samples(res: dict, limit: int = MAX_IMAGES) -> tuple[list, list[str]]:
+    """The first ``limit`` images a ShapeEval result saved (``res["images"]``: NNNN.png and manifest.jsonl) and
+    a caption each: its prompt and verdict (pass / fail)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    out_dir = Path(res["images"])
+    passed = res["passed"] + res.get("seen", {}).get("passed", [])
+    entries = [json.loads(x) for x in (out_dir / "manifest.jsonl").read_text().splitlines()[:limit] if x.strip()]
+    images = [torch.from_numpy(np.array(Image.open(out_dir / e["file"]).convert("RGB"))).permute(2, 0, 1)
+              .float() / 255 for e in entries]
+    captions = [f"{e['prompt']} | {'pass' if ok else 'fail'}" for e, ok in zip(entries, passed)]
+    return images, captions
+
+
 def _shapes_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
-    def evaluate(sampler, when: str | int) -> None:
+    def evaluate(sampler, when: str | int):
         import shutil
 
         from megaflow.shapeeval.evaluate import evaluate_engine
@@ -146,7 +169,9 @@ def _shapes_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
         res = evaluate_engine(sampler, num=e.num, num_seen=e.num_seen, seed=e.seed,
                               num_steps=e.num_steps or r.num_steps, resolution=r.height, max_sequence_length=r.max_sequence_length or None, out_dir=out_dir)
         shutil.copyfile(out_dir / "grid.png", grid_path(run_dir, when, cfg.train.iterations))
-        record(run_dir, when, cfg.train.iterations, shapes_figures(res))
+        figures = shapes_figures(res)
+        record(run_dir, when, cfg.train.iterations, figures)
         print(f"[megaflow] eval {when}: ShapeEval held-out {res['accuracy']:.3f} (partial {res['partial_mean']:.3f}, "
               f"{res['num']} prompts)", flush=True)
+        return Evaluation(figures, *shapes_samples(res))
     return evaluate

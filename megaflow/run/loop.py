@@ -17,7 +17,6 @@ driver) owns the run dir, the metrics and evaluation. Launch:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -26,13 +25,12 @@ from megaflow.run import faults
 from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
+from megaflow.run.evaluation import Evaluate, iteration_of
 from megaflow.run.flowgrpo import batch_advantages
 from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.masked import MaskedWatch, UselessRun
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
 from megaflow.trainer.settings import scheduled_lr, set_lr
-
-Evaluate = Callable[[object, "str | int"], None]
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
@@ -41,7 +39,9 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
 
     ``evaluate(sampler, when)`` (rank 0; pass it on every rank) runs with the engines holding the initial weights
     (``"before"``, not when resuming), the weights after every ``evaluate_every``-th iteration (``when`` = the
-    iteration number; 0 = none) and the final ones (``"after"``): the EMA when ``train.ema_decay`` > 0, else what the algorithm samples with. ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
+    iteration number; 0 = none) and the final ones (``"after"``): the EMA when ``train.ema_decay`` > 0, else what
+    the algorithm samples with; what it returns (an ``Evaluation`` or None) goes to the reporter's backends at the
+    step of the iteration it stands for (0 before training). ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
     says when a run dir may be used; the checkpoint is checked against its manifest first, and one without a manifest
     is refused unless ``trust_checkpoint``). Checkpoints every ``train.save_every`` iterations and at the end;
     SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
@@ -89,7 +89,7 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         run.reporter.iteration(0, initial_sync)
         run.history.append({"iteration": 0, **initial_sync})
         if evaluate is not None and driver:
-            evaluate(run.sampler, "before")  # every weight set is the initial one here
+            evaluate_now(run, evaluate, "before")  # every weight set is the initial one here
     watch = MaskedWatch(cfg.train.max_masked_iterations)
     ahead = cfg.train.max_staleness > 0
     batch = run.next_batch  # collected ahead before the checkpoint this run resumes from
@@ -133,16 +133,24 @@ def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
     driver = run.placement.is_driver
     if run.ema is None:
         if driver:
-            evaluate(run.sampler, when)
+            evaluate_now(run, evaluate, when)
         return
     with run.phases.resident():  # the EMA goes into the trainer's weights
         with run.ema.applied():
             sync_weights(run.trainer, run.sync)
         if driver:
-            evaluate(run.sampler, when)
+            evaluate_now(run, evaluate, when)
         if when != "after":
             with run.algorithm.engine_weights():
                 sync_weights(run.trainer, run.sync)
+
+
+def evaluate_now(run: Run, evaluate: Evaluate, when: str | int) -> None:
+    """``evaluate(sampler, when)`` with the engines as they are; its result (if any) to the reporter at the
+    step of the iteration it stands for."""
+    result = evaluate(run.sampler, when)
+    if result is not None:
+        run.reporter.evaluation(iteration_of(when, run.cfg.train.iterations), result)
 
 
 def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,

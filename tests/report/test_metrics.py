@@ -1,6 +1,7 @@
 """logging.wandb: wandb.init gets logging.project / entity / tags and no forced mode (wandb decides online or
 offline itself); the W&B run id is kept in <run dir>/wandb_id and a resumed run continues it (id, resume="allow");
-sample images reach W&B as wandb.Image with their captions; missing credentials are one line. Needs: CPU, 1
+sample images reach W&B as wandb.Image with their captions, an evaluation's numbers and captioned images reach it at
+its step; missing credentials are one line. Needs: CPU, 1
 process, no network (a stand-in wandb module records calls; one test runs the real wandb with WANDB_MODE=offline)."""
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 from megaflow.config import load_config
-from megaflow.report.metrics import WANDB_ID_FILE, MetricsLog
+from megaflow.report.backends import open_backends
+from megaflow.report.metrics import Evaluation, MetricsLog
 from megaflow.report.progress import RunReporter
+from megaflow.report.wandb_backend import WANDB_ID_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,9 +65,13 @@ def _cfg(*overrides: str):
     return load_config(None, ["logging.wandb=true", *overrides])
 
 
+def _log(run_dir: Path, cfg, start: int = 0) -> MetricsLog:
+    return MetricsLog(run_dir, backends=open_backends(run_dir, cfg, start=start))
+
+
 def test_init_kwargs_from_config_and_no_forced_mode(tmp_path, fake_wandb):
     cfg = _cfg('logging.project="flowrl"', 'logging.entity="my-team"', 'logging.tags=["sd3", "nft"]')
-    log = MetricsLog(tmp_path / "run-a", wandb=True, config=cfg)
+    log = _log(tmp_path / "run-a", cfg)
     log.write(1, {"reward/total": 0.5, "note": "x"})
     log.close()
     (_, kw), *rest = fake_wandb.calls
@@ -78,28 +85,28 @@ def test_init_kwargs_from_config_and_no_forced_mode(tmp_path, fake_wandb):
 
 
 def test_defaults_leave_entity_to_wandb(tmp_path, fake_wandb):
-    MetricsLog(tmp_path / "r", wandb=True, config=_cfg()).close()
+    _log(tmp_path / "r", _cfg()).close()
     kw = fake_wandb.calls[0][1]
     assert kw["project"] == "megaflow" and kw["tags"] == [] and "entity" not in kw
 
 
 def test_resume_continues_the_stored_run(tmp_path, fake_wandb):
     run_dir = tmp_path / "r"
-    MetricsLog(run_dir, wandb=True, config=_cfg()).close()
+    _log(run_dir, _cfg()).close()
     first_id = (run_dir / WANDB_ID_FILE).read_text().strip()
-    MetricsLog(run_dir, wandb=True, config=_cfg(), resume=True).close()
+    _log(run_dir, _cfg(), start=1).close()
     inits = [c[1] for c in fake_wandb.calls if c[0] == "init"]
     assert inits[1]["id"] == first_id and inits[1]["resume"] == "allow"
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == first_id
     # a run resumed without a stored id (it ran without wandb before) starts a W&B run and keeps its id
-    MetricsLog(tmp_path / "other", wandb=True, config=_cfg(), resume=True).close()
+    _log(tmp_path / "other", _cfg(), start=1).close()
     assert "id" not in fake_wandb.calls[-2][1] and (tmp_path / "other" / WANDB_ID_FILE).is_file()
 
 
 def test_missing_credentials_are_one_line(tmp_path, fake_wandb):
     fake_wandb.fail = True
     with pytest.raises(ValueError, match=r"^logging.wandb: No API key configured.*WANDB_MODE=offline"):
-        MetricsLog(tmp_path / "r", wandb=True, config=_cfg())
+        _log(tmp_path / "r", _cfg())
 
 
 def test_reporter_logs_sample_images_with_captions(tmp_path, fake_wandb):
@@ -118,17 +125,37 @@ def test_reporter_logs_sample_images_with_captions(tmp_path, fake_wandb):
     assert (tmp_path / "samples" / "iter00002.png").is_file()
 
 
+def test_reporter_logs_evaluations_at_their_step(tmp_path, fake_wandb):
+    reporter = RunReporter(tmp_path, _cfg("logging.sample_every=0"), enabled=True, verbose=False, total_iterations=2)
+    reporter.iteration(0, {"sync/verified": True, "note": "x"})
+    captions = [f"prompt {k} | reward 0.250" for k in range(20)]
+    figures = {"eval/reward_total": 0.25, "eval/num": 20, "eval/masked_reward": None, "when": "before"}
+    reporter.evaluation(0, Evaluation(figures, [torch.full((3, 4, 4), 0.5)] * 20, captions))
+    reporter.iteration(1, {"reward/total": 0.5, "time/iteration_s": 1.0})
+    reporter.evaluation(1, Evaluation({"eval/reward_total": 0.5}, [], []))
+    reporter.close()
+    logs = [(c[1], c[2]) for c in fake_wandb.calls if c[0] == "log"]
+    assert [step for step, _ in logs] == [0, 0, 0, 1, 1]  # non-decreasing: an evaluation shares its step
+    assert logs[0][1] == {"sync/verified": 1.0} and logs[1][1] == {"eval/reward_total": 0.25, "eval/num": 20.0}
+    media = logs[2][1]["eval/images"]
+    assert len(media) == 16 and [m.caption for m in media] == captions[:16]
+    assert media[0].data.shape == (4, 4, 3) and media[0].data[0, 0, 0] == 128  # 127.5 rounds as the grids do
+    assert logs[4][1] == {"eval/reward_total": 0.5}
+
+
 def test_real_wandb_offline_resume(tmp_path):
     """The real wandb in offline mode (no network): the run id is stored, and a resumed log reuses it."""
     code = """
 import sys
 from pathlib import Path
 from megaflow.config import load_config
+from megaflow.report.backends import open_backends
 from megaflow.report.metrics import MetricsLog
 cfg = load_config(None, ["logging.wandb=true", 'logging.tags=["t1"]'])
-log = MetricsLog(Path(sys.argv[1]), wandb=True, config=cfg, resume=sys.argv[2] == "1")
-log.write(int(sys.argv[3]), {"reward/total": 0.5})
-print("ID=" + log._wandb.id)
+run_dir, step = Path(sys.argv[1]), int(sys.argv[3])
+log = MetricsLog(run_dir, backends=open_backends(run_dir, cfg, start=step - 1 if sys.argv[2] == "1" else 0))
+log.write(step, {"reward/total": 0.5})
+print("ID=" + log.backends[0].run.id)
 log.close()
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),

@@ -1,6 +1,7 @@
 """``megaflow train``'s evaluation hook (megaflow.run.evaluation) on a fake sampler: the requests it makes
 (ODE, one per test prompt, fixed seeds, the prompts' metadata), its reward figures against the reward computed
-directly, and what it writes (eval.jsonl rows, captioned grids). Needs: CPU, no engine (~2 s)."""
+directly, and what it writes (eval.jsonl rows, captioned grids) and returns for the metrics backends (the row's
+figures, the images with prompt and score). Needs: CPU, no engine (~2 s)."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,7 @@ def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     hook, sampler = evaluation.eval_hook(cfg, run_dir), FakeSampler()
-    for when in ("before", 2, "after"):
-        hook(sampler, when)
+    results = [hook(sampler, when) for when in ("before", 2, "after")]
     reqs = sampler.requests[0]
     assert [r.prompt for r in reqs] == ["prompt 0", "prompt 1", "prompt 2"]
     assert [r.metadata for r in reqs] == [{"tag": 0}, {"tag": 1}, {"tag": 2}]
@@ -67,6 +67,12 @@ def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
         assert row["eval/num"] == 3
     for it in (0, 2, 3):
         assert (run_dir / "eval" / f"iter{it:05d}.png").is_file()
+    for row, result in zip(rows, results):  # what the loop hands the metrics backends
+        assert result.figures == {k: v for k, v in row.items() if k.startswith("eval/")}
+        assert [tuple(im.shape) for im in result.images] == [(3, 16, 16)] * 3
+        assert torch.equal(torch.stack(result.images), images.float())
+        scores = 2.0 * direct
+        assert result.captions == [f"prompt {i} | reward {float(scores[i]):.3f}" for i in range(3)]
 
 
 def test_test_prompts_win_over_shapes_and_a_prompt_file_alone_is_refused(cfg, tmp_path):
@@ -85,12 +91,18 @@ def test_shapes_hook_runs_shapeeval_held_out(cfg, tmp_path):
                               eval=dataclasses.replace(cfg.eval, num=4, num_seen=0),
                               rollout=dataclasses.replace(cfg.rollout, height=32, width=32))
     sampler = FakeSampler()
-    evaluation.eval_hook(cfg, tmp_path)(sampler, 2)
+    result = evaluation.eval_hook(cfg, tmp_path)(sampler, 2)
     assert {r.sde_type for r in sampler.requests[0]} == {"ode"} and len(sampler.requests[0]) == 4
     (row,) = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert row["iteration"] == 2 and row["eval/num"] == 4 and 0.0 <= row["eval/accuracy"] <= 1.0
     assert "eval/partial_mean" in row and any(k.startswith("eval/category/") for k in row)
     assert (tmp_path / "eval" / "iter00002.png").is_file()
+    assert result.figures == {k: v for k, v in row.items() if k.startswith("eval/")}
+    prompts = [r.prompt for r in sampler.requests[0]]
+    assert [c.rsplit(" | ", 1)[0] for c in result.captions] == prompts
+    assert {c.rsplit(" | ", 1)[1] for c in result.captions} <= {"pass", "fail"}
+    saved = (torch.tensor(COLORS) * 255).round() / 255  # each image is its request's colour, as saved (PNG)
+    assert torch.equal(torch.stack([im[:, 0, 0] for im in result.images]), saved)
 
 
 def test_shapes_figures():
@@ -99,3 +111,20 @@ def test_shapes_figures():
     assert evaluation.shapes_figures(res) == {
         "eval/accuracy": 0.5, "eval/partial_mean": 0.7, "eval/num": 4, "eval/seen_accuracy": 0.25,
         "eval/category/single": 1.0, "eval/category/count": 0.0}
+
+
+def test_demo_evaluation_for_the_backends(tmp_path):
+    """The demo's ShapeEval result as the reporter takes it: the held-out figures, the TRAIN prompts' accuracy,
+    and the held-out images saved under the result's folder, captioned with prompt and verdict."""
+    from megaflow.run.demo import demo_evaluation
+    from megaflow.shapeeval.evaluate import evaluate_engine
+
+    sampler = FakeSampler()
+    res = evaluate_engine(sampler, num=4, num_seen=0, seed=0, num_steps=2, resolution=32, out_dir=tmp_path / "ev")
+    res["train"] = evaluate_engine(sampler, num=4, num_seen=0, seed=0, num_steps=2, resolution=32, split="train",
+                                   out_dir=tmp_path / "ev_train")
+    result = demo_evaluation(res)
+    assert result.figures == {**evaluation.shapes_figures(res), "eval/train_accuracy": res["train"]["accuracy"]}
+    assert [c.rsplit(" | ", 1)[0] for c in result.captions] == [r.prompt for r in sampler.requests[0]]
+    assert [c.endswith("| pass") for c in result.captions] == res["passed"]
+    assert len(result.images) == 4 and tuple(result.images[0].shape) == (3, 32, 32)

@@ -1,0 +1,57 @@
+"""Where a run's numbers and images go besides its own files: the metrics backends.
+
+``megaflow.report.metrics.MetricsLog`` (driven by ``megaflow.report.progress.RunReporter``) writes every
+metrics row to ``metrics.jsonl`` and hands the same numbers, the sample images and the evaluations to each
+backend ``open_backends`` made from ``logging``: W&B (``logging.wandb``, megaflow.report.wandb_backend) and
+TensorBoard (``logging.tensorboard``, megaflow.report.tensorboard_backend). A backend gets steps in
+non-decreasing order (the iteration; an evaluation shares its iteration's step: 0 before training).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+MAX_IMAGES = 16  # images a backend gets per call: the first ones (a sample batch: groups in order)
+
+
+class MetricsBackend(Protocol):
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Log ``values`` (name -> number) at ``step``."""
+
+    def images(self, step: int, tag: str, images: list, captions: list[str]) -> None:
+        """Log ``images`` (at most ``MAX_IMAGES`` HxWx3 uint8 arrays) under ``tag`` at ``step``, one caption
+        each."""
+
+    def close(self) -> None:
+        """Write out what is pending and end the backend's run."""
+
+
+def open_backends(run_dir: Path, cfg, *, start: int = 0) -> list[MetricsBackend]:
+    """The backends ``cfg.logging`` turns on for ``run_dir``; ``start`` > 0: a run resumed after iteration
+    ``start`` (W&B continues its run; TensorBoard drops what a previous session logged after ``start``)."""
+    backends: list[MetricsBackend] = []
+    try:
+        if cfg.logging.wandb:
+            from megaflow.report.wandb_backend import WandbBackend
+            backends.append(WandbBackend(Path(run_dir), cfg, resume=start > 0))
+        if cfg.logging.tensorboard:
+            from megaflow.report.tensorboard_backend import TensorBoardBackend
+            backends.append(TensorBoardBackend(Path(run_dir), start=start))
+    except BaseException:
+        for b in backends:
+            b.close()
+        raise
+    return backends
+
+
+def numbers(values: dict) -> dict[str, float]:
+    """The entries of ``values`` that are numbers (bools and ints included), as floats."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+
+
+def to_uint8(images) -> list:
+    """HxWx3 uint8 arrays of the first ``MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]), rounded
+    as the sample grids are (``save_image_grid``)."""
+    import torch
+    return [(img.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            for img in list(images)[:MAX_IMAGES]]

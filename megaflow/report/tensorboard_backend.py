@@ -1,0 +1,41 @@
+"""The TensorBoard metrics backend (``logging.tensorboard``): event files in ``<run dir>/tensorboard/``
+(``tensorboard --logdir <output dir>`` shows each run dir as a run), written with
+``torch.utils.tensorboard.SummaryWriter``.
+
+- a number: a scalar under its metrics name (``reward/total``, ``eval/reward_total``), step = the iteration;
+  TensorBoard keeps it as float32;
+- images: one image per tag ``<tag>/<NN>`` (``samples/00`` ..., ``eval/images/00`` ...) and their captions as
+  one markdown text ``<tag>/captions`` at the same step (``NN: caption`` per line).
+
+A resumed run (after iteration ``start``) opens its writer with ``purge_step = start + 1``: TensorBoard then
+hides what an earlier session logged at steps after ``start``, so each step shows once, from the session that
+continued it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class TensorBoardBackend:
+    def __init__(self, run_dir: Path, *, start: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self._writer = SummaryWriter(str(self.log_dir), purge_step=start + 1 if start > 0 else None)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()  # a killed run keeps what it logged
+
+    def images(self, step: int, tag: str, images: list, captions: list[str]) -> None:
+        for i, img in enumerate(images):
+            self._writer.add_image(f"{tag}/{i:02d}", img, global_step=step, dataformats="HWC")
+        lines = [f"{i:02d}: {caption}" for i, caption in enumerate(captions[:len(images)])]
+        self._writer.add_text(f"{tag}/captions", "  \n".join(lines), global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,56 @@
+"""The W&B metrics backend (``logging.wandb``): one W&B run per run dir, continued by ``--resume``.
+
+Numbers go to ``run.log(values, step=step)``; images as a list of ``wandb.Image`` (each with its caption) under
+their tag (``samples``: the iteration's samples; ``eval/images``: an evaluation's). W&B merges what is logged at
+one step into one history row and ignores (with a warning) a step below one it already has: after a resume from
+an older checkpoint, the iterations a previous session had logged past it keep their first values there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+WANDB_ID_FILE = "wandb_id"  # <run dir>/wandb_id: the W&B run id, so --resume continues the same W&B run
+
+
+def wandb_init_kwargs(run_dir: Path, config=None, *, resume: bool = False) -> dict:
+    """``wandb.init`` keyword arguments of a run: ``logging.project`` / ``entity`` (empty: wandb's default) /
+    ``tags`` of ``config`` (a MegaflowConfig; None: the default one), the run dir's name and ``<run dir>/wandb``
+    for files, the config as a dict; ``resume`` with a stored ``<run dir>/wandb_id``: that id, resume="allow".
+    No ``mode``: wandb decides online / offline itself (WANDB_MODE, ``wandb login``, WANDB_API_KEY)."""
+    from megaflow.config import MegaflowConfig
+
+    config = MegaflowConfig() if config is None else config
+    kwargs = {"project": config.logging.project, "name": Path(run_dir).name, "dir": str(run_dir),
+              "config": dataclasses.asdict(config), "tags": list(config.logging.tags)}
+    if config.logging.entity:
+        kwargs["entity"] = config.logging.entity
+    id_file = Path(run_dir) / WANDB_ID_FILE
+    if resume and id_file.is_file() and id_file.read_text().strip():
+        kwargs.update(id=id_file.read_text().strip(), resume="allow")
+    return kwargs
+
+
+class WandbBackend:
+    """``wandb.init`` of the run (``wandb_init_kwargs``), its id stored in ``<run dir>/wandb_id``. No W&B
+    credentials (and no WANDB_MODE) is a one-line ValueError."""
+
+    def __init__(self, run_dir: Path, config, *, resume: bool = False):
+        import wandb as wb
+
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wb.init(**wandb_init_kwargs(run_dir, config, resume=resume))
+        except wb.errors.UsageError as e:
+            raise ValueError(f"logging.wandb: {e} (or set WANDB_MODE=offline to log under the run dir)") from None
+        (Path(run_dir) / WANDB_ID_FILE).write_text(f"{self.run.id}\n")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(dict(values), step=step)
+
+    def images(self, step: int, tag: str, images: list, captions: list[str]) -> None:
+        import wandb as wb
+        self.run.log({tag: [wb.Image(img, caption=c) for img, c in zip(images, captions)]}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
