@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import re
-import time
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,16 +89,27 @@ def test_curve_panels_follow_the_metrics():
 
 
 def test_curves_rewrite_is_cheap(tmp_path):
-    reporter = RunReporter(tmp_path, _cfg(log_every=1000, sample_every=0), enabled=True, verbose=False,
-                           total_iterations=1000)
-    _run(reporter, range(1, 101), images=False)
-    seconds = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        reporter.write_curves()
-        seconds.append(time.perf_counter() - t0)
-    reporter.close()
-    assert min(seconds) < 0.3, seconds  # 100 iterations; min of 3 runs, robust to a loaded machine
+    """Redrawing curves.png (after every logged iteration) stays cheap by construction, not by a timer: it draws
+    with Pillow from the rows held in memory -- no plotting library imported, metrics.jsonl never read back."""
+    code = f"""
+import builtins, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_progress import _cfg, _run
+from megaflow.report.progress import RunReporter
+reporter = RunReporter({str(tmp_path)!r}, _cfg(log_every=1000, sample_every=0), enabled=True, verbose=False,
+                       total_iterations=1000)
+_run(reporter, range(1, 101), images=False)
+opened, real_open = [], builtins.open
+builtins.open = lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1]
+path = reporter.write_curves()
+builtins.open = real_open
+reporter.close()
+print(path, "matplotlib" in sys.modules, any(f.endswith("metrics.jsonl") for f in opened))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path, plotting, reread = proc.stdout.split()
+    assert (plotting, reread) == ("False", "False") and Image.open(path).size[0] > 0
 
 
 def test_resume_counts_from_the_start_iteration(tmp_path, capsys, monkeypatch):
