@@ -72,20 +72,6 @@ def check_processor_dir(path: object, key: str, hint: str = "") -> Path:
     return p
 
 
-def check_head_file(path: object, key: str) -> Path:
-    """A reward head's weights: an existing ``.safetensors`` (header-checked), ``.pt``, ``.pth`` or ``.bin``."""
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"{key}: expected the path of a weights file, got {path!r}")
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{key}: no such file {p}")
-    if p.suffix not in HEAD_SUFFIXES:
-        raise ConfigError(f"{key}: {p} is not a weights file (expected {', '.join(HEAD_SUFFIXES)})")
-    if p.suffix == ".safetensors":
-        check_safetensors(p, key)
-    return p
-
-
 def check_weights_file(path: object, key: str, what: str, download: str) -> Path:
     """A weights file (``HEAD_SUFFIXES``; a safetensors header is checked); ConfigError naming ``key`` and how to
     download it (``download``) otherwise, ``what`` saying what is missing when ``path`` is None."""
@@ -143,9 +129,8 @@ def check_model_reward(name: str, kwargs: Mapping[str, object], where: str | Non
     if separate:
         check_processor_dir(kwargs[processor_key], f"{where}{processor_key}")
     if head_key is not None:
-        if head_key not in kwargs:
-            raise ConfigError(f"{where}{head_key}: the {name} reward needs its head's weights file ({download})")
-        check_head_file(kwargs[head_key], f"{where}{head_key}")
+        check_weights_file(kwargs.get(head_key), f"{where}{head_key}", f"the {name} reward needs its head's weights "
+                           "file", download)
 
 
 def _directory(path: object, key: str, what: str) -> Path:
