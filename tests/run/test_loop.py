@@ -161,3 +161,17 @@ def test_train_loop_offload_optimizer_is_the_same_run(tmp_path):
     assert all("offload/bytes" not in r for r in rows["plain"])
     for key in ("reward/total", "train/loss", "train/grad_norm", "train/logp_abs_diff_rollout"):
         assert [r.get(key) for r in rows["offload"]] == [r.get(key) for r in rows["plain"]], key
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_ocr_config_runs_the_ocr_reward_in_the_loop(tmp_path):
+    """configs/cpu_ocr.toml: text-rendering prompts with their target text as metadata -> engine -> RapidOCR ->
+    update, and the test-prompt evaluation before and after, scored by the same reward. A random tiny model draws
+    no text, so the scores only have to be real OCR scores (in [0, 1], none masked): the path, not learning."""
+    m = _train(tmp_path, "ocr", "--set", "train.iterations=1", "--set", "eval.every=1", "--set", "eval.num=2",
+               config="configs/cpu_ocr.toml")
+    assert 0.0 <= m["reward/ocr"] <= 1.0 and m["reward/masked_frac"] == 0.0 and m["sync/verified"] == 1.0, m
+    evals = [json.loads(x) for x in (tmp_path / "ocr" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["when"], e["eval/num"]) for e in evals] == [("before", 2), ("after", 2)], evals
+    assert all(0.0 <= e["eval/ocr"] <= 1.0 for e in evals), evals
