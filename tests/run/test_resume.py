@@ -207,8 +207,15 @@ def _assert_same_run(reference: Path, crashed: Path, shadows: tuple = ()) -> Non
     assert got_r == ref_r
 
 
-def test_kill9_resume_is_exact_tp1(tmp_path):
-    reference = _reference(tmp_path, tp=1)
+@pytest.fixture(scope="module")
+def reference_tp1(tmp_path_factory) -> Path:
+    """The uninterrupted single-process FlowGRPO run both the TP=1 and the disaggregated tests compare with (made
+    once: a run's output depends on its config only, not on where it is written)."""
+    return _reference(tmp_path_factory.mktemp("reference_tp1"), tp=1)
+
+
+def test_kill9_resume_is_exact_tp1(tmp_path, reference_tp1):
+    reference = reference_tp1
     # SIGINT after iteration 1 (stops after iteration 1 or 2, with a checkpoint), then killed: in iteration 3's
     # rollout; after iteration 5's optimizer step (a kill mid-sync: the NFT and disaggregated tests; inside a
     # checkpoint write: the TP=2 test)
@@ -249,11 +256,11 @@ def test_kill9_resume_is_exact_tp2(tmp_path):
 
 
 @pytest.mark.dist
-def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path):
+def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path, reference_tp1):
     # 1 trainer rank + 1 engine rank: SIGINT stops both after a checkpoint (exit 130 on every rank);
     # then the driver is killed midway through iteration 3's weight sync (the engine rank goes with it);
     # the resumed run ends with the single-process run's weights
-    reference = _reference(tmp_path, tp=1)
+    reference = reference_tp1
     extra = ("--set", "rollout.placement=disaggregated", "--set", "rollout.engine_ranks=1",
              "--set", "bridge.mode=distributed")
     crashed = _crash_and_resume(tmp_path, 1, ["sync@3:0"], sigint_first=True, extra=extra, nproc=2)
