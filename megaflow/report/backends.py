@@ -49,9 +49,16 @@ def numbers(values: dict) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
 
 
-def to_uint8(images) -> list:
-    """HxWx3 uint8 arrays of the first ``MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]), rounded
-    as the sample grids are (``save_image_grid``)."""
+def uint8_images(images):
+    """HxWx3 uint8 arrays [N, H, W, 3] of ``images`` (an [N, 3, H, W] tensor or N [3, H, W] tensors, in [0, 1]):
+    clamped, scaled and rounded -- the one rounding of the sample grids and of every backend's images."""
     import torch
-    return [(img.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-            for img in list(images)[:MAX_IMAGES]]
+    x = torch.stack([img.detach().float().cpu() for img in images])
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def to_uint8(images) -> list:
+    """The first ``MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]) as HxWx3 uint8 arrays
+    (``uint8_images``)."""
+    first = list(images)[:MAX_IMAGES]
+    return list(uint8_images(first)) if first else []

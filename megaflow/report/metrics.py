@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from megaflow.report.backends import MetricsBackend, numbers, to_uint8
+from megaflow.report.backends import MetricsBackend, numbers, to_uint8, uint8_images
 
 
 class Evaluation(NamedTuple):
@@ -88,10 +88,9 @@ def save_image_grid(images, path: Path, *, columns: int, scale: int = 1, labels:
     import textwrap
 
     import numpy as np
-    import torch
     from PIL import Image, ImageDraw
 
-    x = (images.clamp(0, 1) * 255).round().to(dtype=torch.uint8).permute(0, 2, 3, 1).numpy()
+    x = uint8_images(images)
     x = x.repeat(scale, axis=1).repeat(scale, axis=2)
     n, h, w, _ = x.shape
     width_chars = max(8, w // 6)  # PIL's default bitmap font is ~6 px per character
