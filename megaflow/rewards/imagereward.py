@@ -40,12 +40,11 @@ from megaflow.config.reward_files import check_model_reward
 from megaflow.rewards.aesthetic import MLP_LINEARS, mlp_from_state, read_state_dict
 from megaflow.rewards.base import ImageBatch, Reward, to_pil
 from megaflow.rewards.clip import check_options, shared_model
+from megaflow.rewards.openclip import OPENAI_MEAN, OPENAI_STD
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # the release's normalisation of the head's output
 MAX_TOKENS = 35
 VISION_HEAD_DIM = 64  # BLIP's ViTs: base 768 / 12 heads, large 1024 / 16
-PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's
-PIXEL_STD = (0.26862954, 0.26130258, 0.27577711)
 VISION, TEXT, HEAD = "blip.visual_encoder.", "blip.text_encoder.", "mlp."
 # BLIP ViT (timm) names -> transformers BlipVisionModel names
 _VISION_NAMES = [
@@ -190,7 +189,7 @@ def preprocess(images: ImageBatch, size: int) -> torch.Tensor:
         image = image.crop((left, top, left + size, top + size))
         out.append(torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1))
     x = torch.stack(out).to(torch.float32) / 255.0
-    return (x - torch.tensor(PIXEL_MEAN).view(3, 1, 1)) / torch.tensor(PIXEL_STD).view(3, 1, 1)
+    return (x - torch.tensor(OPENAI_MEAN).view(3, 1, 1)) / torch.tensor(OPENAI_STD).view(3, 1, 1)  # as BLIP
 
 
 def load_tokenizer(path: str):
