@@ -171,7 +171,9 @@ class AlgoConfig:
                                    gt=0.0, le=1.0)
     kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off). flowgrpo: the KL of "
                          "the step Gaussians; nft: mean((v - v_ref)^2) of the velocities.", ge=0.0)
-    adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip].", gt=0.0)
+    adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip]. nft: also the optimality "
+                          "probability r = clip(0.5 + A / (2 adv_clip), 0, 1) and the loss scale; a smaller value puts "
+                          "the loss optimum further from theta_old (toward good samples, away from bad ones).", gt=0.0)
     std_mode: str = opt("batch", "Advantage std over the whole batch (flow_grpo) or per group.",
                         choices=("batch", "group"))
     filter_zero_std: bool = opt(True, "Drop groups whose rewards have zero std.")
