@@ -4,13 +4,16 @@ Phases: (1) text encoders on the grammar (``pretrain.text``), (2) the VAE on ren
 (``pretrain.vae``), (3) the DiT by rectified flow through megatron-core's ``Trainer`` (any
 TP/PP/DP; the SFT loss and the schedule are the trainer's own), with an EMA of the weights, periodic
 held-out evaluation (ODE sampling with the trainer's own forward, VAE decode, ShapeEval checker) and
-an atomic save of the diffusers pipeline (EMA weights) at every evaluation. Everything is seeded.
+an atomic save of the diffusers pipeline (EMA weights) at every evaluation. Everything is seeded. With a CUDA
+device (``run.device``) the DiT, the VAE's encoding of the pool and the evaluations' sampling and decoding run on
+it; the text encoders, the renders and the random draws stay on the CPU.
 
     megaflow pretrain -c configs/shapes_pretrain.toml
     torchrun --nproc-per-node 2 -m megaflow.cli pretrain -c configs/shapes_pretrain.toml --set parallel.tp=2
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -124,13 +127,17 @@ class EMA:
 
 @torch.no_grad()
 def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor:
-    """Deterministic Euler (ODE) sampling with the trainer's own forward; under pipeline parallelism the
-    last stage's velocity is broadcast to every stage, so every rank returns the same latents."""
+    """Deterministic Euler (ODE) sampling with the trainer's own forward (on its device; the noise is drawn
+    on the CPU); under pipeline parallelism the last stage's velocity is broadcast to every stage, so every
+    rank returns the same latents (on the CPU)."""
     from megatron.core import parallel_state as ps
 
     from megaflow.flow.schedule import sd3_sigmas
-    sigmas = sd3_sigmas(num_steps, shift=shift)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    from megaflow.parallel.distributed import current_device
+    device = current_device()
+    sigmas = sd3_sigmas(num_steps, shift=shift).to(device)
+    embeds, pooled = embeds.to(device), pooled.to(device)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
     pp = ps.get_pipeline_model_parallel_world_size()
     for i in range(num_steps):
         v = engine.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
@@ -139,7 +146,7 @@ def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, 
             src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
             dist.broadcast(v, src=src, group=ps.get_pipeline_model_parallel_group())
         x = x + (sigmas[i + 1] - sigmas[i]) * v
-    return x
+    return x.cpu()
 
 
 def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
@@ -163,7 +170,7 @@ def run(cfg: MegaflowConfig) -> dict:
     from megaflow.trainer.settings import scheduled_lr, set_lr, transformer_kwargs
     from megaflow.models.registry import get_family
     from megaflow.parallel.dims import ParallelDims
-    from megaflow.parallel.distributed import init_distributed
+    from megaflow.parallel.distributed import current_device, init_distributed
     from megaflow.models.pipeline_meta import META_FILE
     from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline, transformer_config
     from megaflow.trainer.runner import Trainer, adam_config
@@ -188,7 +195,9 @@ def run(cfg: MegaflowConfig) -> dict:
         tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
                                   head_dim=p.head_dim)
     pipe = assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=init_state, seed=cfg.run.seed)
-    pool = build_pool(cfg, pipe, vae)
+    device = current_device()  # the DiT trains here; the VAE encodes the pool and decodes samples here too
+    vae_on_device = copy.deepcopy(vae).to(device) if device.type != "cpu" else vae
+    pool = build_pool(cfg, pipe, vae_on_device)
     _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
 
     family = get_family("sd3")
@@ -212,9 +221,10 @@ def run(cfg: MegaflowConfig) -> dict:
 
     def checkpoint(step: int) -> None:
         ema.swap()
-        state = {n: t.clone() for name, tensor in engine.iter_full_params()  # clone: replicated tensors are views
+        state = {n: t.to("cpu", copy=True)  # a copy: replicated tensors are views of the live weights
+                 for name, tensor in engine.iter_full_params()
                  for n, t in family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
-        result = evaluate(cfg, engine, pipe, vae)
+        result = evaluate(cfg, engine, pipe, vae_on_device)
         ema.swap()
         if not rank0:
             return
@@ -235,7 +245,7 @@ def run(cfg: MegaflowConfig) -> dict:
 
     while step < p.max_steps and (time.perf_counter() - t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
-        mb = {k: v.chunk(dp)[dp_rank] for k, v in mb.items()}
+        mb = {k: v.chunk(dp)[dp_rank].to(device) for k, v in mb.items()}
         set_lr(engine.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
                                               schedule=p.lr_schedule))
         out = engine.train_step([mb])

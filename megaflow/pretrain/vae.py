@@ -69,13 +69,15 @@ def train_vae(vae, prompts: list[str], *, resolution: int, steps: int, batch: in
 
 @torch.no_grad()
 def encode(vae, images_uint8: np.ndarray) -> torch.Tensor:
-    """Ground-truth images -> normalised DiT latents ((z - shift) * scale), posterior mode."""
-    z = vae.encode(to_pixels(images_uint8)).latent_dist.mode()
-    return (z - vae.config.shift_factor) * vae.config.scaling_factor
+    """Ground-truth images -> normalised DiT latents ((z - shift) * scale), posterior mode, on the CPU
+    (computed on the VAE's device)."""
+    z = vae.encode(to_pixels(images_uint8).to(vae.device)).latent_dist.mode()
+    return ((z - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
 
 
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Normalised DiT latents -> images float [B, 3, H, W] in [0, 1] (as the SD3 pipeline decodes)."""
-    x = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
-    return (x / 2 + 0.5).clamp(0, 1)
+    """Normalised DiT latents -> images float [B, 3, H, W] in [0, 1] (as the SD3 pipeline decodes), on the
+    CPU (computed on the VAE's device)."""
+    x = vae.decode(latents.to(vae.device) / vae.config.scaling_factor + vae.config.shift_factor).sample
+    return (x / 2 + 0.5).clamp(0, 1).cpu()
