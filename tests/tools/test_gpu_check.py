@@ -7,7 +7,8 @@ scripts/gpu_wheels.sh has built gpu_wheels/; the slow ones ~20-40 s each). Check
 - the driver's failure, skip and need logic in-process;
 - the SD3.5-M memory prediction of the step check equals ``megaflow plan``'s trainer items for that setting;
 - (slow) the bodies of the NCCL and CUDA IPC checks on CPU (gloo; shared memory to a spawned child), of the
-  parity check (megatron local spec vs diffusers) and of the step check (a tiny model of the same input shapes).
+  parity check (megatron local spec vs diffusers), of the step check (a tiny model of the same input shapes) and
+  of the pretrain parity check (two seeded CPU runs of ``megaflow pretrain``: bit-identical updates).
 """
 from __future__ import annotations
 
@@ -181,3 +182,13 @@ def test_checksums_see_one_changed_bit():
     assert len(before) == 1
     a.view(torch.int16)[500] ^= 1
     assert checksums([a]) != before
+
+
+@pytest.mark.slow
+def test_pretrain_parity_body_on_cpu():
+    """The pretrain parity check's body with two CPU runs: seeded, the two DiT updates are bit-identical (the GPU
+    check compares a CPU run with a CUDA run the same way), and the update is not empty."""
+    rec = _body("import json\nfrom pathlib import Path\nfrom megaflow.testing.gpu import pretrain\n"
+                f"print(json.dumps(pretrain.compare_devices(('cpu', 'cpu'), Path({str(REPO)!r}))))", timeout=480)
+    assert rec["status"] == "pass" and rec["update_rel_diff"] == 0.0 and rec["update_norm"] > 0, rec
+    assert rec["loss"]["cpu_0"] == rec["loss"]["cpu_1"], rec

@@ -45,6 +45,8 @@ CHECKS = {
                                        ("cuda", "megatron.core")),
     "step_flux_lora_r32": Check("megaflow.testing.gpu.model:step_flux_lora", 180, ("cuda", "megatron.core")),
     "offload": Check("megaflow.testing.gpu.offload:offload", 150, ("cuda", "megatron.core")),
+    "pretrain_parity": Check("megaflow.testing.gpu.pretrain:pretrain_parity", 240,
+                             ("cuda", "megatron.core", "diffusers")),
     "parity_te": Check("megaflow.testing.gpu.model:parity_te", 120,
                        ("cuda", "megatron.core", "diffusers", "transformer_engine")),
 }
