@@ -66,10 +66,14 @@ def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs:
 
 
 def dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
-    """This DP rank's items (strided), padded to a whole number of equal-count microbatches."""
+    """This DP rank's items (strided), padded so that every rank runs the same number of microbatches
+    (``micro_batch_size`` items each, the last one possibly fewer). Under pipeline parallelism every
+    microbatch is full: the stages exchange activations of one fixed shape. Padding items (``real`` False)
+    are computed and weigh nothing, so without pipelining a rank pads at most one item."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = -(-len(items) // dp)
-    per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
     mine = items[rank::dp]
     real = [True] * len(mine) + [False] * (per_rank - len(mine))
     return mine + [items[0]] * (per_rank - len(mine)), real

@@ -3,6 +3,7 @@
 - ``plan_updates``: flow_grpo's inner loop (epochs x minibatches, seeded shuffles; 1 x 1 = today's one step);
 - ``grpo_loss`` on a microbatch whose padding rows carry NaN / ±inf: exactly the clean loss and grads;
 - CFG microbatches: [uncond; cond] batch, guided velocity v_u + g·(v_c − v_u) vs plain torch (exact);
+- ``dp_slice``: every DP rank the same microbatch count; full microbatches only under pipelining;
 - the controller's FlowGRPO-Fast window (new every iteration, seeded), trained steps and auto clip range.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from megaflow.flow.step import TransitionConfig
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.grpo import GRPOSettings, grpo_loss
 from megaflow.models.registry import get_family
-from megaflow.trainer.grpo_batches import guided_velocity, plan_updates, stack_items
+from megaflow.trainer import grpo_batches
+from megaflow.trainer.grpo_batches import dp_slice, guided_velocity, plan_updates, stack_items
 
 torch.set_num_threads(1)
 SD3_CONDITIONING = dict(conditioning=functools.partial(get_family("sd3").batch_conditioning, None))
@@ -32,6 +34,25 @@ SD3_CONDITIONING = dict(conditioning=functools.partial(get_family("sd3").batch_c
 def test_plan_single_step_is_sample_major_and_complete():
     assert plan_updates([0, 2, 3], [0, 1]) == [[(0, 0), (0, 1), (2, 0), (2, 1), (3, 0), (3, 1)]]
     assert plan_updates([], [0, 1]) == [] and plan_updates([1], []) == []
+
+
+@pytest.mark.parametrize("pp, padded", [(1, 3), (2, 4)])
+def test_dp_slice_pads_microbatches_only_under_pipelining(monkeypatch, pp, padded):
+    """5 items over DP=2, micro-batches of 4: ranks take items 0, 2, 4 and 1, 3 (+1 padding item); with PP=2
+    each rank fills a whole micro-batch of 4 (the stages exchange fixed shapes)."""
+    items = [(i, 0) for i in range(5)]
+    got = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(grpo_batches.ps, "get_data_parallel_world_size", lambda: 2)
+        monkeypatch.setattr(grpo_batches.ps, "get_data_parallel_rank", lambda r=rank: r)
+        monkeypatch.setattr(grpo_batches.ps, "get_pipeline_model_parallel_world_size", lambda: pp)
+        got[rank] = dp_slice(items, 4)
+    mine0, real0 = got[0]
+    mine1, real1 = got[1]
+    assert [m for m, r in zip(mine0, real0) if r] == [(0, 0), (2, 0), (4, 0)]
+    assert [m for m, r in zip(mine1, real1) if r] == [(1, 0), (3, 0)]
+    assert len(mine0) == len(mine1) == len(real0) == len(real1) == padded
+    assert sum(real0) + sum(real1) == 5
 
 
 def test_plan_epochs_and_minibatches():
