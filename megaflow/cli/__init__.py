@@ -47,7 +47,8 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
         from megaflow.shapeeval.evaluate import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
-                                         num_steps=args.steps, resolution=args.resolution, out_dir=out_dir))
+                                         num_steps=args.steps, resolution=args.resolution, out_dir=out_dir,
+                                         sampler=args.sampler))
         print_json(result, True)
         return 0
     if args.ground_truth:
@@ -202,10 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "on ground-truth renders.")
     p_shapes.add_argument("--pipeline", type=Path, default=None,
                           help="Diffusers pipeline dir: sample --num held-out prompts (+ --num-seen of the categories "
-                          "too small to split) through an SGLang engine, ODE, fixed seeds; prints JSON with 95%% "
+                          "too small to split) through the --sampler, ODE, fixed seeds; prints JSON with 95%% "
                           "intervals and saves the images, manifest and grid to --out.")
     p_shapes.add_argument("--num-seen", type=int, default=60, help="Seen-category prompts with --pipeline.")
     p_shapes.add_argument("--steps", type=int, default=10, help="Sampling steps with --pipeline.")
+    p_shapes.add_argument("--sampler", choices=("sglang", "diffusers"), default="sglang",
+                          help="With --pipeline: sample through an SGLang engine, or through diffusers' own "
+                               "StableDiffusion3Pipeline call (its scheduler; prompts encoded as the engine does), "
+                               "an independent check of the engine's figures.")
     p_shapes.add_argument("--out", type=Path, default=None,
                           help="Where --pipeline writes its images (default: runs/<pipeline name>-shapeeval).")
     p_shapes.add_argument("--images", type=Path, default=None,

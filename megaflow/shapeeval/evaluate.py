@@ -107,19 +107,30 @@ def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0
     return result
 
 
+SAMPLERS = ("sglang", "diffusers")
+
+
 def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
-                      resolution: int = 32, out_dir: Path | None = None) -> dict:
-    """Start one SGLang engine on ``pipeline_dir`` and evaluate it (``evaluate_engine``)."""
+                      resolution: int = 32, out_dir: Path | None = None, sampler: str = "sglang") -> dict:
+    """Evaluate ``pipeline_dir`` (``evaluate_engine``) through one SGLang engine (``sampler="sglang"``) or
+    diffusers' own pipeline call (``"diffusers"``, megaflow.rollout.pipeline_sampler: an independent sampler)."""
     from megaflow.models.pipeline_meta import declared_text_len
-    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
     pipeline_dir = Path(pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise ValueError(f"--pipeline {pipeline_dir}: not a diffusers pipeline directory (no model_index.json)")
-    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir)))
+    if sampler == "diffusers":
+        from megaflow.rollout.pipeline_sampler import PipelineSampler
+        engine = PipelineSampler.from_pretrained(str(pipeline_dir))
+    else:
+        from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
+        engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir)))
     try:
-        return evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
-                               resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),
-                               out_dir=out_dir)
+        result = evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
+                                 resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),
+                                 out_dir=out_dir)
+        return {**result, "sampler": sampler}
     finally:
         engine.shutdown()
 

@@ -1,0 +1,82 @@
+"""Diffusers' own sampling of an SD3 pipeline: an independent reference sampler for evaluations.
+
+``PipelineSampler.generate(requests)`` runs ``StableDiffusion3Pipeline.__call__`` -- diffusers' scheduler and
+denoising loop, none of megaflow's or SGLang's sampling code -- for deterministic (ODE) requests without guidance,
+each sample with its own ``torch.Generator`` seeded with its seed. Prompts are encoded as SGLang encodes a request
+with a prompt length (``megaflow.models.sd3.text.encode_prompts``): diffusers' ``prompt=`` path pads the CLIP
+prompts to 77 tokens, which a model trained through the engine never saw. ``megaflow eval shapes --sampler
+diffusers`` evaluates a pipeline with it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megaflow.rollout.types import RolloutRequest
+
+__all__ = ["PipelineSample", "PipelineSampler"]
+
+
+@dataclass(frozen=True)
+class PipelineSample:
+    """One sampled image ([3, H, W] in [0, 1]) with its prompt and seed."""
+
+    prompt: str
+    seed: int
+    image: torch.Tensor
+
+
+class PipelineSampler:
+    """Samples requests with a loaded diffusers ``StableDiffusion3Pipeline`` (fp32, CPU)."""
+
+    def __init__(self, pipeline, *, text_len: int, batch_size: int = 50):
+        if text_len < 1 or batch_size < 1:
+            raise ValueError(f"text_len and batch_size must be >= 1, got {text_len}, {batch_size}")
+        self.pipe, self.text_len, self.batch_size = pipeline, text_len, batch_size
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @classmethod
+    def from_pretrained(cls, pipeline_dir: str, *, text_len: int | None = None) -> PipelineSampler:
+        """The pipeline of ``pipeline_dir``; prompts of ``text_len`` tokens (default: the pipeline's declared
+        length, else 77)."""
+        from diffusers import StableDiffusion3Pipeline
+
+        from megaflow.models.pipeline_meta import declared_text_len
+        pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
+        return cls(pipe, text_len=text_len or declared_text_len(pipeline_dir) or 77)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[PipelineSample]:
+        """Every output of every request, in request order; ValueError for a request this sampler cannot run
+        (SDE, guidance, or a prompt length other than its own)."""
+        for r in requests:
+            if r.sde_type != "ode" or r.do_cfg:
+                raise ValueError(f"request {r.request_id}: the diffusers pipeline sampler runs ODE requests "
+                                 f"without guidance, got sde_type={r.sde_type!r}, do_cfg={r.do_cfg}")
+            if r.max_sequence_length not in (None, self.text_len):
+                raise ValueError(f"request {r.request_id}: prompt length {r.max_sequence_length}, the sampler "
+                                 f"encodes {self.text_len} tokens")
+        samples = [(r, seed) for r in requests for seed in r.output_seeds()]
+        out: list[PipelineSample] = []
+        for lo in range(0, len(samples), self.batch_size):
+            out += self._sample(samples[lo:lo + self.batch_size])
+        return out
+
+    @torch.inference_mode()
+    def _sample(self, chunk: list[tuple[RolloutRequest, int]]) -> list[PipelineSample]:
+        from megaflow.models.sd3.text import encode_prompts
+        shapes = {(r.num_steps, r.height, r.width) for r, _ in chunk}
+        if len(shapes) > 1:  # one pipeline call shares steps and size
+            return [s for item in chunk for s in self._sample([item])]
+        steps, height, width = shapes.pop()
+        prompts = [r.prompt for r, _ in chunk]
+        embeds, pooled = encode_prompts(self.pipe, prompts, max_sequence_length=self.text_len)
+        generators = [torch.Generator().manual_seed(int(seed)) for _, seed in chunk]
+        images = self.pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, num_inference_steps=steps,
+                           guidance_scale=1.0, height=height, width=width, generator=generators,
+                           output_type="pt").images
+        return [PipelineSample(p, int(seed), im.float()) for p, (_, seed), im in zip(prompts, chunk, images)]
+
+    def shutdown(self) -> None:
+        """Nothing to stop (the pipeline lives in this process)."""
