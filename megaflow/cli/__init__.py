@@ -17,6 +17,7 @@ from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, appl
                                  run_config)
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
+from megaflow.shapeeval import SAMPLERS
 from megaflow.run.interrupt import Interrupted
 
 TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the checks of its pickles (torch unpickles them): "
@@ -207,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "intervals and saves the images, manifest and grid to --out.")
     p_shapes.add_argument("--num-seen", type=int, default=60, help="Seen-category prompts with --pipeline.")
     p_shapes.add_argument("--steps", type=int, default=10, help="Sampling steps with --pipeline.")
-    p_shapes.add_argument("--sampler", choices=("sglang", "diffusers"), default="sglang",
+    p_shapes.add_argument("--sampler", choices=SAMPLERS, default=SAMPLERS[0],
                           help="With --pipeline: sample through an SGLang engine, or through diffusers' own "
                                "StableDiffusion3Pipeline call (its scheduler; prompts encoded as the engine does), "
                                "an independent check of the engine's figures.")

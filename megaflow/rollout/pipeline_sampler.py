@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -59,17 +60,17 @@ class PipelineSampler:
                                  f"encodes {self.text_len} tokens")
         samples = [(r, seed) for r in requests for seed in r.output_seeds()]
         out: list[PipelineSample] = []
-        for lo in range(0, len(samples), self.batch_size):
-            out += self._sample(samples[lo:lo + self.batch_size])
+        # one pipeline call shares steps and size: consecutive samples that agree, batch_size at a time
+        for (steps, height, width), run in groupby(samples, key=lambda s: (s[0].num_steps, s[0].height, s[0].width)):
+            run = list(run)
+            for lo in range(0, len(run), self.batch_size):
+                out += self._sample(run[lo:lo + self.batch_size], steps, height, width)
         return out
 
     @torch.inference_mode()
-    def _sample(self, chunk: list[tuple[RolloutRequest, int]]) -> list[PipelineSample]:
+    def _sample(self, chunk: list[tuple[RolloutRequest, int]], steps: int, height: int,
+                width: int) -> list[PipelineSample]:
         from megaflow.models.sd3.text import encode_prompts
-        shapes = {(r.num_steps, r.height, r.width) for r, _ in chunk}
-        if len(shapes) > 1:  # one pipeline call shares steps and size
-            return [s for item in chunk for s in self._sample([item])]
-        steps, height, width = shapes.pop()
         prompts = [r.prompt for r, _ in chunk]
         embeds, pooled = encode_prompts(self.pipe, prompts, max_sequence_length=self.text_len)
         generators = [torch.Generator().manual_seed(int(seed)) for _, seed in chunk]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from megaflow.data.shapes import HELD_OUT_CATEGORIES, SEEN_CATEGORIES, parse_prompt, sample_prompts
+from megaflow.shapeeval import SAMPLERS
 from megaflow.shapeeval.checker import score_image
 from megaflow.shapeeval.score import summarize
 
@@ -105,9 +106,6 @@ def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0
         save_images(images, prompts, Path(out_dir), passed=result["passed"] + result["seen"].get("passed", []))
         result["images"] = str(out_dir)
     return result
-
-
-SAMPLERS = ("sglang", "diffusers")
 
 
 def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
