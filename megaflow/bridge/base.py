@@ -6,9 +6,9 @@ packs them into buckets and moves those into the rollout engine(s) by one transf
 (same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
 engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
 (``megaflow.bridge.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
-by each engine (engines load buckets with ``verify=False``; the bridge asks them to re-hash: colocated right
-after each bucket lands, pipelined with the packing and hashing of the next one; distributed and disk at the
-end of the sync). Without ``verify`` nothing is hashed. The
+by each engine: colocated, each engine gets a bucket's digests with the bucket and checks it in the same call,
+pipelined with the packing and hashing of the next one; distributed and disk load without them and ask every
+engine to re-hash once at the end of the sync (``verify_engines``). Without ``verify`` nothing is hashed. The
 three paths are three implementations of this one interface, chosen by ``bridge.mode``.
 """
 from __future__ import annotations

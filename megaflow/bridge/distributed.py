@@ -44,7 +44,7 @@ class DistributedBridge:
             dist.broadcast(bucket.flat.to(self.device), group=self.group.pg, group_src=self.group.rank_of(self.src))
             stream.record(bucket)
             for engine in self.engines:  # a failure is raised after the receivers finished, never midway
-                r = engine.load_bucket(bucket, verify=False)  # one check per sync below
+                r = engine.load_bucket(bucket)  # one check per sync below
                 if not r.ok and not local_error:
                     local_error = f"engine {getattr(engine, 'engine_id', '?')} bucket {num_buckets}: {r.message}"
         self.group.broadcast_object(None, self.src)
@@ -87,7 +87,7 @@ class DistributedReceiver:
                 n += 1
                 bucket = Bucket(flat=flat, metadata=meta)  # on self.device: a CUDA bucket goes to engines by IPC
                 # every local engine at once; one check per sync below
-                for r in pool.map(lambda e: e.load_bucket(bucket, verify=False), self.engines):
+                for r in pool.map(lambda e: e.load_bucket(bucket), self.engines):
                     if not r.ok and ok:
                         ok, msg = False, f"bucket {n}: {r.message}"
             expected = self.group.broadcast_object(None, self.src)

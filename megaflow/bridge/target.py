@@ -41,9 +41,17 @@ class ModuleTarget:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return WeightUpdateResult(ok=True, num_tensors=len(named), num_bytes=nbytes)
 
-    def load_bucket(self, bucket: Bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """All-or-nothing by name and shape; never skips a tensor, so nothing to hash whatever ``verify`` says."""
-        return self._load(bucket.unpack())
+    def load_bucket(self, bucket: Bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
+        """All-or-nothing by name and shape; with ``digests`` (the sender's, ``checksum``) the loaded tensors are
+        then re-hashed against them, and a mismatch fails the load."""
+        result = self._load(bucket.unpack())
+        if result.ok and digests:
+            ok, message = self.verify_weights(digests, checksum=checksum)
+            if not ok:
+                return WeightUpdateResult(ok=False, num_tensors=result.num_tensors, num_bytes=result.num_bytes,
+                                          message=f"did not verify: {message}")
+        return result
 
     def update_weights(self, named_tensors) -> WeightUpdateResult:
         return self._load(list(named_tensors))

@@ -224,10 +224,13 @@ class Balancer:
         t0 = time.perf_counter()
         return self._merge(self._fan_out(lambda e: e.update_weights(items)), time.perf_counter() - t0)
 
-    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """Hand the same bridge bucket to every engine (each adapter serializes its own send)."""
+    def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
+        """Hand the same bridge bucket (and ``digests`` to check it against) to every engine (each adapter
+        serializes its own send)."""
         t0 = time.perf_counter()
-        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket, verify=verify)), time.perf_counter() - t0)
+        return self._merge(self._fan_out(lambda e: e.load_bucket(bucket, digests=digests, checksum=checksum)),
+                           time.perf_counter() - t0)
 
     def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
                     verify: bool = True) -> WeightUpdateResult:

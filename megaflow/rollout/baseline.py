@@ -245,10 +245,16 @@ class DiffusersEngine:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update. Loading checks every name and
-        shape and never skips one, so there is nothing to hash whatever ``verify`` says."""
-        return self.update_weights(bucket.unpack())
+    def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
+        """One ``megaflow.bridge.buckets.Bucket`` as one all-or-nothing update (every name and shape checked
+        first), then, with ``digests``, the DiT tensors re-hashed against them (``ModuleTarget.load_bucket``)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            result = ModuleTarget(self.transformer, self.engine_id).load_bucket(bucket, digests=digests,
+                                                                                checksum=checksum)
+        result.seconds = time.perf_counter() - t0
+        return result
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
         """Re-hash the named DiT tensors (``megaflow.bridge.checksum.tensor_digest``, the bridge's function)."""

@@ -55,10 +55,12 @@ class RolloutEngine(Protocol):
         """Load DiT tensors given by engine (diffusers state_dict) names, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
         ...
 
-    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
-        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``verify``: an
-        engine whose loader can skip a tensor silently (SGLang skips unknown names) re-hashes what it loaded;
-        False = no check and no hashing here (the weight bridge verifies a whole sync once, or not at all)."""
+    def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
+        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``digests``: the
+        sender's digests of the bucket's tensors (``checksum``, ``megaflow.bridge.checksum``); the engine re-hashes
+        the tensors it now holds and the load fails (ok False, naming them) on a mismatch or a tensor it did not
+        load. None: no check and no hashing (the weight bridge then verifies a whole sync once, or not at all)."""
         ...
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:

@@ -84,9 +84,9 @@ class _Rendezvous(ModuleTarget):
         super().__init__(module)
         self.barrier = barrier
 
-    def load_bucket(self, bucket, *, verify=True):
+    def load_bucket(self, bucket, **kw):
         self.barrier.wait()
-        return super().load_bucket(bucket, verify=verify)
+        return super().load_bucket(bucket, **kw)
 
 
 def test_colocated_push_loads_engines_in_parallel():
@@ -105,9 +105,9 @@ def test_colocated_reuses_its_staging_slots_across_syncs():
     seen = []
 
     class Recording(ModuleTarget):
-        def load_bucket(self, bucket, *, verify=True):
+        def load_bucket(self, bucket, **kw):
             seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared(), bucket.slot))
-            return super().load_bucket(bucket, verify=verify)
+            return super().load_bucket(bucket, **kw)
     dst = tiny_dit(2)
     bridge = ColocatedBridge([Recording(dst)], bucket_bytes=16 << 10)
     per_sync = []
@@ -139,24 +139,30 @@ def test_staging_slot_gets_new_memory_when_its_layout_changes():
     assert pack([("c", torch.zeros(2))]).slot is None
 
 
-def test_colocated_verifies_each_bucket_as_it_lands():
-    """With verify, every engine re-hashes each bucket's tensors right after loading it (so a tensor clobbered
-    by a later bucket's load goes unnoticed -- here the first bucket's is caught); the sync still loads every
-    bucket, then fails."""
+def _bumped(bucket, name):
+    """``bucket`` as a lossy transfer would deliver it: ``name``'s values + 1 (the bridge packed and hashed the
+    original); the bucket itself when it does not hold ``name``."""
+    meta = next((m for m in bucket.metadata if m.name == name), None)
+    if meta is None:
+        return bucket
+    flat = bucket.flat.clone()
+    flat[meta.start_idx:meta.end_idx].view(meta.dtype).add_(1.0)
+    return Bucket(flat=flat, metadata=bucket.metadata)
+
+
+def test_colocated_stops_at_the_first_bucket_that_does_not_verify():
+    """With verify, every engine checks each bucket against the bridge's digests as it loads it; the first
+    bucket that does not verify (here the first one) fails the sync before the next is handed over."""
     src, dst = tiny_dit(0), tiny_dit(1)
     loads = []
 
     class CorruptFirst(ModuleTarget):
-        def load_bucket(self, bucket, *, verify=True):
+        def load_bucket(self, bucket, **kw):
             loads.append(bucket)
-            r = super().load_bucket(bucket, verify=verify)
-            if len(loads) == 1:
-                with torch.no_grad():
-                    self._targets()[bucket.metadata[0].name].add_(1.0)
-            return r
-    with pytest.raises(SyncError, match="did not verify"):
+            return super().load_bucket(_bumped(bucket, bucket.metadata[0].name) if len(loads) == 1 else bucket, **kw)
+    with pytest.raises(SyncError, match="failed at bucket 1: did not verify"):
         ColocatedBridge([CorruptFirst(dst)], bucket_bytes=4 << 10).push(src.state_dict().items())
-    assert len(loads) > 1 and sum(len(b.metadata) for b in loads) == len(src.state_dict())
+    assert len(loads) == 1
 
 
 def test_colocated_rejects_unknown_name_without_partial_write():
@@ -170,13 +176,10 @@ def test_colocated_rejects_unknown_name_without_partial_write():
 
 
 class _Corrupting(ModuleTarget):
-    """A target that changes one value after loading (what a lossy transfer would do)."""
+    """A target that receives ``proj_out.bias`` changed in flight (what a lossy transfer would do)."""
 
-    def load_bucket(self, bucket, *, verify=True):
-        r = super().load_bucket(bucket, verify=verify)
-        with torch.no_grad():
-            self.module.proj_out.bias.add_(1.0)
-        return r
+    def load_bucket(self, bucket, **kw):
+        return super().load_bucket(_bumped(bucket, "proj_out.bias"), **kw)
 
 
 def test_verification_catches_lossy_transfer():
@@ -194,13 +197,13 @@ class _DamagedInFlight(ModuleTarget):
         super().__init__(module)
         self.damage = damage
 
-    def load_bucket(self, bucket, *, verify=True):
+    def load_bucket(self, bucket, **kw):
         flat = bucket.flat.clone()
         if self.damage == "flip":
             flat[flat.numel() // 2] ^= 0x01
         else:
             flat[flat.numel() // 2:] = 0
-        return super().load_bucket(Bucket(flat=flat, metadata=bucket.metadata), verify=verify)
+        return super().load_bucket(Bucket(flat=flat, metadata=bucket.metadata), **kw)
 
 
 @pytest.mark.parametrize("damage", ["flip", "partial"])

@@ -45,9 +45,10 @@ class FakeEngine:
             out.append(f)
         return out
 
-    def load_bucket(self, bucket, *, verify=True):
+    def load_bucket(self, bucket, *, digests=None, checksum="xxh3"):
         self.weights.update({n: t.clone() for n, t in bucket.unpack()})
-        return WeightUpdateResult(ok=True, seconds=0.0)
+        ok, message = self.verify_weights(digests, checksum=checksum) if digests else (True, "")
+        return WeightUpdateResult(ok=ok, seconds=0.0, message=message)
 
     def verify_weights(self, expected, *, checksum="xxh3"):
         bad = [n for n, d in expected.items() if n not in self.weights or tensor_digest(self.weights[n], checksum) != d]

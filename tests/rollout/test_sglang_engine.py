@@ -185,28 +185,55 @@ def test_weight_update_changes_images_and_verifies(engine, reference, tiny_sd3_d
 
 def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch, tiny_sd3_dir):
     """bridge.verify = false: no hashing anywhere in the sync (an unknown name then goes unnoticed, as
-    SGLang skips it); true: each tensor hashed once on the sending side, the engine re-hashes once."""
+    SGLang skips it); true: each tensor hashed once on the sending side, and the single-rank engine checks each
+    bucket in its load request (no separate check request)."""
     import megaflow.bridge.buckets as buckets
     from megaflow.bridge import SyncError
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.rollout.sglang import engine as engine_module
-    calls = []
+    calls, checks = [], []
     real_bucket, real_tensor = buckets.Bucket.digests, engine_module.tensor_digest
     monkeypatch.setattr(buckets.Bucket, "digests", lambda b, c: calls.extend(b.metadata) or real_bucket(b, c))
     monkeypatch.setattr(engine_module, "tensor_digest", lambda t, c: calls.append(1) or real_tensor(t, c))
+    real_verify = engine._server.verify
+    monkeypatch.setattr(engine._server, "verify", lambda d: checks.append(d) or real_verify(d))
     state = list(reference.transformer.state_dict().items())  # the weights the engine holds already
     checksum0 = engine.checksum()
     assert not ColocatedBridge([engine], bucket_bytes=64 << 10, verify=False).push(state).verified
     assert calls == []
     assert ColocatedBridge([engine], bucket_bytes=64 << 10, verify=True).push(state).verified
-    assert len(calls) == len(state)
+    assert len(calls) == len(state) and checks == []
     unknown = [("no_such.weight", torch.zeros(2))]
     ColocatedBridge([engine], verify=False).push(unknown)
-    with pytest.raises(SyncError, match="did not verify"):
+    with pytest.raises(SyncError, match="not verified after update.*missing 1 tensor"):
         ColocatedBridge([engine], verify=True).push(unknown)
+    assert checks == []
     assert engine.checksum() == checksum0
     # the engine replays what it was sent after a worker restart: leave it holding the pipeline's weights only
     assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok
+
+
+@pytest.mark.parametrize("damage", ["flip", "partial"])
+def test_engine_refuses_a_bucket_damaged_after_it_was_hashed(engine, reference, tiny_sd3_dir, damage):
+    """The worker checks a load against the sender's digests: one byte flipped, or the bucket's second half
+    lost, between hashing and loading fails the load, naming a damaged tensor; the intact bucket loads."""
+    from megaflow.bridge.buckets import Bucket, pack
+    state = list(reference.transformer.state_dict().items())
+    bucket = pack(state, shared=True)
+    digests = bucket.digests("xxh3")
+    flat = bucket.flat.clone().share_memory_()
+    if damage == "flip":
+        flat[flat.numel() // 2] ^= 0x01
+    else:
+        flat[flat.numel() // 2:] = 0
+    try:
+        result = engine.load_bucket(Bucket(flat=flat, metadata=bucket.metadata), digests=digests)
+        assert not result.ok and "differ from what was sent" in result.message, result.message
+        ok = engine.load_bucket(bucket, digests=digests)
+        assert ok.ok and "Verified" in ok.message, ok.message
+        assert not engine.load_bucket(bucket, digests=digests, checksum="sha256").ok  # not the engine's hash
+    finally:
+        assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok
 
 
 def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):

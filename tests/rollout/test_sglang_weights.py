@@ -94,17 +94,58 @@ def _worker_side_of(module_payload):
     return list(updater._materialize_weights_iter(module_payload, "flattened_bucket"))
 
 
-def test_plugin_tensor_hash_matches_sglangs_and_the_bridges(monkeypatch):
+def test_worker_tensor_hash_matches_sglangs_and_the_bridges(monkeypatch):
     """The plugin's replacement for SGLang's checker hash: with sha256 SGLang's own digests (hashed in place),
     by default (and with xxh3) the bridge's xxh3 digests."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
     from megaflow.bridge.checksum import tensor_digest
-    from megaflow.rollout.sglang import plugin
+    from megaflow.rollout.sglang import weight_checks
     tensors = [t for _, t in _named()] + [torch.randn(6, 4)[:, 1], torch.arange(5)]
-    monkeypatch.delenv(plugin.CHECKSUM_VAR, raising=False)
-    assert all(plugin.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)
-    monkeypatch.setenv(plugin.CHECKSUM_VAR, "sha256")
-    assert all(plugin.tensor_digest(t) == compute_tensor_sha256(t) for t in tensors)
-    monkeypatch.setenv(plugin.CHECKSUM_VAR, "xxh3")
-    assert all(plugin.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)
+    monkeypatch.delenv(weight_checks.CHECKSUM_VAR, raising=False)
+    assert all(weight_checks.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)
+    monkeypatch.setenv(weight_checks.CHECKSUM_VAR, "sha256")
+    assert all(weight_checks.tensor_digest(t) == compute_tensor_sha256(t) for t in tensors)
+    monkeypatch.setenv(weight_checks.CHECKSUM_VAR, "xxh3")
+    assert all(weight_checks.tensor_digest(t) == tensor_digest(t, "xxh3") for t in tensors)
+
+
+def test_digests_ride_in_the_payload_and_the_worker_pops_them():
+    """``digests`` travel in the module payload under ``DIGESTS_KEY``; the worker's hook takes them out before
+    SGLang reads the payload (which then looks like any other)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from megaflow.bridge.checksum import tensor_digest
+    from megaflow.rollout.sglang import weight_checks
+    named = _named()
+    bucket = pack(named, shared=True)
+    digests = {n: tensor_digest(t, "xxh3") for n, t in named}
+    req = weights.update_request(bucket.flat, bucket.metadata, digests=digests)
+    payload = MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])
+    assert weight_checks._take_digests(payload) == ("transformer", digests)
+    assert set(payload["transformer"]) == {"flattened_tensor", "metadata"}
+    assert weight_checks._take_digests(payload) is None
+
+
+def test_worker_hashes_each_parameter_right_after_sglang_copies_into_it(monkeypatch):
+    """``hash_as_copied`` around SGLang's own ``load_weights_into_model``: each named parameter is hashed once,
+    after its copy (the digests are those of the new values), and only during a checked update."""
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import load_weights_into_model
+
+    from megaflow.bridge.checksum import tensor_digest
+    from megaflow.rollout.sglang import weight_checks
+    monkeypatch.delenv(weight_checks.CHECKSUM_VAR, raising=False)
+    named = [(n, t.float()) for n, t in _named()]
+    params = {n: torch.nn.Parameter(torch.zeros_like(t), requires_grad=False) for n, t in named}
+    expected = {n: tensor_digest(t, "xxh3") for n, t in named[:3]}  # the 4th is loaded but not checked
+    hashed = []
+    monkeypatch.setattr(weight_checks, "tensor_digest", lambda t: hashed.append(t.clone()) or tensor_digest(t, "xxh3"))
+    check = weight_checks._Check("transformer", expected)
+    monkeypatch.setattr(weight_checks, "_current", check)
+    weight_checks.hash_as_copied(load_weights_into_model, iter(named), params)
+    assert check.actual == expected
+    assert [h.shape for h in hashed] == [t.shape for _, t in named[:3]]
+    assert all(torch.equal(h, t) for h, (_, t) in zip(hashed, named))  # hashed after the copy, not before
+    monkeypatch.setattr(weight_checks, "_current", None)
+    weight_checks.hash_as_copied(load_weights_into_model, iter(named), params)
+    assert len(hashed) == 3  # no checked update: nothing hashed

@@ -279,8 +279,10 @@ class SGLangEngine:
         reports success, so without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
         into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
         bf16 model) must not be rounded on the way."""
-        flat, metadata = flatten(list(named_tensors))
-        return self._load(flat, metadata, verify=verify)
+        named = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        flat, metadata = flatten(named)
+        digests = {n: tensor_digest(t, self.config.checksum) for n, t in named} if verify else None
+        return self._load(flat, metadata, digests=digests)
 
     def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
                     verify: bool = True) -> WeightUpdateResult:
@@ -300,33 +302,37 @@ class SGLangEngine:
                                   num_bytes=sum(t.numel() * t.element_size() for _, t in named),
                                   seconds=time.perf_counter() - t0)
 
-    def load_bucket(self, bucket, *, verify: bool = True) -> WeightUpdateResult:
+    def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
         """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
-        sent without a copy (shared memory on CPU, CUDA IPC on GPU); verified if ``verify``. For replay after
-        a restart the engine keeps views of a staging slot's bucket (``bucket.slot``; its workers keep the slot
-        mapped), else copies the bytes into its own host tensors (reused by the next sync); see ``replay``."""
-        return self._load(bucket.flat, bucket.metadata, verify=verify, slot=getattr(bucket, "slot", None))
+        sent without a copy (shared memory on CPU, CUDA IPC on GPU). ``digests`` (the sender's, ``checksum``):
+        the engine checks what it loaded against them, in the same request (``server.update_from_bucket``). For
+        replay after a restart the engine keeps views of a staging slot's bucket (``bucket.slot``; its workers
+        keep the slot mapped), else copies the bytes into its own host tensors (reused by the next sync); see
+        ``replay``."""
+        if digests and checksum != self.config.checksum:
+            return WeightUpdateResult(ok=False, message=self._other_checksum(checksum))
+        return self._load(bucket.flat, bucket.metadata, digests=digests, slot=getattr(bucket, "slot", None))
 
-    def _load(self, flat: torch.Tensor, metadata: list, *, verify: bool, slot: str | None = None
-              ) -> WeightUpdateResult:
+    def _load(self, flat: torch.Tensor, metadata: list, *, digests: dict[str, str] | None,
+              slot: str | None = None) -> WeightUpdateResult:
         t0 = time.perf_counter()
         with self._lock:
-            ok, message = self._server.update_from_bucket(flat, metadata, keep=slot)
-            views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
-            if ok and verify:
-                ok, message = self._server.verify({n: tensor_digest(t, self.config.checksum) for n, t in views.items()})
-                message = message if ok else f"weights not verified after update: {message}"
+            ok, message = self._server.update_from_bucket(flat, metadata, keep=slot, digests=digests)
             if ok and self.config.replay_weights_on_restart:
+                views = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
                 self._replay.keep(views, alias=slot is not None)
         return WeightUpdateResult(ok=ok, num_tensors=len(metadata), message=message,
                                   num_bytes=sum(int(m.numel) for m in metadata), seconds=time.perf_counter() - t0)
+
+    def _other_checksum(self, checksum: str) -> str:
+        return f"engine {self.engine_id} hashes with {self.config.checksum}, the digests sent are {checksum}"
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
         """Ask the engine to re-hash tensors by name (SGLang's update-weights checker, hashing with the
         ``config.checksum`` its workers were started with: digests of another algorithm are refused)."""
         if checksum != self.config.checksum:
-            return False, (f"engine {self.engine_id} hashes with {self.config.checksum}, the digests sent are "
-                           f"{checksum}")
+            return False, self._other_checksum(checksum)
         with self._lock:
             return self._server.verify(expected_digests)
 

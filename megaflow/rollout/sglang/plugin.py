@@ -17,12 +17,9 @@ slot in its payload (``weights.KEEP_KEY``); the worker keeps that tensor under t
 kept there before), so torch's shared-storage cache hands the next sync's unpickling the same mapping.
 At most one mapping per slot is kept: the memory of the synced tensors, which the trainer's side holds anyway.
 
-Hashing. SGLang's update-weights checker hashes each tensor's ``.numpy().tobytes()`` with SHA-256: a full copy
-of every tensor before SHA-256 reads it (measured: 0.45 s vs 0.24 s for 491 MB hashed from the tensor's own
-memory). The plugin replaces its ``compute_tensor_sha256`` with ``megaflow.bridge.checksum.tensor_digest`` -- the
-function the bridge hashes with on the trainer's side (dtype string, shape tuple repr, raw bytes; with sha256 the
-same digests as SGLang's) -- which hashes the bytes in place, with the algorithm named by ``CHECKSUM_VAR`` in
-the worker's environment (``EngineServer.start`` sets it from the engine's ``checksum``; default xxh3).
+Hashing and checks. The worker hashes the tensors it holds with megaflow's checksum (in place of SGLang's
+SHA-256 of a copy), and checks an update that carries its tensors' digests in the same request: see
+``megaflow.rollout.sglang.weight_checks``.
 
 Sockets. A single-node engine's workers rendezvous through a file in the engine's private directory (a
 ``tempfile.mkdtemp``, mode 0700, made by ``EngineServer.start`` and named to the workers by ``SOCKET_DIR_VAR``)
@@ -40,12 +37,12 @@ from __future__ import annotations
 import gc
 import os
 
+from megaflow.rollout.sglang import weight_checks
+
 ENV_VAR = "MEGAFLOW_SGLANG_GC_FREEZE"
 HOOK_TARGET = "sglang.multimodal_gen.runtime.managers.scheduler.Scheduler.__init__"
 PAYLOAD_TARGET = ("sglang.multimodal_gen.runtime.post_training.weights_updater.WeightsUpdater."
                   "_materialize_weights_iter")
-HASH_TARGET = "sglang.multimodal_gen.runtime.post_training.tensor_update_checker.compute_tensor_sha256"
-CHECKSUM_VAR = "MEGAFLOW_SGLANG_CHECKSUM"
 ENDPOINT_TARGET = "sglang.multimodal_gen.runtime.server_args.server_args.ServerArgs.scheduler_endpoint_for"
 RENDEZVOUS_TARGET = "sglang.multimodal_gen.runtime.distributed.parallel_state.init_distributed_environment"
 SOCKET_DIR_VAR = "MEGAFLOW_SGLANG_SOCKET_DIR"
@@ -60,8 +57,8 @@ _socket_dirs: dict[int, str] = {}
 
 
 def register() -> None:
-    """SGLang's plugin callback: hook the scheduler's constructor and the weight updater's payload reader
-    and its tensor hash (only when ``ENV_VAR`` is "1")."""
+    """SGLang's plugin callback: hook the scheduler's constructor, the weight updater's payload reader, its
+    tensor hash and its updates (only when ``ENV_VAR`` is "1")."""
     if os.environ.get(ENV_VAR) != "1":
         return
     from sglang.multimodal_gen.runtime.platforms.plugins import plugin_hook
@@ -69,7 +66,9 @@ def register() -> None:
 
     plugin_hook(HOOK_TARGET)(freeze_heap)
     plugin_hook(PAYLOAD_TARGET)(keep_mapping)
-    plugin_hook(HASH_TARGET, HookType.REPLACE)(tensor_digest)
+    plugin_hook(weight_checks.HASH_TARGET, HookType.REPLACE)(weight_checks.tensor_digest)
+    plugin_hook(weight_checks.UPDATE_TARGET, HookType.AROUND)(weight_checks.check_update)
+    plugin_hook(weight_checks.COPY_TARGET, HookType.AROUND)(weight_checks.hash_as_copied)
     plugin_hook(ENDPOINT_TARGET, HookType.AROUND)(private_scheduler_endpoint)
     plugin_hook(RENDEZVOUS_TARGET, HookType.AROUND)(private_rendezvous)
 
@@ -116,16 +115,6 @@ def freeze_heap(result, *args, **kwargs) -> None:
     """After ``Scheduler.__init__``: collect once, then freeze every surviving object."""
     gc.collect()
     gc.freeze()
-
-
-def tensor_digest(tensor) -> str:
-    """In place of SGLang's ``compute_tensor_sha256``: megaflow's digest (``CHECKSUM_VAR``'s algorithm, default
-    xxh3), hashed from the tensor's own bytes."""
-    from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
-
-    from megaflow.bridge.checksum import DEFAULT, tensor_digest as digest
-
-    return digest(_materialize_local_tensor(tensor), os.environ.get(CHECKSUM_VAR) or DEFAULT)
 
 
 def keep_mapping(result, updater, module_payload, *args, **kwargs) -> None:

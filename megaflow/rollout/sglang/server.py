@@ -37,7 +37,7 @@ from sglang.multimodal_gen.runtime.server_args import ServerArgs
 
 from megaflow.bridge.checksum import DEFAULT
 from megaflow.parallel.placement import worker_visible_devices
-from megaflow.rollout.sglang import plugin
+from megaflow.rollout.sglang import plugin, weight_checks
 from megaflow.rollout.sglang.weights import flatten, update_request
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -184,7 +184,7 @@ class EngineServer:
               num_threads: int | None = None, checksum: str = DEFAULT) -> EngineServer:
         """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
         pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``_worker_threads``);
-        ``checksum``: how they hash tensors for ``verify`` (megaflow's plugin, ``plugin.CHECKSUM_VAR``);
+        ``checksum``: how they hash tensors for ``verify`` (megaflow's plugin, ``weight_checks.CHECKSUM_VAR``);
         their output goes to ``log_file`` if given, as does what sglang logs in this process while they start
         (server args, start messages)."""
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
@@ -195,7 +195,7 @@ class EngineServer:
         server_args = None
         try:
             with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
-                  _env_var(plugin.CHECKSUM_VAR, checksum), _env_var(plugin.SOCKET_DIR_VAR, socket_dir),
+                  _env_var(weight_checks.CHECKSUM_VAR, checksum), _env_var(plugin.SOCKET_DIR_VAR, socket_dir),
                   _worker_output(log_file)):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
@@ -237,15 +237,26 @@ class EngineServer:
 
 
     # weights
-    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence, *,
-                           keep: str | None = None) -> tuple[bool, str]:
+    def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence, *, keep: str | None = None,
+                           digests: dict[str, str] | None = None) -> tuple[bool, str]:
         """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU;
-        ``keep``: a staging slot's key) into the DiT. Not verified: SGLang skips unknown names and still
-        reports success (``verify``)."""
-        out, error = self._control(update_request(flat, metadata, keep=keep))
+        ``keep``: a staging slot's key) into the DiT. ``digests`` ({name: digest} of the tensors as sent): the
+        load is checked against them -- in the same request on a single-rank engine (``weight_checks``), else by
+        a check request after it. Without them it is not verified: SGLang skips unknown names and still reports
+        success."""
+        in_request = digests if digests and self.single_rank else None
+        out, error = self._control(update_request(flat, metadata, keep=keep, digests=in_request))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
-        return True, f"updated {len(metadata)} tensors (not verified)"
+        if digests and in_request is None:
+            ok, message = self.verify(digests)
+            return ok, message if ok else f"weights not verified after update: {message}"
+        return True, str((out or {}).get("message")) if digests else f"updated {len(metadata)} tensors (not verified)"
+
+    @property
+    def single_rank(self) -> bool:
+        """The engine runs in one worker process (no tensor or sequence parallel ranks)."""
+        return int(getattr(self.server_args, "num_gpus", 1) or 1) == 1
 
     def update_lora_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, alpha: float,
                                  rank: int) -> tuple[bool, str]:

@@ -11,6 +11,8 @@ tensors (views of ``flat``) before copying them into its DiT parameters.
   payload (``KEEP_KEY``); the worker then keeps the mapping of the slot's memory under it (megaflow's SGLang
   plugin), so the next sync's send of the same memory finds it mapped already (torch's shared-storage cache):
   no new mapping, no page faults on the first read of every page, no unmapping after the update.
+- ``digests``: the sender's digests of the bucket's tensors ride in the payload (``DIGESTS_KEY``); the worker
+  checks the update against them in the same request (``megaflow.rollout.sglang.weight_checks``).
 - CUDA: the payload carries a CUDA IPC handle of ``flat``'s memory (torch's CUDA tensor pickling; the
   worker waits on the producer's event before reading). The device travels as its GPU UUID (SGLang's
   ``monkey_patch_torch_reductions``, applied in this process as SGLang's own senders do; it changes how
@@ -28,7 +30,7 @@ from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-from megaflow.rollout.sglang import plugin
+from megaflow.rollout.sglang import plugin, weight_checks
 
 TARGET_MODULE = "transformer"
 KEEP_KEY = plugin.KEEP_KEY
@@ -47,11 +49,13 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
 
 
 def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float, int] | None = None,
-                   keep: str | None = None) -> UpdateWeightFromTensorReqInput:
+                   keep: str | None = None, digests: dict[str, str] | None = None) -> UpdateWeightFromTensorReqInput:
     """The request that loads one bucket into the engine's DiT. ``metadata``: objects with SGLang's
     ``FlattenedTensorMetadata`` fields (name, shape, dtype, start_idx, end_idx, numel: byte offsets).
     ``lora = (alpha, rank)``: the bucket holds LoRA adapters, merged by SGLang's ``weight_update_mode="lora_merge"``.
-    ``keep``: ``flat`` is staging-slot memory under this key, reused by later syncs (the worker keeps it mapped)."""
+    ``keep``: ``flat`` is staging-slot memory under this key, reused by later syncs (the worker keeps it mapped).
+    ``digests``: {name: digest} of the tensors as sent, which the worker checks the update against (a single-rank
+    engine's worker; see ``weight_checks``)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
     if flat.is_cuda:
@@ -62,7 +66,8 @@ def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float,
         uuids = None
     meta = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=int(m.start_idx),
                                     end_idx=int(m.end_idx), numel=int(m.numel)) for m in metadata]
-    payload = {TARGET_MODULE: {"flattened_tensor": flat, "metadata": meta, **({KEEP_KEY: keep} if keep else {})}}
+    extra = {**({KEEP_KEY: keep} if keep else {}), **({weight_checks.DIGESTS_KEY: dict(digests)} if digests else {})}
+    payload = {TARGET_MODULE: {"flattened_tensor": flat, "metadata": meta, **extra}}
     mode = {} if lora is None else {"weight_update_mode": "lora_merge", "lora_alpha": lora[0], "lora_rank": lora[1]}
     return UpdateWeightFromTensorReqInput(
         serialized_named_tensors=[MultiprocessingSerializer.serialize(payload, output_str=True)],

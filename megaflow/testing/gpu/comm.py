@@ -154,11 +154,14 @@ class _IPCEngine:
     def __init__(self, requests, replies, uuid: str):
         self.requests, self.replies, self.uuid = requests, replies, uuid
 
-    def load_bucket(self, bucket, *, verify: bool = True):
+    def load_bucket(self, bucket, *, digests: dict | None = None, checksum: str = "xxh3"):
+        """Load in the child, then (``digests``) have the child re-hash what it holds against them."""
         from megaflow.bridge.base import WeightUpdateResult
 
         self.requests.put(("load", bucket.flat, bucket.metadata, self.uuid))
         ok, message, nbytes = self.replies.get(timeout=60)
+        if ok and digests:
+            ok, message = self.verify_weights(digests, checksum=checksum)
         return WeightUpdateResult(ok=ok, num_bytes=nbytes, message=message)
 
     def verify_weights(self, expected_digests: dict, *, checksum: str = "xxh3") -> tuple[bool, str]:
