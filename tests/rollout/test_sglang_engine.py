@@ -239,7 +239,8 @@ def test_engine_refuses_a_bucket_damaged_after_it_was_hashed(engine, reference, 
 def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
     """A verified colocated sync leaves the engine holding exactly the bytes sent (SGLang's own checksum of
     the sent tensors, computed here), in well under 0.3 s for the 1.2 MB tiny DiT (0.6 s before the
-    plugin froze the workers' heaps: SGLang's per-update gc.collect)."""
+    plugin froze the workers' heaps: SGLang's per-update gc.collect), also when a later sync only names the
+    staging slot the worker keeps mapped."""
     from megaflow.bridge.colocated import ColocatedBridge
     gen = torch.Generator().manual_seed(1)
     state = {n: p + 0.01 * torch.randn(p.shape, generator=gen) for n, p in reference.transformer.state_dict().items()}
@@ -252,6 +253,14 @@ def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
         assert report.verified and report.num_tensors == len(state), report
     assert engine.checksum() == sglang_engine.weights_checksum(state.items())
     assert sorted(seconds)[1] < 0.3, seconds
+    # later syncs name the staging slot the worker keeps instead of sending its memory again, and read the
+    # slot's new bytes through the kept mapping
+    kept = dict(engine._server._kept_slots)
+    assert kept and all(t.is_shared() for t in kept.values())
+    newer = {n: t + 0.01 for n, t in state.items()}
+    assert bridge.push(newer.items()).verified
+    assert engine.checksum() == sglang_engine.weights_checksum(newer.items())
+    assert all(engine._server._kept_slots[k] is t for k, t in kept.items())
     assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok  # back to the pipeline's weights
 
 

@@ -65,33 +65,48 @@ def test_rejects_a_non_flat_tensor():
 
 def test_slot_payload_names_its_key_and_the_plugin_keeps_its_mapping():
     """A bucket from a staging slot carries the slot's key (SGLang's reader ignores the extra entry); the
-    plugin's hook on that reader keeps the worker's tensor under the key, replacing what it kept there."""
+    plugin's hook around that reader keeps the worker's tensor under the key, replacing what it kept there. A
+    later payload of the same memory (``kept``) names the key alone and reads the tensor kept there; a key the
+    worker does not hold is refused."""
     from megaflow.bridge.buckets import StagingSlots
     from megaflow.rollout.sglang import plugin
     from sglang.srt.utils import MultiprocessingSerializer
     slots = StagingSlots()
     bucket = pack(_named(), staging=slots)
     assert bucket.slot and bucket.flat.is_shared()
-    req = weights.update_request(bucket.flat, bucket.metadata, keep=bucket.slot)
-    module_payload = MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])["transformer"]
+
+    def received(**kw):
+        req = weights.update_request(bucket.flat, bucket.metadata, keep=bucket.slot, **kw)
+        return MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])["transformer"]
+    module_payload = received()
     assert module_payload[weights.KEEP_KEY] == bucket.slot
-    got = _worker_side_of(module_payload)
-    assert [n for n, _ in got] == [n for n, _ in _named()]
     try:
-        assert plugin.keep_mapping(got, None, module_payload, "flattened_bucket") is None  # result unchanged
+        got = plugin.keep_mapping(_reader, None, module_payload, "flattened_bucket")
+        assert [n for n, _ in got] == [n for n, _ in _named()]
         assert plugin._kept[bucket.slot] is module_payload["flattened_tensor"]
-        plugin.keep_mapping(got, None, {"flattened_tensor": torch.zeros(1), "metadata": []}, "flattened_bucket")
+        named_only = received(kept=True)
+        assert "flattened_tensor" not in named_only
+        again = plugin.keep_mapping(_reader, None, named_only, "flattened_bucket")
+        assert named_only["flattened_tensor"] is module_payload["flattened_tensor"]
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for (_, a), (_, b) in zip(got, again))
+        plugin.keep_mapping(_reader, None, {"flattened_tensor": torch.zeros(1), "metadata": []}, "flattened_bucket")
         assert list(plugin._kept) == [bucket.slot]  # no key: nothing kept
+        plugin._kept.clear()
+        with pytest.raises(ValueError, match="not mapped in this worker"):
+            plugin.keep_mapping(_reader, None, received(kept=True), "flattened_bucket")
     finally:
         plugin._kept.clear()
     assert weights.KEEP_KEY not in MultiprocessingSerializer.deserialize(
         weights.update_request(bucket.flat, bucket.metadata).serialized_named_tensors[0])["transformer"]
+    with pytest.raises(ValueError, match="kept=True names a staging slot"):
+        weights.update_request(bucket.flat, bucket.metadata, kept=True)
 
 
-def _worker_side_of(module_payload):
+def _reader(updater, module_payload, load_format):
+    """SGLang's flattened-bucket reader (the hooked ``_materialize_weights_iter``), as a list."""
     from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
-    updater = WeightsUpdater.__new__(WeightsUpdater)
-    return list(updater._materialize_weights_iter(module_payload, "flattened_bucket"))
+    return list(WeightsUpdater._materialize_weights_iter(WeightsUpdater.__new__(WeightsUpdater), module_payload,
+                                                          load_format))
 
 
 def test_worker_tensor_hash_matches_sglangs_and_the_bridges(monkeypatch):

@@ -14,8 +14,10 @@ the update is done the tensor is dropped and the memory unmapped, so every sync 
 pays a page fault on the first read of every 4 KiB page, then the unmapping (measured on a 491 MB DiT: the
 worker's copy into its parameters took ~5x a plain copy). A bucket from a bridge's staging slot names the
 slot in its payload (``weights.KEEP_KEY``); the worker keeps that tensor under the key (replacing what it
-kept there before), so torch's shared-storage cache hands the next sync's unpickling the same mapping.
-At most one mapping per slot is kept: the memory of the synced tensors, which the trainer's side holds anyway.
+kept there before). The next sync's bucket in the same memory then names the key alone, without the memory's
+handle (``EngineServer`` knows which slots its workers hold): no file descriptor is passed (a connection back to
+the sender per bucket) and nothing is mapped; the worker reads the memory it kept. At most one mapping per
+slot is kept: the memory of the synced tensors, which the trainer's side holds anyway.
 
 Hashing and checks. The worker hashes the tensors it holds with megaflow's checksum (in place of SGLang's
 SHA-256 of a copy), and checks an update that carries its tensors' digests in the same request: see
@@ -65,7 +67,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookType
 
     plugin_hook(HOOK_TARGET)(freeze_heap)
-    plugin_hook(PAYLOAD_TARGET)(keep_mapping)
+    plugin_hook(PAYLOAD_TARGET, HookType.AROUND)(keep_mapping)
     plugin_hook(weight_checks.HASH_TARGET, HookType.REPLACE)(weight_checks.tensor_digest)
     plugin_hook(weight_checks.UPDATE_TARGET, HookType.AROUND)(weight_checks.check_update)
     plugin_hook(weight_checks.COPY_TARGET, HookType.AROUND)(weight_checks.hash_as_copied)
@@ -117,8 +119,16 @@ def freeze_heap(result, *args, **kwargs) -> None:
     gc.freeze()
 
 
-def keep_mapping(result, updater, module_payload, *args, **kwargs) -> None:
-    """After ``WeightsUpdater._materialize_weights_iter``: keep a staging slot's flattened tensor (and so its
-    mapping) under the slot's key; payloads without a key are left alone."""
+def keep_mapping(original, updater, module_payload, *args, **kwargs):
+    """Around ``WeightsUpdater._materialize_weights_iter``: a staging slot's payload (``KEEP_KEY``) either brings
+    the slot's flattened tensor, kept under the key (and so its mapping), or names the key alone and gets the
+    tensor kept there; payloads without a key are left alone."""
     if isinstance(module_payload, dict) and module_payload.get(KEEP_KEY):
-        _kept[str(module_payload[KEEP_KEY])] = module_payload.get("flattened_tensor")
+        key = str(module_payload[KEEP_KEY])
+        if module_payload.get("flattened_tensor") is not None:
+            _kept[key] = module_payload["flattened_tensor"]
+        elif key in _kept:
+            module_payload["flattened_tensor"] = _kept[key]
+        else:
+            raise ValueError(f"staging slot {key} is not mapped in this worker")
+    return original(updater, module_payload, *args, **kwargs)

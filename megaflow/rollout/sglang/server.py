@@ -176,6 +176,8 @@ class EngineServer:
         self.server_args, self.processes, self.client, self.family = server_args, processes, client, family
         self.socket_dir = socket_dir  # the workers' private rendezvous and ipc sockets (``start``), removed by ``stop``
         self.pids = [p.pid for p in processes]
+        self._kept_slots: dict[str, torch.Tensor] = {}
+        """Staging-slot key -> the tensor whose memory these workers keep under it (``update_from_bucket``)."""
         # Children the workers spawned: ours too, so shutdown stops them (psutil guards PID reuse).
         self.children = [c for pid in self.pids for c in psutil.Process(pid).children(recursive=True)]
 
@@ -240,14 +242,17 @@ class EngineServer:
     def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence, *, keep: str | None = None,
                            digests: dict[str, str] | None = None) -> tuple[bool, str]:
         """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU;
-        ``keep``: a staging slot's key) into the DiT. ``digests`` ({name: digest} of the tensors as sent): the
-        load is checked against them -- in the same request on a single-rank engine (``weight_checks``), else by
-        a check request after it. Without them it is not verified: SGLang skips unknown names and still reports
-        success."""
+        ``keep``: a staging slot's key; memory the workers already hold under it is named, not sent) into the
+        DiT. ``digests`` ({name: digest} of the tensors as sent): the load is checked against them -- in the same
+        request on a single-rank engine (``weight_checks``), else by a check request after it. Without them it is
+        not verified: SGLang skips unknown names and still reports success."""
         in_request = digests if digests and self.single_rank else None
-        out, error = self._control(update_request(flat, metadata, keep=keep, digests=in_request))
+        kept = keep is not None and self._kept_slots.pop(keep, None) is flat  # forgotten unless this load succeeds
+        out, error = self._control(update_request(flat, metadata, keep=keep, kept=kept, digests=in_request))
         if error or not (out or {}).get("success"):
             return False, f"update_weights_from_tensor failed: {error or out}"
+        if keep is not None:  # the workers hold this memory under the key now (StagingSlots: the same tensor
+            self._kept_slots[keep] = flat  # object for as long as the slot keeps its memory)
         if digests and in_request is None:
             ok, message = self.verify(digests)
             return ok, message if ok else f"weights not verified after update: {message}"

@@ -9,8 +9,8 @@ tensors (views of ``flat``) before copying them into its DiT parameters.
   there, so none). The payload carries a file-descriptor handle that the worker opens once, so a payload
   is built per send. A bucket from a staging slot (``keep``: the slot's key) also names that key in the
   payload (``KEEP_KEY``); the worker then keeps the mapping of the slot's memory under it (megaflow's SGLang
-  plugin), so the next sync's send of the same memory finds it mapped already (torch's shared-storage cache):
-  no new mapping, no page faults on the first read of every page, no unmapping after the update.
+  plugin), and a later send of the same memory (``kept``) names the key alone: no handle passed, no new
+  mapping, no page faults on the first read of every page, no unmapping after the update.
 - ``digests``: the sender's digests of the bucket's tensors ride in the payload (``DIGESTS_KEY``); the worker
   checks the update against them in the same request (``megaflow.rollout.sglang.weight_checks``).
 - CUDA: the payload carries a CUDA IPC handle of ``flat``'s memory (torch's CUDA tensor pickling; the
@@ -49,11 +49,13 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
 
 
 def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float, int] | None = None,
-                   keep: str | None = None, digests: dict[str, str] | None = None) -> UpdateWeightFromTensorReqInput:
+                   keep: str | None = None, kept: bool = False, digests: dict[str, str] | None = None
+                   ) -> UpdateWeightFromTensorReqInput:
     """The request that loads one bucket into the engine's DiT. ``metadata``: objects with SGLang's
     ``FlattenedTensorMetadata`` fields (name, shape, dtype, start_idx, end_idx, numel: byte offsets).
     ``lora = (alpha, rank)``: the bucket holds LoRA adapters, merged by SGLang's ``weight_update_mode="lora_merge"``.
-    ``keep``: ``flat`` is staging-slot memory under this key, reused by later syncs (the worker keeps it mapped).
+    ``keep``: ``flat`` is staging-slot memory under this key, reused by later syncs (the worker keeps it mapped);
+    ``kept``: the worker holds that memory under the key already, so the payload names the key without ``flat``.
     ``digests``: {name: digest} of the tensors as sent, which the worker checks the update against (a single-rank
     engine's worker; see ``weight_checks``)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
@@ -67,7 +69,10 @@ def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float,
     meta = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=int(m.start_idx),
                                     end_idx=int(m.end_idx), numel=int(m.numel)) for m in metadata]
     extra = {**({KEEP_KEY: keep} if keep else {}), **({weight_checks.DIGESTS_KEY: dict(digests)} if digests else {})}
-    payload = {TARGET_MODULE: {"flattened_tensor": flat, "metadata": meta, **extra}}
+    if kept and not keep:
+        raise ValueError("kept=True names a staging slot: pass its key as keep")
+    sent = {} if kept else {"flattened_tensor": flat}
+    payload = {TARGET_MODULE: {**sent, "metadata": meta, **extra}}
     mode = {} if lora is None else {"weight_update_mode": "lora_merge", "lora_alpha": lora[0], "lora_rank": lora[1]}
     return UpdateWeightFromTensorReqInput(
         serialized_named_tensors=[MultiprocessingSerializer.serialize(payload, output_str=True)],
