@@ -145,10 +145,14 @@ def test_digests_ride_in_the_payload_and_the_worker_pops_them():
 def test_worker_hashes_each_parameter_right_after_sglang_copies_into_it(monkeypatch):
     """``hash_as_copied`` around SGLang's own ``load_weights_into_model``: each named parameter is hashed once,
     after its copy (the digests are those of the new values), and only during a checked update."""
-    from sglang.multimodal_gen.runtime.post_training.weights_updater import load_weights_into_model
+    import inspect
+
+    from sglang.multimodal_gen.runtime.post_training import weights_updater
 
     from megaflow.bridge.checksum import tensor_digest
     from megaflow.rollout.sglang import weight_checks
+    # SGLang's own function, not the plugin's hook around it (applied in this process once an engine started here)
+    load_weights_into_model = inspect.unwrap(weights_updater.load_weights_into_model)
     monkeypatch.delenv(weight_checks.CHECKSUM_VAR, raising=False)
     named = [(n, t.float()) for n, t in _named()]
     params = {n: torch.nn.Parameter(torch.zeros_like(t), requires_grad=False) for n, t in named}
