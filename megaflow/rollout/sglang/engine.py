@@ -279,7 +279,7 @@ class SGLangEngine:
         reports success, so without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
         into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
         bf16 model) must not be rounded on the way."""
-        named = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        named = list(named_tensors)  # flattened and hashed: read twice
         flat, metadata = flatten(named)
         digests = {n: tensor_digest(t, self.config.checksum) for n, t in named} if verify else None
         return self._load(flat, metadata, digests=digests)

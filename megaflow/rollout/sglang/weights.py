@@ -68,9 +68,9 @@ def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float,
         uuids = None
     meta = [FlattenedTensorMetadata(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=int(m.start_idx),
                                     end_idx=int(m.end_idx), numel=int(m.numel)) for m in metadata]
-    extra = {**({KEEP_KEY: keep} if keep else {}), **({weight_checks.DIGESTS_KEY: dict(digests)} if digests else {})}
     if kept and not keep:
         raise ValueError("kept=True names a staging slot: pass its key as keep")
+    extra = {**({KEEP_KEY: keep} if keep else {}), **({weight_checks.DIGESTS_KEY: dict(digests)} if digests else {})}
     sent = {} if kept else {"flattened_tensor": flat}
     payload = {TARGET_MODULE: {**sent, "metadata": meta, **extra}}
     mode = {} if lora is None else {"weight_update_mode": "lora_merge", "lora_alpha": lora[0], "lora_rank": lora[1]}
