@@ -16,10 +16,11 @@ TINY = ["--set", "rollout.prompts_per_iter=2", "--set", "rollout.group_size=3", 
         "--set", "rollout.height=32", "--set", "rollout.width=32", "--set", "train.micro_batch_size=3"]
 
 
-def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str = "configs/cpu_demo.toml") -> dict:
+def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str = "configs/cpu_demo.toml",
+           base: tuple[str, ...] | list[str] = TINY) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     args = ["-c", config, "--json", "--set", f'run.output_dir="{tmp_path}"',
-            "--set", f'run.name="{name}"', *TINY, *extra]
+            "--set", f'run.name="{name}"', *base, *extra]
     if nproc == 1:
         cmd = [str(BIN / "megaflow"), "train", *args]
     else:
@@ -31,19 +32,51 @@ def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str =
     return json.loads(last)
 
 
+def _synchronous_run(tmp_path: Path, name: str) -> tuple[dict, list[dict], list[dict]]:
+    """``train.max_staleness = 0`` with the settings of the recorded run ``name`` (tests/run/data/
+    synchronous_rows.json, written by tools/record_loop_rows.py from the loop before train.max_staleness
+    existed): (the last metrics, this run's rows, the recorded rows)."""
+    recorded = json.loads((REPO / "tests" / "run" / "data" / "synchronous_rows.json").read_text())
+    assert recorded["config"] == "configs/cpu_demo.toml"
+    settings = [arg for s in recorded["runs"][name]["settings"] for arg in ("--set", s)]
+    m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", base=())
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return m, rows, recorded["runs"][name]["rows"]
+
+
+def _assert_rows_equal(rows: list[dict], recorded: list[dict]) -> None:
+    """Every recorded key (all but times and memory) has exactly the recorded value, row by row: rewards,
+    advantages, losses, gradient norms, sync sizes. Keys added since may appear besides."""
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in recorded]
+    for row, ref in zip(rows, recorded):
+        assert len(ref) >= 6
+        differ = {k: (row.get(k), v) for k, v in ref.items() if row.get(k) != v}
+        assert not differ, f"iteration {ref['iteration']}: (now, recorded) {differ}"
+
+
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_colocated(tmp_path):
-    m = _train(tmp_path, "colo", "--set", "train.iterations=2")
+def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
+    """FlowGRPO, 3 iterations at train.max_staleness = 0: the recorded rows of the loop before the
+    asynchronous one, bit for bit."""
+    m, rows, recorded = _synchronous_run(tmp_path, "flowgrpo")
     assert m["sync/verified"] == 1.0 and m["sync/tensors"] > 0
     # The megatron trainer recomputes the engine's per-step log-probs from the returned trajectory.
     assert m["train/logp_abs_diff_rollout"] <= 1e-5, m
     assert m["train/update_ok"] == 1.0 and m["train/grad_norm"] > 0
     assert m["reward/masked_frac"] == 0.0
-    run = tmp_path / "colo"
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2]
-    assert (run / "config.toml").is_file()
+    assert "rollout/staleness" not in m
+    assert (tmp_path / "flowgrpo" / "config.toml").is_file()
+    _assert_rows_equal(rows, recorded)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
+    """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows, bit for bit."""
+    m, rows, recorded = _synchronous_run(tmp_path, "nft")
+    assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
+    _assert_rows_equal(rows, recorded)
 
 
 @pytest.mark.slow
