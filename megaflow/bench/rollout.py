@@ -182,14 +182,17 @@ def bench_rollout(pipeline_dir: str, *, engines: Sequence[int] = (1, 2), groups:
         if base is not None:
             base.shutdown()
     if base is not None:
-        # the baseline timed next to the largest engine count: same load conditions as the number it is compared to
-        best = str(max(engines))
-        base_rate = result["runs"][best]["baseline"]["images_per_s"]
-        result["baseline_images_per_s"] = round(base_rate, 3)
-        result["ratio"] = round(result["images_per_s"][best] / base_rate, 3)
-        result["ratio_per_engine_count"] = {
-            k: round(result["images_per_s"][k] / r["baseline"]["images_per_s"], 3) for k, r in result["runs"].items()}
-        # the same comparison from median call times: robust to load spikes from other processes
-        result["ratio_median"] = round(result["runs"][best]["engines"]["images_per_s_median"]
-                                       / result["runs"][best]["baseline"]["images_per_s_median"], 3)
+        result.update(_ratios(result, str(max(engines))))
     return result
+
+
+def _ratios(result: dict, best: str) -> dict:
+    """The engines' images/s over the baseline's, each taken next to the other: for the largest engine count
+    ``best`` (also from median call times, robust to load spikes from other processes) and for every count."""
+    base_rate = result["runs"][best]["baseline"]["images_per_s"]
+    return {"baseline_images_per_s": round(base_rate, 3),
+            "ratio": round(result["images_per_s"][best] / base_rate, 3),
+            "ratio_per_engine_count": {k: round(result["images_per_s"][k] / r["baseline"]["images_per_s"], 3)
+                                       for k, r in result["runs"].items()},
+            "ratio_median": round(result["runs"][best]["engines"]["images_per_s_median"]
+                                  / result["runs"][best]["baseline"]["images_per_s_median"], 3)}

@@ -138,7 +138,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaflow", description="megaflow: RL post-training of flow-matching diffusion transformers (FlowGRPO, DiffusionNFT; megatron-core trainer, SGLang rollout).")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_config_parsers(sub)
+    _add_run_parsers(sub)
+    _add_export_parser(sub)
+    add_bench_parsers(sub)
+    _add_eval_parsers(sub)
+    return parser
 
+
+def _add_config_parsers(sub) -> None:
+    """``megaflow config show`` and ``megaflow plan``: a config read and checked, nothing started."""
     p_cfg = sub.add_parser("config", help="Inspect configs.")
     cfg_sub = p_cfg.add_subparsers(dest="config_command", required=True)
     p_show = cfg_sub.add_parser("show", help="Validate a run file with overrides and print the resolved TOML.")
@@ -157,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
     p_plan.set_defaults(handler=_cmd_plan)
 
+
+def _add_run_parsers(sub) -> None:
+    """``megaflow train``, ``demo`` and ``pretrain``: the commands that run a config."""
     p_train = sub.add_parser("train", help="RL training (algo.name: flowgrpo or nft): SGLang rollouts -> rewards -> "
                              "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     add_config_args(p_train)
@@ -180,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
     p_pre.set_defaults(handler=_cmd_pretrain)
 
+
+def _add_export_parser(sub) -> None:
     p_exp = sub.add_parser("export", help="Write a run's checkpoint as a diffusers pipeline: the run's pipeline "
                            "with the transformer weights replaced by the checkpoint's, every other component copied.")
     p_exp.add_argument("--run", type=Path, required=True, help="Run dir (<run.output_dir>/<run.name>).")
@@ -196,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     p_exp.set_defaults(handler=_cmd_export)
 
-    add_bench_parsers(sub)
 
+def _add_eval_parsers(sub) -> None:
+    """``megaflow eval shapes`` and ``megaflow eval reward``: scores of images."""
     p_eval = sub.add_parser("eval", help="Evaluate images.")
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
     p_shapes = eval_sub.add_parser("shapes", help="ShapeEval: score generated images, or the checker's ceiling "
@@ -236,7 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
     p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
                        "(null for an image the reward failed on).")
     p_rew.set_defaults(handler=_cmd_eval_reward)
-    return parser
 
 
 def _quiet_third_party() -> None:

@@ -167,83 +167,35 @@ def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
 
 
 def run(cfg: MegaflowConfig) -> dict:
-    from megaflow.trainer.settings import scheduled_lr, set_lr, transformer_kwargs
-    from megaflow.models.registry import get_family
+    """Pretrain the pipeline of ``cfg`` (``pretrain.*``): the last evaluation row ({} on ranks other than 0)."""
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import current_device, init_distributed
-    from megaflow.models.pipeline_meta import META_FILE
-    from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline, transformer_config
-    from megaflow.trainer.runner import Trainer, adam_config
+    from megaflow.pretrain.pipeline import assemble
+    from megaflow.trainer.settings import scheduled_lr, set_lr
 
     torch.set_num_threads(cfg.run.num_threads)
     par, p = cfg.parallel, cfg.pretrain
     init_distributed(ParallelDims(tp=par.tp, pp=par.pp, cp=par.cp, sp=par.sp, vpp=par.vpp or None), seed=cfg.run.seed)
-    rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    if rank0:
+    if dist.get_rank() == 0:
         save_config(cfg, run_dir)
     t_start = time.perf_counter()
-    init_state, previous = None, {}
-    if p.init_from:
-        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from))
-        stats = {"init_from": p.init_from, "previous": previous}
-        if tcfg["sample_size"] * 2 != p.resolution:
-            raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} "
-                             f"({tcfg['sample_size'] * 2} px)")
-    else:
-        text, vae, stats = build_parts(cfg, run_dir)
-        tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
-                                  head_dim=p.head_dim)
-    pipe = assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=init_state, seed=cfg.run.seed)
+    parts = _pipeline_parts(cfg, run_dir)
+    pipe = assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
+                    transformer_state=parts.transformer_state, seed=cfg.run.seed)
     device = current_device()  # the DiT trains here; the VAE encodes the pool and decodes samples here too
-    vae_on_device = copy.deepcopy(vae).to(device) if device.type != "cpu" else vae
+    vae_on_device = copy.deepcopy(parts.vae).to(device) if device.type != "cpu" else parts.vae
     pool = build_pool(cfg, pipe, vae_on_device)
     _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
-
-    family = get_family("sd3")
-    tdir = run_dir / ".init-transformer"
-    if rank0:
-        pipe.transformer.save_pretrained(tdir, safe_serialization=True)
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    mcfg = family.config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
-    engine = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
-                     optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
-    engine.load_diffusers_state_dict(pipe.transformer.state_dict())
-    params = [q for m in engine.chunks for q in m.parameters()]
-    ema = EMA(params, p.ema_decay)
+    engine = _dit_trainer(cfg, pipe, run_dir)
+    ema = EMA([q for m in engine.chunks for q in m.parameters()], p.ema_decay)
     dp, dp_rank = _dp()
     if p.batch_size % dp:
         raise ValueError(f"pretrain.batch_size = {p.batch_size} must be divisible by the data-parallel size {dp}")
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    history, log_path = [], run_dir / "pretrain.jsonl"
-    t_dit, step, losses = time.perf_counter(), 0, []
-
-    def checkpoint(step: int) -> None:
-        ema.swap()
-        state = {n: t.to("cpu", copy=True)  # a copy: replicated tensors are views of the live weights
-                 for name, tensor in engine.iter_full_params()
-                 for n, t in family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
-        result = evaluate(cfg, engine, pipe, vae_on_device)
-        ema.swap()
-        if not rank0:
-            return
-        row = {"step": step, "minutes": (time.perf_counter() - t_dit) / 60, "loss": float(np.mean(losses[-100:])),
-               "accuracy": result["accuracy"], "partial": result["partial_mean"],
-               "per_category": result["per_category"], "seen": result["seen"]["per_category"]}
-        history.append(row)
-        with open(log_path, "a") as fh:
-            fh.write(json.dumps(row, sort_keys=True) + "\n")
-        _log(f"step {step} ({row['minutes']:.1f} min): loss {row['loss']:.4f} held-out acc {row['accuracy']:.3f} "
-             f"partial {row['partial']:.3f} per-category {json.dumps({k: round(v, 2) for k, v in row['per_category'].items()})}"
-             f" seen {json.dumps({k: round(v, 2) for k, v in row['seen'].items()})}")
-        meta = {"max_sequence_length": TEXT_LEN, "pretrain": {
-            "config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step, "history": history,
-            "parts": stats}}
-        save_pipeline(assemble(text=text, vae=vae, transformer_config=tcfg, transformer_state=state, seed=cfg.run.seed),
-                      run_dir / "pipeline", extra_files={META_FILE: json.dumps(meta, indent=2)})
-
-    while step < p.max_steps and (time.perf_counter() - t_dit) < p.minutes * 60:
+    recorder = _Recorder(cfg, run_dir, parts, engine, ema, pipe, vae_on_device)
+    step = 0
+    while step < p.max_steps and (time.perf_counter() - recorder.t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
         mb = {k: v.chunk(dp)[dp_rank].to(device) for k, v in mb.items()}
         set_lr(engine.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
@@ -251,14 +203,108 @@ def run(cfg: MegaflowConfig) -> dict:
         out = engine.train_step([mb])
         if not math.isfinite(float(out["loss"])):
             raise RuntimeError(f"pretrain: loss is {float(out['loss'])} at step {step}")
-        losses.append(float(out["loss"]))
+        recorder.losses.append(float(out["loss"]))
         step += 1
         ema.update(step)
         if step % p.eval_every == 0:
-            checkpoint(step)
+            recorder.checkpoint(step)
     if step % p.eval_every:
-        checkpoint(step)
-    return history[-1] if history else {}
+        recorder.checkpoint(step)
+    return recorder.history[-1] if recorder.history else {}
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What the DiT trains with: text components, VAE, transformer config and initial state (None: fresh), and
+    the record of how they were made (``stats``, saved in the pipeline's metadata)."""
+    text: object
+    vae: object
+    transformer_config: dict
+    transformer_state: dict | None
+    stats: dict
+
+
+def _pipeline_parts(cfg: MegaflowConfig, run_dir: Path) -> _Parts:
+    """``pretrain.init_from``'s parts (its resolution must match), else text encoders and VAE trained now and a
+    fresh transformer config."""
+    from megaflow.pretrain.pipeline import transformer_config
+
+    p = cfg.pretrain
+    if p.init_from:
+        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from))
+        if tcfg["sample_size"] * 2 != p.resolution:
+            raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} "
+                             f"({tcfg['sample_size'] * 2} px)")
+        return _Parts(text, vae, tcfg, init_state, {"init_from": p.init_from, "previous": previous})
+    text, vae, stats = build_parts(cfg, run_dir)
+    tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
+                              head_dim=p.head_dim)
+    return _Parts(text, vae, tcfg, None, stats)
+
+
+def _dit_trainer(cfg: MegaflowConfig, pipe, run_dir: Path):
+    """A megatron ``Trainer`` holding ``pipe``'s transformer (its config goes through a diffusers save on rank 0)."""
+    from megaflow.models.registry import get_family
+    from megaflow.trainer.runner import Trainer, adam_config
+    from megaflow.trainer.settings import transformer_kwargs
+
+    p = cfg.pretrain
+    tdir = run_dir / ".init-transformer"
+    if dist.get_rank() == 0:
+        pipe.transformer.save_pretrained(tdir, safe_serialization=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    mcfg = get_family("sd3").config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
+    engine = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
+                     optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
+    engine.load_diffusers_state_dict(pipe.transformer.state_dict())
+    return engine
+
+
+class _Recorder:
+    """Every evaluation of the DiT's EMA: a row in <run dir>/pretrain.jsonl and the pipeline saved with the EMA
+    weights (rank 0; every rank takes part in gathering and evaluating)."""
+
+    def __init__(self, cfg: MegaflowConfig, run_dir: Path, parts: _Parts, engine, ema, pipe, vae_on_device):
+        from megaflow.models.registry import get_family
+        self.cfg, self.run_dir, self.parts, self.engine, self.ema = cfg, run_dir, parts, engine, ema
+        self.pipe, self.vae_on_device, self.family = pipe, vae_on_device, get_family("sd3")
+        self.history: list[dict] = []
+        self.losses: list[float] = []
+        self.t_dit = time.perf_counter()
+
+    def checkpoint(self, step: int) -> None:
+        self.ema.swap()
+        engine = self.engine
+        state = {n: t.to("cpu", copy=True)  # a copy: replicated tensors are views of the live weights
+                 for name, tensor in engine.iter_full_params()
+                 for n, t in self.family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
+        result = evaluate(self.cfg, engine, self.pipe, self.vae_on_device)
+        self.ema.swap()
+        if dist.get_rank() != 0:
+            return
+        row = {"step": step, "minutes": (time.perf_counter() - self.t_dit) / 60,
+               "loss": float(np.mean(self.losses[-100:])), "accuracy": result["accuracy"],
+               "partial": result["partial_mean"], "per_category": result["per_category"],
+               "seen": result["seen"]["per_category"]}
+        self.history.append(row)
+        with open(self.run_dir / "pretrain.jsonl", "a") as fh:
+            fh.write(json.dumps(row, sort_keys=True) + "\n")
+        _log(f"step {step} ({row['minutes']:.1f} min): loss {row['loss']:.4f} held-out acc {row['accuracy']:.3f} "
+             f"partial {row['partial']:.3f} per-category {json.dumps({k: round(v, 2) for k, v in row['per_category'].items()})}"
+             f" seen {json.dumps({k: round(v, 2) for k, v in row['seen'].items()})}")
+        self._save(state, step)
+
+    def _save(self, state: dict, step: int) -> None:
+        from megaflow.models.pipeline_meta import META_FILE
+        from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline
+        cfg, parts = self.cfg, self.parts
+        meta = {"max_sequence_length": TEXT_LEN, "pretrain": {
+            "config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step, "history": self.history,
+            "parts": parts.stats}}
+        save_pipeline(assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
+                               transformer_state=state, seed=cfg.run.seed),
+                      self.run_dir / "pipeline", extra_files={META_FILE: json.dumps(meta, indent=2)})
 
 
 def _dp() -> tuple[int, int]:

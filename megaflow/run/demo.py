@@ -45,11 +45,39 @@ class PeakRSS:
         return self.peak / 2**30
 
 
+def _summary(cfg: MegaflowConfig, before: dict, after: dict, metrics: dict, *, wall: float,
+             peak_rss_gb: float) -> dict:
+    """summary.json: ShapeEval before and after, the run's shape and cost, the first and last batch reward."""
+    from megaflow.report.progress import previous_rows
+    from megaflow.shapeeval.evaluate import brief
+
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    rows = [r for r in previous_rows(run_dir / "metrics.jsonl", cfg.train.iterations) if "reward/total" in r]
+    r, e = cfg.rollout, cfg.eval
+    return {
+        "shapeeval_before": before["accuracy"], "shapeeval_after": after["accuracy"],
+        "ci95_before": before["ci95"], "ci95_after": after["ci95"],
+        "per_category_before": before["per_category"], "per_category_after": after["per_category"],
+        "seen_before": before["seen"].get("per_category", {}), "seen_after": after["seen"].get("per_category", {}),
+        "partial_before": before["partial_mean"], "partial_after": after["partial_mean"],
+        "num_eval_prompts": before["num"], "wall_s": wall, "peak_rss_gb": peak_rss_gb,
+        **_train_prompt_summary(before, after),
+        "algorithm": cfg.algo.name, "ema_decay": cfg.train.ema_decay,
+        "evaluated_weights": "ema" if cfg.train.ema_decay > 0 else "trained",
+        "iterations": cfg.train.iterations,
+        "launch": {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "placement": r.placement,
+                   "engine_ranks": r.engine_ranks, "engine_hosts": r.engine_hosts, "bridge": cfg.bridge.mode},
+        "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size
+        + 2 * (e.num + e.num_seen + e.num_train),
+        "reward_first": rows[0]["reward/total"] if rows else None, "reward_last": rows[-1]["reward/total"] if rows else None,
+        "eval_before": brief(before), "eval_after": brief(after), "last_metrics": metrics,
+    }
+
+
 def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     """The demo; ``verbose``: engine logs on the terminal (see ``megaflow.run.loop.run``)."""
     from megaflow.run.loop import run
-    from megaflow.shapeeval.evaluate import brief, evaluate_engine
-    from megaflow.report.progress import previous_rows
+    from megaflow.shapeeval.evaluate import evaluate_engine
     from megaflow.run.rundir import with_unused_name
     from megaflow.run.build import with_pipeline_defaults
 
@@ -83,26 +111,7 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
         rss.stop()
         return {}
     before, after = results["before"], results["after"]
-    rows = [r for r in previous_rows(run_dir / "metrics.jsonl", cfg.train.iterations) if "reward/total" in r]
-    r = cfg.rollout
-    summary = {
-        "shapeeval_before": before["accuracy"], "shapeeval_after": after["accuracy"],
-        "ci95_before": before["ci95"], "ci95_after": after["ci95"],
-        "per_category_before": before["per_category"], "per_category_after": after["per_category"],
-        "seen_before": before["seen"].get("per_category", {}), "seen_after": after["seen"].get("per_category", {}),
-        "partial_before": before["partial_mean"], "partial_after": after["partial_mean"],
-        "num_eval_prompts": before["num"], "wall_s": wall, "peak_rss_gb": rss.stop(),
-        **_train_prompt_summary(before, after),
-        "algorithm": cfg.algo.name, "ema_decay": cfg.train.ema_decay,
-        "evaluated_weights": "ema" if cfg.train.ema_decay > 0 else "trained",
-        "iterations": cfg.train.iterations,
-        "launch": {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "placement": r.placement,
-                   "engine_ranks": r.engine_ranks, "engine_hosts": r.engine_hosts, "bridge": cfg.bridge.mode},
-        "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size
-        + 2 * (e.num + e.num_seen + e.num_train),
-        "reward_first": rows[0]["reward/total"] if rows else None, "reward_last": rows[-1]["reward/total"] if rows else None,
-        "eval_before": brief(before), "eval_after": brief(after), "last_metrics": metrics,
-    }
+    summary = _summary(cfg, before, after, metrics, wall=wall, peak_rss_gb=rss.stop())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=float))
     m, s = divmod(int(round(wall)), 60)
     print(f"ShapeEval (held-out, {before['num']} prompts): {before['accuracy']:.2f} -> {after['accuracy']:.2f} "
