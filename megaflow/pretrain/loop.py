@@ -126,7 +126,7 @@ class EMA:
 
 
 @torch.no_grad()
-def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor:
+def sample_latents(trainer, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor:
     """Deterministic Euler (ODE) sampling with the trainer's own forward (on its device; the noise is drawn
     on the CPU); under pipeline parallelism the last stage's velocity is broadcast to every stage, so every
     rank returns the same latents (on the CPU)."""
@@ -140,7 +140,7 @@ def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
     pp = ps.get_pipeline_model_parallel_world_size()
     for i in range(num_steps):
-        v = engine.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
+        v = trainer.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
         if pp > 1:
             v = v if v is not None else torch.empty_like(x)
             src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
@@ -149,7 +149,7 @@ def sample_latents(engine, embeds, pooled, *, shape, num_steps: int, seed: int, 
     return x.cpu()
 
 
-def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
+def evaluate(cfg: MegaflowConfig, trainer, pipe, vae, *, seed: int = 0) -> dict:
     """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples (the prompt set and
     scoring of ``megaflow.shapeeval.evaluate``; the sampler is the trainer's own forward)."""
     from megaflow.shapeeval.evaluate import eval_prompts, score
@@ -160,7 +160,7 @@ def evaluate(cfg: MegaflowConfig, engine, pipe, vae, *, seed: int = 0) -> dict:
     held, seen = eval_prompts(p.eval_prompts, max(2, p.eval_prompts // 5), seed)
     embeds, pooled = encode_prompts(pipe, held + seen)
     size = p.resolution // 2
-    lat = sample_latents(engine, embeds, pooled, shape=(len(held) + len(seen), 4, size, size),
+    lat = sample_latents(trainer, embeds, pooled, shape=(len(held) + len(seen), 4, size, size),
                          num_steps=p.sample_steps, seed=seed)
     images = decode(vae, lat)
     return {**score(images[:len(held)], held), "seen": score(images[len(held):], seen)}
@@ -187,20 +187,20 @@ def run(cfg: MegaflowConfig) -> dict:
     vae_on_device = copy.deepcopy(parts.vae).to(device) if device.type != "cpu" else parts.vae
     pool = build_pool(cfg, pipe, vae_on_device)
     _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
-    engine = _dit_trainer(cfg, pipe, run_dir)
-    ema = EMA([q for m in engine.chunks for q in m.parameters()], p.ema_decay)
+    trainer = _dit_trainer(cfg, pipe, run_dir)
+    ema = EMA([q for m in trainer.chunks for q in m.parameters()], p.ema_decay)
     dp, dp_rank = _dp()
     if p.batch_size % dp:
         raise ValueError(f"pretrain.batch_size = {p.batch_size} must be divisible by the data-parallel size {dp}")
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    recorder = _Recorder(cfg, run_dir, parts, engine, ema, pipe, vae_on_device)
+    recorder = _Recorder(cfg, run_dir, parts, trainer, ema, pipe, vae_on_device)
     step = 0
     while step < p.max_steps and (time.perf_counter() - recorder.t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
         mb = {k: v.chunk(dp)[dp_rank].to(device) for k, v in mb.items()}
-        set_lr(engine.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
+        set_lr(trainer.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
                                               schedule=p.lr_schedule))
-        out = engine.train_step([mb])
+        out = trainer.train_step([mb])
         if not math.isfinite(float(out["loss"])):
             raise RuntimeError(f"pretrain: loss is {float(out['loss'])} at step {step}")
         recorder.losses.append(float(out["loss"]))
@@ -255,19 +255,19 @@ def _dit_trainer(cfg: MegaflowConfig, pipe, run_dir: Path):
     if dist.get_world_size() > 1:
         dist.barrier()
     mcfg = get_family("sd3").config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
-    engine = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
+    trainer = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
                      optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
-    engine.load_diffusers_state_dict(pipe.transformer.state_dict())
-    return engine
+    trainer.load_diffusers_state_dict(pipe.transformer.state_dict())
+    return trainer
 
 
 class _Recorder:
     """Every evaluation of the DiT's EMA: a row in <run dir>/pretrain.jsonl and the pipeline saved with the EMA
     weights (rank 0; every rank takes part in gathering and evaluating)."""
 
-    def __init__(self, cfg: MegaflowConfig, run_dir: Path, parts: _Parts, engine, ema, pipe, vae_on_device):
+    def __init__(self, cfg: MegaflowConfig, run_dir: Path, parts: _Parts, trainer, ema, pipe, vae_on_device):
         from megaflow.models.registry import get_family
-        self.cfg, self.run_dir, self.parts, self.engine, self.ema = cfg, run_dir, parts, engine, ema
+        self.cfg, self.run_dir, self.parts, self.trainer, self.ema = cfg, run_dir, parts, trainer, ema
         self.pipe, self.vae_on_device, self.family = pipe, vae_on_device, get_family("sd3")
         self.history: list[dict] = []
         self.losses: list[float] = []
@@ -275,11 +275,11 @@ class _Recorder:
 
     def checkpoint(self, step: int) -> None:
         self.ema.swap()
-        engine = self.engine
+        trainer = self.trainer
         state = {n: t.to("cpu", copy=True)  # a copy: replicated tensors are views of the live weights
-                 for name, tensor in engine.iter_full_params()
-                 for n, t in self.family.weight_map.megatron_to_diffusers(name, tensor, engine.config)}
-        result = evaluate(self.cfg, engine, self.pipe, self.vae_on_device)
+                 for name, tensor in trainer.iter_full_params()
+                 for n, t in self.family.weight_map.megatron_to_diffusers(name, tensor, trainer.config)}
+        result = evaluate(self.cfg, trainer, self.pipe, self.vae_on_device)
         self.ema.swap()
         if dist.get_rank() != 0:
             return
