@@ -108,38 +108,38 @@ def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16,
     ref = tiny.diffusers_model(dcfg, seed=seed).train()
     init_state = {k: v.clone() for k, v in ref.state_dict().items()}
 
-    def engine(fast_paths=None):
-        eng = Trainer(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
-                      optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
-        eng.load_diffusers_state_dict(init_state)
-        return eng
+    def new_trainer(fast_paths=None):
+        trainer = Trainer(from_diffusers(dcfg), spec=spec, fast_paths=fast_paths,
+                          optimizer_config=adam_config(lr=1e-4, grad_clip=1.0, distributed=distributed_optimizer))
+        trainer.load_diffusers_state_dict(init_state)
+        return trainer
 
     init_distributed(ParallelDims(), seed=seed)
     try:
-        eng = engine()
-        eng_plain = engine(FastPaths(single_rank_grads=False, single_rank_finalize=False, joint_adam_groups=False,
-                                     megatron_patches=frozenset())) if plain else None
+        megatron = new_trainer()
+        megatron_plain = new_trainer(FastPaths(single_rank_grads=False, single_rank_finalize=False,
+                                               joint_adam_groups=False, megatron_patches=frozenset())) if plain else None
         with torch.no_grad():
             m0 = mbs[0]
-            v_mg = eng.velocity(m0["latents"], m0["sigma"], m0["encoder_hidden_states"], m0["pooled_projections"])
+            v_mg = megatron.velocity(m0["latents"], m0["sigma"], m0["encoder_hidden_states"], m0["pooled_projections"])
             v_df = tiny.diffusers_velocity(ref, m0["latents"], m0["sigma"], m0["encoder_hidden_states"], m0["pooled_projections"])
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
 
         def plain_step():  # megatron's own code: the process-wide patches are off while it runs
             remove_perf_patches()
             try:
-                return _timed(lambda: float(eng_plain.train_step(mbs)["loss"]))
+                return _timed(lambda: float(megatron_plain.train_step(mbs)["loss"]))
             finally:
                 apply_perf_patches()
 
-        sides = {"megatron": lambda: _timed(lambda: float(eng.train_step(mbs)["loss"])),
+        sides = {"megatron": lambda: _timed(lambda: float(megatron.train_step(mbs)["loss"])),
                  "diffusers": lambda: _timed(lambda: _diffusers_step(ref, opt, mbs))}
         if plain:
             sides["megatron_plain"] = plain_step
         times, loss_diff = _time_rounds(sides, warmup=warmup, repeats=repeats)
-        extra = {"fast_paths": eng.fast_paths_active}
+        extra = {"fast_paths": megatron.fast_paths_active}
         if plain:  # both megatron sides took the same steps: the fast paths must not change a bit
-            fast_w, plain_w = dict(eng.iter_full_params()), dict(eng_plain.iter_full_params())
+            fast_w, plain_w = dict(megatron.iter_full_params()), dict(megatron_plain.iter_full_params())
             extra["fast_paths_bit_identical"] = all(torch.equal(fast_w[k], plain_w[k]) for k in fast_w)
     finally:
         destroy_distributed()
