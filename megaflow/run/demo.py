@@ -45,13 +45,13 @@ class PeakRSS:
         return self.peak / 2**30
 
 
-def _summary(cfg: MegaflowConfig, before: dict, after: dict, metrics: dict, *, wall: float,
+def _summary(cfg: MegaflowConfig, run_dir: Path, before: dict, after: dict, metrics: dict, *, wall: float,
              peak_rss_gb: float) -> dict:
-    """summary.json: ShapeEval before and after, the run's shape and cost, the first and last batch reward."""
+    """summary.json: ShapeEval before and after, the run's shape and cost, the first and last batch reward (from
+    ``run_dir``'s metrics)."""
     from megaflow.report.progress import previous_rows
     from megaflow.shapeeval.evaluate import brief
 
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
     rows = [r for r in previous_rows(run_dir / "metrics.jsonl", cfg.train.iterations) if "reward/total" in r]
     r, e = cfg.rollout, cfg.eval
     return {
@@ -111,7 +111,7 @@ def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
         rss.stop()
         return {}
     before, after = results["before"], results["after"]
-    summary = _summary(cfg, before, after, metrics, wall=wall, peak_rss_gb=rss.stop())
+    summary = _summary(cfg, run_dir, before, after, metrics, wall=wall, peak_rss_gb=rss.stop())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=float))
     m, s = divmod(int(round(wall)), 60)
     print(f"ShapeEval (held-out, {before['num']} prompts): {before['accuracy']:.2f} -> {after['accuracy']:.2f} "
