@@ -38,7 +38,8 @@ AWM_EVAL_EMA_DECAY = 0.99         # train.ema_decay: the evaluation EMA, not the
 
 @dataclass(frozen=True, kw_only=True)
 class AWMConfig:
-    """AWM loss knobs (defaults: the authors' GenEval / OCR recipe); field names are the ``[algo]`` config keys."""
+    """AWM loss knobs (defaults: the authors' SD3.5-M recipe as their README gives it, kl_beta 0.003 as for OCR;
+    their GenEval config now uses 0.001); field names are the ``[algo]`` config keys."""
 
     adv_clip: float = 5.0
     """c: advantages are clipped to [−c, c] (authors' adv_clip_max)."""
@@ -118,10 +119,8 @@ def awm_timestep_indices(num_steps: int, num_timesteps: int = AWM_NUM_TIMESTEPS,
     return (lower + (u * (upper - lower)).long()).tolist()
 
 
-def _select(keep: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor | None:
+def _select(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` where ``keep`` (per item), else 0: masked-out items never reach the arithmetic."""
-    if value is None:
-        return None
     k = keep.view(-1, *([1] * (value.dim() - 1)))
     return torch.where(k, value.double(), torch.zeros((), dtype=torch.float64, device=value.device))
 
