@@ -34,8 +34,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from megaflow.plan.memory import check_plan_args, format_plan, plan
     given = check_plan_args(args.gpus, args.gpu_mem_gb)
     cfg = preflight(load_config(args.config, args.overrides), "show", files=False)
-    p = cfg.parallel
-    gpus = given or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    from megaflow.parallel.placement import layout_gpus
+    gpus = given or cfg.parallel.gpus or int(os.environ.get("WORLD_SIZE", 0)) or layout_gpus(cfg.parallel, cfg.rollout)
     print(format_plan(plan(cfg, gpus=gpus, gpu_mem_gib=args.gpu_mem_gb)))
     return 0
 
@@ -72,11 +72,17 @@ def _cmd_eval_reward(args: argparse.Namespace) -> int:
     result = score_folder(entries, args.reward, kwargs)
     if args.json:
         print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
-        return 0
-    fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
-    for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
-        print(f"{fmt(score)}  {file}  {prompt}")
-    print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} images")
+    else:
+        fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
+        for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
+            print(f"{fmt(score)}  {file}  {prompt}")
+        print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
+              "images")
+    if result["mean"] is None:  # nothing scored: a broken reward, not a result
+        from megaflow.rewards.base import last_failure
+        print(f"megaflow: error: reward {args.reward!r} scored none of the {len(entries)} images "
+              f"({last_failure(args.reward) or 'every score was missing'})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -162,7 +168,8 @@ def _add_config_parsers(sub) -> None:
                             "nothing starts.")
     add_config_args(p_plan)
     p_plan.add_argument("--gpus", type=int, default=0,
-                        help="GPUs of the launch (default: WORLD_SIZE if set, else parallel.tp * pp * cp).")
+                        help="GPUs of the launch (default: the config's parallel.gpus, else WORLD_SIZE if set, else "
+                        "parallel.tp * pp * cp plus rollout.engine_ranks).")
     p_plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
     p_plan.set_defaults(handler=_cmd_plan)
 
@@ -267,7 +274,16 @@ def _quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _command_environment() -> None:
+    """What every ``megaflow`` command runs with, unless the caller set it (``import megaflow`` sets nothing):
+    offline hubs (every model is a local directory; the libraries never wait on a network) and tokenizers
+    without their own thread pool (engine workers fork)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _command_environment()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "verbose", False):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megaflow.config.schema import MegaflowConfig
+from megaflow.config.suggest import suggest_key, suggest_section
 from megaflow.parallel.dims import ParallelDims
 
 
@@ -63,14 +64,15 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
-        raise ConfigError(f"{where}unknown section {section!r} (known: {', '.join(sections)})")
+        raise ConfigError(f"{where}unknown section {section!r}{suggest_section(cfg, section)} (known: "
+                          f"{', '.join(sections)})")
     if not isinstance(values, dict):
         raise ConfigError(f"{where}section {section!r} must be a table, got {values!r}")
     obj = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}")
+            raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}{suggest_key(cfg, section, key)}")
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 from megaflow.config.dotted import is_dotted_path, unfindable
 from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
+from megaflow.config.reward_check import REWARD_ARGS, check_custom_reward, check_reward_kwargs, check_reward_name
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
+from megaflow.config.suggest import did_you_mean
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
@@ -37,12 +39,10 @@ from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
 
-# Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
-# diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
-# tests/config/test_preflight.py checks that they are equal.
-REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge", "clipscore",
-                "pickscore", "aesthetic", "imagereward", "hpsv2")
+# Names of megaflow.rewards.registry.REWARDS (megaflow.config.reward_check), megaflow.models.provider.BUILTIN_SPECS
+# and the families' diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept
+# here and tests/config/test_preflight.py checks that they are equal.
+REWARD_NAMES = tuple(REWARD_ARGS)
 SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
 SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 BUILTIN_SPECS = ("auto", "local", "te")
@@ -121,17 +121,28 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp = {p.cp}: the DiT models have no context parallelism yet "
                           "(megaflow.models.common.model); use parallel.cp = 1")
-    r = cfg.rollout
+    if p.gpus:  # the layout's own launch size: whole nodes aside, its trainer ranks must split into replicas
+        _check_launch(cfg, str(p.gpus), str(p.gpus), f"parallel.gpus = {p.gpus}")
     world = os.environ.get("WORLD_SIZE", "1")
     local = os.environ.get("LOCAL_WORLD_SIZE", world)
     if not launch or not world.isdigit() or not local.isdigit():
         return
+    if p.gpus and int(world) != p.gpus:
+        raise ConfigError(f"parallel.gpus = {p.gpus} but {world} process(es) were launched (WORLD_SIZE): launch "
+                          f"{p.gpus}, or --set parallel.gpus={world} (0 = any launch size)")
+    _check_launch(cfg, world, local, f"the {world} launched process(es) (WORLD_SIZE)")
+
+
+def _check_launch(cfg: MegaflowConfig, world: str, local: str, launched: str) -> None:
+    """The engine placement and the trainer layout of a launch of ``world`` ranks (``launched`` says what they
+    are in a message)."""
+    p, r = cfg.parallel, cfg.rollout
     try:
         _, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, int(world), int(local))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    what = (f"the {world} launched process(es) (WORLD_SIZE)" if trainers == int(world) else
-            f"the {trainers} trainer rank(s) ({world} launched minus rollout.engine_ranks = {r.engine_ranks})")
+    what = (launched if trainers == int(world) else
+            f"the {trainers} trainer rank(s) ({launched} minus rollout.engine_ranks = {r.engine_ranks})")
     try:
         ParallelDims.of(p).dp_for(trainers, ranks=what)
     except ValueError as e:
@@ -206,21 +217,21 @@ def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> N
     if not r.weights:
         raise ConfigError("reward.weights is empty: name at least one reward")
     for name in r.weights:
-        if ":" in name:
-            if not is_dotted_path(name):
-                raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
-            if files and (missing := unfindable(name)):
-                raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
-        elif name not in REWARD_NAMES:
-            raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
-                              "or 'pkg.module:callable')")
+        check_reward_name(name, "reward.weights: ")
+        if ":" in name and files and (missing := unfindable(name)):
+            raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
     for name, kwargs in r.kwargs.items():
         if name not in r.weights:
             raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "
-                              f"({', '.join(r.weights)})")
+                              f"({', '.join(r.weights)}){did_you_mean(name, r.weights)}")
         if not isinstance(kwargs, dict):
             raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
     for name in r.weights:
+        if ":" in name:
+            if files:  # the module imported, the callable found, its arguments bound: not ~50 s later in the run
+                check_custom_reward(name, r.kwargs.get(name, {}), "reward.weights: ")
+            continue
+        check_reward_kwargs(name, r.kwargs.get(name, {}), f"reward.kwargs.{name}.")
         if name in SERVER_REWARDS:
             _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
         elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward / hps: local files, a device
