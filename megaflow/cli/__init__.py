@@ -30,6 +30,15 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    from megaflow.config.keys import config_keys, format_keys, matching
+    keys = matching(config_keys(), args.words)
+    if not keys:
+        raise ValueError(f"no config key matches {' '.join(args.words)!r} (megaflow config keys lists them all)")
+    print(format_keys(keys))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megaflow.plan.memory import check_plan_args, format_plan, plan
     given = check_plan_args(args.gpus, args.gpu_mem_gb)
@@ -98,8 +107,9 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.run.rundir import check_run_dir
     cfg = load_checked(args, "train")
+    resume = _resume_wanted(cfg, args.resume)
     if os.environ.get("RANK", "0") == "0":
-        check_run_dir(cfg, resume=args.resume)
+        check_run_dir(cfg, resume=resume)
     apply_device(cfg)
     import logging
 
@@ -109,10 +119,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
         from megaflow.run.evaluation import eval_hook
         hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
-    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
+    metrics = run(cfg, resume=resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
+
+
+def _resume_wanted(cfg, mode: str | None) -> bool:
+    """``--resume`` (always), ``--resume auto`` (when the run dir holds a checkpoint: a requeued job continues,
+    a first one starts; every rank decides the same before anything is written) or neither."""
+    if mode != "auto":
+        return mode == "always"
+    from megaflow.run.checkpoints import list_checkpoints
+    found = list_checkpoints(run_dir_of(cfg))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[megaflow] --resume auto: {f'resuming from iteration {found[-1][0]}' if found else 'no checkpoint'} "
+              f"in {run_dir_of(cfg)}{'' if found else ', starting fresh'}", flush=True)
+    return bool(found)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -162,6 +185,11 @@ def _add_config_parsers(sub) -> None:
                         help="Skip the checks of files the config names (model.pretrained, a data.prompts file): "
                         "show a config for a machine where its weights live.")
     p_show.set_defaults(handler=_cmd_config_show)
+    p_keys = cfg_sub.add_parser("keys", help="Every config key: its type, default, valid range or choices, and "
+                                "what it does.")
+    p_keys.add_argument("words", nargs="*", metavar="WORD", help="Only the keys whose name or help holds every "
+                        "WORD, e.g. 'rollout' or 'learning rate'.")
+    p_keys.set_defaults(handler=_cmd_config_keys)
 
     p_plan = sub.add_parser("plan", help="GPU memory per rank of a run (weights, grads, optimizer, activations with "
                             "and without recompute, KL reference, engines, reward models on a GPU) and whether it fits; "
@@ -180,9 +208,11 @@ def _add_run_parsers(sub) -> None:
                              "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
-    p_train.add_argument("--resume", action="store_true",
+    p_train.add_argument("--resume", nargs="?", const="always", choices=("auto",), default=None,
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
-                         "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
+                         "config; train.iterations may grow). '--resume auto': continue when that run dir has a "
+                         "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "
+                         "is refused.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
