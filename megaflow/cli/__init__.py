@@ -125,6 +125,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_arg(text: str) -> str:
+    """``--resume``'s value: "auto", or "always" (what a bare --resume means: argparse passes it through here)."""
+    if text not in ("auto", "always"):
+        raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
+    return text
+
+
 def _resume_wanted(cfg, mode: str | None) -> bool:
     """``--resume`` (always), ``--resume auto`` (when the run dir holds a checkpoint: a requeued job continues,
     a first one starts; every rank decides the same before anything is written) or neither."""
@@ -208,7 +215,7 @@ def _add_run_parsers(sub) -> None:
                              "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
-    p_train.add_argument("--resume", nargs="?", const="always", choices=("auto",), default=None,
+    p_train.add_argument("--resume", nargs="?", const="always", type=_resume_arg, default=None, metavar="auto",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
                          "config; train.iterations may grow). '--resume auto': continue when that run dir has a "
                          "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "

@@ -1,5 +1,5 @@
-"""The rewards a config (``reward.weights``, ``reward.kwargs``) or ``megaflow eval reward`` names, checked before
-anything starts: a built-in reward's name and its argument names (standard library only: ``REWARD_ARGS`` mirrors
+"""The rewards a config (``reward.weights``, ``reward.kwargs``: ``check_rewards``, preflight's) or ``megaflow eval
+reward`` names, checked before anything starts: a built-in reward's name and its argument names (standard library only: ``REWARD_ARGS`` mirrors
 the constructors in megaflow.rewards.registry, which import torch; tests/config/test_reward_check.py keeps them
 equal), and a custom ``'pkg.mod:fn'`` reward resolved in full: its module imported, the callable found, the
 arguments bound to its signature. Every mistake is one ConfigError line, with a did-you-mean where one is close.
@@ -7,11 +7,19 @@ arguments bound to its signature. Every mistake is one ConfigError line, with a 
 from __future__ import annotations
 
 import inspect
+import socket
+import urllib.parse
 from collections.abc import Mapping
 
-from megaflow.config.dotted import is_dotted_path, resolve
+from megaflow.config.dotted import is_dotted_path, resolve, unfindable
 from megaflow.config.load import ConfigError
+from megaflow.config.machine import cuda_available
+from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
+from megaflow.config.schema import MegaflowConfig
 from megaflow.config.suggest import did_you_mean
+
+SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
+SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 
 _REMOTE = ("timeout", "retries", "backoff", "jpeg_quality")
 REWARD_ARGS: dict[str, tuple[str, ...]] = {  # built-in reward -> the keyword arguments its constructor takes
@@ -32,6 +40,64 @@ REWARD_ARGS: dict[str, tuple[str, ...]] = {  # built-in reward -> the keyword ar
     "imagereward": ("path", "tokenizer_path", "device", "batch_size"),
     "hpsv2": ("path", "tokenizer_path", "device", "batch_size"),
 }
+
+
+def check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:
+    """The ``[reward]`` section (preflight): names, arguments, custom rewards resolved (``files``), a server
+    reward's URL (reached with ``probe``), a model reward's files and device (``files``)."""
+    r = cfg.reward
+    if not r.weights:
+        raise ConfigError("reward.weights is empty: name at least one reward")
+    for name in r.weights:
+        check_reward_name(name, "reward.weights: ")
+        if ":" in name and files and (missing := unfindable(name)):
+            raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
+    for name, kwargs in r.kwargs.items():
+        if name not in r.weights:
+            raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "
+                              f"({', '.join(r.weights)}){did_you_mean(name, r.weights)}")
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
+    for name in r.weights:
+        if ":" in name:
+            if files:  # the module imported, the callable found, its arguments bound: not ~50 s later in the run
+                check_custom_reward(name, r.kwargs.get(name, {}), "reward.weights: ")
+            continue
+        check_reward_kwargs(name, r.kwargs.get(name, {}), f"reward.kwargs.{name}.")
+        if name in SERVER_REWARDS:
+            _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
+        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward / hps: local files, a device
+            device = r.kwargs.get(name, {}).get("device", "cpu")  # the GPU is the run's machine's, like the files
+            if files and isinstance(device, str) and device.startswith("cuda") and not cuda_available():
+                raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
+                                  "device (use 'cpu')")
+            if files:
+                check_model_reward(name, r.kwargs.get(name, {}))
+
+
+def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:
+    """A remote reward's url (and, with ``probe``, that a TCP connect to it succeeds within SERVER_PROBE_S),
+    the pickle trust flag, the judge's model."""
+    url = kwargs.get("url")
+    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"reward.kwargs.{name}.url: the {name} reward needs its server's http(s) URL, "
+                          f"got {url!r}")
+    if name == "remote" and kwargs.get("format", "pickle") == "pickle" and kwargs.get("trust_pickle") is not True:
+        raise ConfigError(f"reward.kwargs.{name}.trust_pickle: the pickle protocol runs code the server sends; "
+                          "set it to true for a server you trust, or use format = \"json\" (or 'remote_json')")
+    if name == "vlm_judge" and not kwargs.get("model"):
+        raise ConfigError(f"reward.kwargs.{name}.model: name the model the server serves")
+    if probe:
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as e:
+            raise ConfigError(f"reward.kwargs.{name}.url: {e} in {url!r}") from None
+        try:
+            socket.create_connection((parts.hostname, port), timeout=SERVER_PROBE_S).close()
+        except OSError as e:
+            raise ConfigError(f"reward.kwargs.{name}.url: cannot reach {parts.hostname}:{port} ({e}); start the "
+                              "reward server first or fix the URL") from None
 
 
 def check_reward_name(name: str, where: str) -> None:

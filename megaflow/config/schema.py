@@ -302,11 +302,12 @@ class EvalConfig:
 
     every: int = opt(0, "megaflow train: evaluate before training (not when resuming), every N iterations and "
                      "after the last, on the EMA when train.ema_decay > 0: the first eval.num data.test_prompts "
-                     "(one ODE sample each, eval.seed, eval.num_steps) scored by the run's rewards, or, with "
+                     "(eval.samples_per_prompt ODE samples each, eval.seed, eval.num_steps) scored by the run's "
+                     "rewards and broken down by eval.group_by, or, with "
                      "data.prompts = 'shapes' and no test_prompts, ShapeEval's held-out prompts (eval.num, "
                      "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
-                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration, tagged in "
-                     "eval.jsonl). 0 = off.", ge=0, le=MAX_ITERS)
+                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration; eval.jsonl's "
+                     "'when' is before, iteration or after, its 'iteration' the number). 0 = off.", ge=0, le=MAX_ITERS)
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each; "
                    "with data.test_prompts (megaflow train's eval.every): its first eval.num prompts.",
                    ge=1, le=100_000)
@@ -315,6 +316,13 @@ class EvalConfig:
                          "does on prompts it trains on, beside the held-out number); 0 = skip.", ge=0, le=100_000)
     seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0, le=SEED_MAX)
     num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0, le=MAX_STEPS)
+    samples_per_prompt: int = opt(1, "megaflow train's evaluation on data.test_prompts: samples of each prompt "
+                                  "(seeds fixed per prompt and sample; the first is the one a single sample "
+                                  "draws); every figure is the mean over all of them.", ge=1, le=1024)
+    group_by: list = opt([], "megaflow train's evaluation on data.test_prompts: metadata fields of the test "
+                         "prompts (.jsonl keys, table columns) to break the figures down by: for each field and "
+                         "each of its values, eval/<field>/<value> = the mean total reward of the samples whose "
+                         "prompt has that value (prompts without the field are left out of it).", items=str)
 
 
 @dataclass(kw_only=True)

@@ -109,6 +109,9 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
                         trainer=trainer_offload(cfg, trainer))
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
+            if start:
+                from megaflow.run.evaluation import resume_eval_log
+                resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
                                start_iteration=start)
     except BaseException:
