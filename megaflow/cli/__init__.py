@@ -166,7 +166,8 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
-                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint)
+                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint,
+                        base_model=args.base_model)
     print_json(result, args.json)
     return 0
 
@@ -248,6 +249,9 @@ def _add_export_parser(sub) -> None:
     p_exp.add_argument("--lora-only", action="store_true", help="A LoRA run: write only "
                        "pytorch_lora_weights.safetensors and a README.md model card (base pipeline, rank, alpha, "
                        "targets); refused for a full-parameter run.")
+    p_exp.add_argument("--base-model", default=None, metavar="ID", help="With --lora-only: the base model's hub "
+                       "id for the model card's base_model (e.g. stabilityai/stable-diffusion-3.5-medium; default: "
+                       "the base pipeline directory's name).")
     p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")

@@ -291,7 +291,8 @@ class LoggingConfig:
     tags: list = opt([], "W&B tags of the run, e.g. [\"sd3\", \"nft\"].", items=str)
     log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
                          "(and at the last).", ge=1, le=MAX_ITERS)
-    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "
+    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row, each captioned with "
+                            "its prompt and reward) to "
                             "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.",
                             ge=0, le=MAX_ITERS)
 

@@ -8,9 +8,9 @@ anything). It owns, under the run directory:
   ``logging.tensorboard``: megaflow.report.backends);
 - ``curves.png``: reward mean ± std, each reward component, KL, clip fraction, trainer-vs-engine log-prob
   mismatch and seconds per iteration, redrawn (atomically) with every summary line;
-- ``samples/iterNNNNN.png``: the iteration's images, one group per row, every ``logging.sample_every``
-  iterations and at the last one (the first 16 also to the backends as ``samples``, each captioned with its
-  prompt and reward).
+- ``samples/iterNNNNN.png``: the iteration's images, one group per row, each captioned with its prompt and
+  reward, every ``logging.sample_every`` iterations and at the last one (the first 16 also to the backends as
+  ``samples``).
 
 On a terminal (stderr is a TTY) a tqdm bar counts iterations (reward in the postfix; tqdm shows s/it
 and the ETA) and closes at the last iteration; elsewhere (logs, CI) and with ``verbose`` (engine logs
@@ -87,8 +87,9 @@ class RunReporter:
             import torch
 
             from megaflow.report.metrics import save_image_grid
-            save_image_grid(torch.stack(list(images)), self.run_dir / "samples" / f"iter{it:05d}.png",
-                            columns=self.group_size)
+            stacked = torch.stack(list(images))
+            save_image_grid(stacked, self.run_dir / "samples" / f"iter{it:05d}.png", columns=self.group_size,
+                            scale=2 if stacked.shape[-1] < 128 else 1, labels=captions)
             self._metrics.log_images(it, "samples", list(images), captions or [""] * len(images))
         if last:
             self._close_bar()
