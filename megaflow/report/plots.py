@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 Series = dict[str, list[tuple[float, float]]]
 Bands = dict[str, list[tuple[float, float, float]]]
@@ -77,6 +78,9 @@ def _draw(ax, panel: Panel, xlabel: str) -> None:
         ax.plot([x for x, _ in pts], [y for _, y in pts], color=color, label=name, linewidth=1.5,
                 marker="o" if len(pts) == 1 else None, markersize=3)  # one point: a dot
         ys += [y for _, y in pts]
+    xs = [x for pts in panel.series.values() for x, _ in pts]
+    if xs and all(float(x).is_integer() for x in xs):  # iterations: whole-number ticks
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ys and max(ys) - min(ys) <= 1e-12 * max(1.0, abs(ys[0])):
         half = max(FLAT_SPAN, FLAT_SPAN * abs(ys[0]))
         ax.set_ylim(ys[0] - half, ys[0] + half)

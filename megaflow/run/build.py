@@ -10,7 +10,6 @@ sections they need and return plain objects; benches and tests use them alone.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -236,16 +235,12 @@ def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, ve
 
     placement = placement or placement_from_env("rank0", cfg.rollout.num_engines, env={})
     device = placement.device_index if torch.cuda.is_available() else None
-    ids, started = placement.engine_ids(), time.perf_counter()
-    say = bool(ids) and placement.is_driver  # the silent ~20-30 s of a start (CPU) are said, once per run
-    if say:
+    ids = placement.engine_ids()
+    if ids and placement.is_driver:  # the ~20-30 s of a start (CPU) are no silence; each engine logs when it is up
         print(f"[megaflow] starting {len(ids)} SGLang engine(s) on this rank (logs: "
               f"{'the terminal' if verbose else run_dir_of(cfg) / 'logs'}) ...", flush=True)
-    engines = [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
-               for engine_id in ids]
-    if say:
-        print(f"[megaflow] engine(s) ready in {time.perf_counter() - started:.0f} s", flush=True)
-    return engines
+    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
+            for engine_id in ids]
 
 
 def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False):
