@@ -1,8 +1,9 @@
 """The rewards a config (``reward.weights``, ``reward.kwargs``: ``check_rewards``, preflight's) or ``megaflow eval
-reward`` names, checked before anything starts: a built-in reward's name and its argument names (standard library only: ``REWARD_ARGS`` mirrors
-the constructors in megaflow.rewards.registry, which import torch; tests/config/test_reward_check.py keeps them
-equal), and a custom ``'pkg.mod:fn'`` reward resolved in full: its module imported, the callable found, the
-arguments bound to its signature. Every mistake is one ConfigError line, with a did-you-mean where one is close.
+reward`` names, checked before anything starts: a built-in reward's name and its argument names (standard library
+only: ``REWARD_ARGS`` mirrors the constructors in megaflow.rewards.registry, which import torch;
+tests/config/test_user_config.py keeps them equal), and a custom ``'pkg.mod:fn'`` reward resolved in full: its
+module imported, the callable found, the arguments bound to its signature. Every mistake is one ConfigError line,
+with a did-you-mean where one is close.
 """
 from __future__ import annotations
 

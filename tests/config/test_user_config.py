@@ -64,7 +64,8 @@ def test_rewards_and_their_arguments_suggest():
 def test_custom_reward_resolved_in_preflight(tmp_path, monkeypatch):
     (tmp_path / "user_rewards_38.py").write_text(CUSTOM)
     monkeypatch.syspath_prepend(str(tmp_path))
-    ok = ['reward.weights={"user_rewards_38:brightness" = 1.0}', 'reward.kwargs={"user_rewards_38:brightness" = {scale = 2.0}}']
+    ok = ['reward.weights={"user_rewards_38:brightness" = 1.0}',
+          'reward.kwargs={"user_rewards_38:brightness" = {scale = 2.0}}']
     preflight(load_config(None, ok), "show")
     assert "has no attribute 'brightnes' (did you mean 'brightness'?)" in _error(
         ['reward.weights={"user_rewards_38:brightnes" = 1.0}'])

@@ -139,9 +139,9 @@ def test_custom_reward_gets_the_training_tensor_and_nothing_scored_exits_1(tmp_p
             Image.new("RGB", (6 + i, 5), rgb).save(d / f"{i}.png")
             fh.write(json.dumps({"file": f"{i}.png", "prompt": "p"}) + "\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
-    run = lambda name: subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", name,  # noqa: E731
-                                       "--images", str(d), "--json"], env=env, capture_output=True, text=True,
-                                      timeout=300)
+    def run(name):
+        return subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", name, "--images",
+                               str(d), "--json"], env=env, capture_output=True, text=True, timeout=300)
     r = run("tensorreward:brightness")
     assert r.returncode == 0, r.stderr[-2000:]
     scores = json.loads(r.stdout.strip().splitlines()[-1])["scores"]

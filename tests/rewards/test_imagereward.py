@@ -178,10 +178,11 @@ def test_score_matches_a_plain_torch_transcription(download):
 
 def _imagereward_package():
     """The image-reward package's own modules (ImageReward 1.5, installed without its dependencies' pins), imported
-    past what no longer exists in this stack: its package __init__ (it imports OpenAI's clip, not installed) is not
-    run, and transformers 5 helpers its BERT calls (removed upstream) are put back with their old meaning --
+    past what no longer exists in this stack: its packages' __init__ (they import OpenAI's clip, not installed) are
+    not run, and transformers 5 helpers its BERT calls (removed upstream) are put back with their old meaning --
     fairscale's checkpoint wrapper (only for gradient checkpointing) as the identity, init_weights
-    (its random init: the weights are loaded after) as nothing, get_head_mask as "no head mask", invert_attention_mask as BERT's additive mask, find_pruneable_heads_and_indices (pruning only) absent."""
+    (its random init: the weights are loaded after) as nothing, get_head_mask as "no head mask",
+    invert_attention_mask as BERT's additive mask, find_pruneable_heads_and_indices (pruning only) absent."""
     import importlib
     import importlib.util
     import sys

@@ -109,7 +109,8 @@ def test_samples_per_prompt_and_breakdown_by_metadata(cfg, tmp_path):
 def test_resumed_run_keeps_one_after(tmp_path):
     """A run finished at iteration 3 ("after") and resumed from its checkpoint at 3 to run on: its "after" becomes an
     "iteration" row; a row written after the checkpoint a run resumes from (2) is dropped."""
-    rows = [{"iteration": 0, "when": "before"}, {"iteration": 2, "when": "iteration"}, {"iteration": 3, "when": "after"}]
+    rows = [{"iteration": 0, "when": "before"}, {"iteration": 2, "when": "iteration"},
+            {"iteration": 3, "when": "after"}]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     evaluation.resume_eval_log(tmp_path, 3)
     assert [json.loads(x)["when"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == \
