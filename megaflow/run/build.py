@@ -10,6 +10,7 @@ sections they need and return plain objects; benches and tests use them alone.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
