@@ -172,3 +172,23 @@ def test_verbose_has_no_bar_and_disabled_writes_nothing(tmp_path, monkeypatch):
     _run(off, range(0, 4))
     off.close()
     assert not (tmp_path / "off").exists()
+
+
+def test_dropped_batches_are_said(tmp_path, capsys):
+    """An iteration whose every group was dropped (equal rewards) is said once when it first happens, and a run in
+    which every iteration was so says it at its end; a run that trained on some batch says nothing more."""
+    cfg = _cfg(log_every=100, sample_every=0)
+    reporter = RunReporter(tmp_path / "all", cfg, enabled=True, verbose=False, total_iterations=3)
+    for it in range(1, 4):
+        reporter.iteration(it, {**_metrics(it), "reward/total": 0.0, "adv/dropped_ratio": 1.0})
+    reporter.close()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "trained nothing" in x or "dropped" in x]
+    assert lines == ["[megaflow] iteration 1 trained nothing: in every group all samples got the same reward (0), so "
+                     "algo.filter_zero_std dropped every group",
+                     "[megaflow] every batch was dropped: in all 3 iterations each group's rewards were equal, so "
+                     "nothing trained (the reward cannot tell this model's samples apart)"]
+    reporter = RunReporter(tmp_path / "some", cfg, enabled=True, verbose=False, total_iterations=3)
+    for it in range(1, 4):
+        reporter.iteration(it, {**_metrics(it), "adv/dropped_ratio": 1.0 if it == 2 else 0.25})
+    reporter.close()
+    assert [x for x in capsys.readouterr().out.splitlines() if "every batch" in x] == []
