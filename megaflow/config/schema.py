@@ -89,7 +89,8 @@ class ParallelConfig:
     vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0, le=64)
     gpus: int = opt(0, "Processes (one per GPU) of the launch this layout is for, engine-only ranks included: "
                     "tp * pp * cp divides the trainer ranks among them, the rest is data parallelism. `megaflow "
-                    "plan` plans this many GPUs, and `megaflow train` refuses a launch of another size (WORLD_SIZE). "
+                    "plan` plans this many GPUs, and megaflow train / demo / pretrain refuse a launch of another size "
+                    "(WORLD_SIZE). "
                     "0 = any launch (plan: WORLD_SIZE if set, else tp * pp * cp plus rollout.engine_ranks).",
                     ge=0, le=100_000)
     timeout_s: float = opt(1800.0, "Timeout in seconds of every collective: the default process group "
