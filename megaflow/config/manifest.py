@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megaflow.config.preflight import REWARD_NAMES
+from megaflow.config.reward_check import check_custom_reward, check_reward_kwargs, check_reward_name
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.data.prompts import json_object
 
@@ -62,16 +62,11 @@ def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
 
 def check_reward_args(name: str, kwargs_json: str | None) -> dict:
     """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown built-in
-    name, a malformed ``pkg.module:callable``, kwargs that are not a JSON object or (``clipscore``,
+    name or argument, a ``pkg.module:callable`` that does not import, exist or take them (megaflow.config.
+    reward_check), kwargs that are not a JSON object or (``clipscore``,
     ``pickscore``, ``aesthetic``, ``imagereward``, ``hpsv2``) a missing or malformed model directory, head,
     checkpoint or tokenizer."""
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        if not module or not attr or " " in name:
-            raise ValueError(f"--reward {name!r}: expected a built-in name or 'pkg.module:callable'")
-    elif name not in REWARD_NAMES:
-        raise ValueError(f"--reward: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
-                         "or 'pkg.module:callable')")
+    check_reward_name(name, "--reward: ")
     if kwargs_json is None:
         kwargs_json = "{}"
     try:
@@ -80,6 +75,10 @@ def check_reward_args(name: str, kwargs_json: str | None) -> dict:
         raise ValueError(f"--kwargs: not JSON ({e.msg}): {kwargs_json!r}") from None
     if not isinstance(kwargs, dict):
         raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json!r}")
+    if ":" in name:  # imported, found and its arguments bound before any image is read
+        check_custom_reward(name, kwargs, "--reward: ")
+        return kwargs
+    check_reward_kwargs(name, kwargs, "--kwargs ")
     if name in MODEL_REWARDS:  # its local model files, before torch loads anything
         check_model_reward(name, kwargs, where="--kwargs ")
     return kwargs

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import urllib.parse
 from pathlib import Path
 
 from megaflow.config.dotted import is_dotted_path, unfindable
 from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
 from megaflow.config.load import ConfigError, run_dir_of
-from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
+from megaflow.config.machine import cuda_available
+from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
@@ -37,31 +36,15 @@ from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
 
-# Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
-# diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
-# tests/config/test_preflight.py checks that they are equal.
-REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge", "clipscore",
-                "pickscore", "aesthetic", "imagereward", "hpsv2")
-SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
-SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
+# Names of megaflow.rewards.registry.REWARDS (megaflow.config.reward_check), megaflow.models.provider.BUILTIN_SPECS
+# and the families' diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept
+# here and tests/config/test_preflight.py checks that they are equal.
+REWARD_NAMES = tuple(REWARD_ARGS)
 BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def cuda_available() -> bool:
-    """Whether torch would see a GPU here, told without importing torch: a GPU device node or driver entry
-    exists (NVIDIA ``/dev/nvidia0``... or ``/proc/driver/nvidia/gpus/*``; WSL2 ``/dev/dxg``; ROCm
-    ``/dev/kfd``) and ``CUDA_VISIBLE_DEVICES`` does not hide every device (empty, or starting with ``-``)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
-        return False
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return (any(Path("/dev").glob("nvidia[0-9]*")) or (gpus.is_dir() and any(gpus.iterdir()))
-            or Path("/dev/dxg").exists() or Path("/dev/kfd").exists())
 
 
 def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
@@ -84,7 +67,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
     _check_data(cfg, files=files)
-    _check_rewards(cfg, probe=command in ("train", "demo"), files=files)
+    check_rewards(cfg, probe=command in ("train", "demo"), files=files)
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
@@ -121,17 +104,28 @@ def _check_parallel(cfg: MegaflowConfig, *, launch: bool) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp = {p.cp}: the DiT models have no context parallelism yet "
                           "(megaflow.models.common.model); use parallel.cp = 1")
-    r = cfg.rollout
+    if p.gpus:  # the layout's own launch size: whole nodes aside, its trainer ranks must split into replicas
+        _check_launch(cfg, str(p.gpus), str(p.gpus), f"parallel.gpus = {p.gpus}")
     world = os.environ.get("WORLD_SIZE", "1")
     local = os.environ.get("LOCAL_WORLD_SIZE", world)
     if not launch or not world.isdigit() or not local.isdigit():
         return
+    if p.gpus and int(world) != p.gpus:
+        raise ConfigError(f"parallel.gpus = {p.gpus} but {world} process(es) were launched (WORLD_SIZE): launch "
+                          f"{p.gpus}, or --set parallel.gpus={world} (0 = any launch size)")
+    _check_launch(cfg, world, local, f"the {world} launched process(es) (WORLD_SIZE)")
+
+
+def _check_launch(cfg: MegaflowConfig, world: str, local: str, launched: str) -> None:
+    """The engine placement and the trainer layout of a launch of ``world`` ranks (``launched`` says what they
+    are in a message)."""
+    p, r = cfg.parallel, cfg.rollout
     try:
         _, trainers = launch_layout(r.placement, r.engine_hosts, r.engine_ranks, int(world), int(local))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    what = (f"the {world} launched process(es) (WORLD_SIZE)" if trainers == int(world) else
-            f"the {trainers} trainer rank(s) ({world} launched minus rollout.engine_ranks = {r.engine_ranks})")
+    what = (launched if trainers == int(world) else
+            f"the {trainers} trainer rank(s) ({launched} minus rollout.engine_ranks = {r.engine_ranks})")
     try:
         ParallelDims.of(p).dp_for(trainers, ranks=what)
     except ValueError as e:
@@ -184,6 +178,10 @@ def _check_data(cfg: MegaflowConfig, *, files: bool = True) -> None:
                           "file), or use data.prompts = 'shapes' (ShapeEval's held-out prompts)")
     if d.test_prompts and files:
         _check_prompt_file(d.test_prompts, "data.test_prompts")
+    e = cfg.eval
+    if not d.test_prompts and (e.samples_per_prompt > 1 or e.group_by):
+        key = "eval.samples_per_prompt" if e.samples_per_prompt > 1 else "eval.group_by"
+        raise ConfigError(f"{key} is read by the evaluation on data.test_prompts; set data.test_prompts")
 
 
 def _check_prompt_file(path: str, key: str) -> None:
@@ -199,62 +197,6 @@ def _check_prompt_file(path: str, key: str) -> None:
             read_jsonl_prompts(path, key)
     except ValueError as e:  # ConfigError is one too
         raise ConfigError(str(e)) from None
-
-
-def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:
-    r = cfg.reward
-    if not r.weights:
-        raise ConfigError("reward.weights is empty: name at least one reward")
-    for name in r.weights:
-        if ":" in name:
-            if not is_dotted_path(name):
-                raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
-            if files and (missing := unfindable(name)):
-                raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
-        elif name not in REWARD_NAMES:
-            raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
-                              "or 'pkg.module:callable')")
-    for name, kwargs in r.kwargs.items():
-        if name not in r.weights:
-            raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "
-                              f"({', '.join(r.weights)})")
-        if not isinstance(kwargs, dict):
-            raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
-    for name in r.weights:
-        if name in SERVER_REWARDS:
-            _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
-        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward / hps: local files, a device
-            device = r.kwargs.get(name, {}).get("device", "cpu")  # the GPU is the run's machine's, like the files
-            if files and isinstance(device, str) and device.startswith("cuda") and not cuda_available():
-                raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
-                                  "device (use 'cpu')")
-            if files:
-                check_model_reward(name, r.kwargs.get(name, {}))
-
-
-def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:
-    """A remote reward's url (and, with ``probe``, that a TCP connect to it succeeds within SERVER_PROBE_S),
-    the pickle trust flag, the judge's model."""
-    url = kwargs.get("url")
-    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"reward.kwargs.{name}.url: the {name} reward needs its server's http(s) URL, "
-                          f"got {url!r}")
-    if name == "remote" and kwargs.get("format", "pickle") == "pickle" and kwargs.get("trust_pickle") is not True:
-        raise ConfigError(f"reward.kwargs.{name}.trust_pickle: the pickle protocol runs code the server sends; "
-                          "set it to true for a server you trust, or use format = \"json\" (or 'remote_json')")
-    if name == "vlm_judge" and not kwargs.get("model"):
-        raise ConfigError(f"reward.kwargs.{name}.model: name the model the server serves")
-    if probe:
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError as e:
-            raise ConfigError(f"reward.kwargs.{name}.url: {e} in {url!r}") from None
-        try:
-            socket.create_connection((parts.hostname, port), timeout=SERVER_PROBE_S).close()
-        except OSError as e:
-            raise ConfigError(f"reward.kwargs.{name}.url: cannot reach {parts.hostname}:{port} ({e}); start the "
-                              "reward server first or fix the URL") from None
 
 
 def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:

@@ -87,6 +87,12 @@ class ParallelConfig:
     cp: int = opt(1, "Context-parallel degree.", ge=1, le=1024)
     sp: bool = opt(False, "Sequence parallelism (requires tp > 1).")
     vpp: int = opt(0, "Virtual pipeline stages per rank (0 = off; requires pp > 1).", ge=0, le=64)
+    gpus: int = opt(0, "Processes (one per GPU) of the launch this layout is for, engine-only ranks included: "
+                    "tp * pp * cp divides the trainer ranks among them, the rest is data parallelism. `megaflow "
+                    "plan` plans this many GPUs, and megaflow train / demo / pretrain refuse a launch of another size "
+                    "(WORLD_SIZE). "
+                    "0 = any launch (plan: WORLD_SIZE if set, else tp * pp * cp plus rollout.engine_ranks).",
+                    ge=0, le=100_000)
     timeout_s: float = opt(1800.0, "Timeout in seconds of every collective: the default process group "
                            "(init_process_group) and the rollout and weight-sync groups megaflow creates. Ranks "
                            "waiting for other hosts' rollouts wait on the gloo rollout group under it, so it must "
@@ -286,7 +292,8 @@ class LoggingConfig:
     tags: list = opt([], "W&B tags of the run, e.g. [\"sd3\", \"nft\"].", items=str)
     log_every: int = opt(1, "Print a one-line summary and redraw <run dir>/curves.png every N iterations "
                          "(and at the last).", ge=1, le=MAX_ITERS)
-    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row) to "
+    sample_every: int = opt(10, "Save a grid of the iteration's samples (one group per row, each captioned with "
+                            "its prompt and reward) to "
                             "<run dir>/samples/iterNNNNN.png every N iterations and at the last; 0 = off.",
                             ge=0, le=MAX_ITERS)
 
@@ -297,11 +304,12 @@ class EvalConfig:
 
     every: int = opt(0, "megaflow train: evaluate before training (not when resuming), every N iterations and "
                      "after the last, on the EMA when train.ema_decay > 0: the first eval.num data.test_prompts "
-                     "(one ODE sample each, eval.seed, eval.num_steps) scored by the run's rewards, or, with "
+                     "(eval.samples_per_prompt ODE samples each, eval.seed, eval.num_steps) scored by the run's "
+                     "rewards and broken down by eval.group_by, or, with "
                      "data.prompts = 'shapes' and no test_prompts, ShapeEval's held-out prompts (eval.num, "
                      "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
-                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration, tagged in "
-                     "eval.jsonl). 0 = off.", ge=0, le=MAX_ITERS)
+                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration; eval.jsonl's "
+                     "'when' is before, iteration or after, its 'iteration' the number). 0 = off.", ge=0, le=MAX_ITERS)
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each; "
                    "with data.test_prompts (megaflow train's eval.every): its first eval.num prompts.",
                    ge=1, le=100_000)
@@ -310,6 +318,13 @@ class EvalConfig:
                          "does on prompts it trains on, beside the held-out number); 0 = skip.", ge=0, le=100_000)
     seed: int = opt(0, "Seed of the prompt set and of every sample's noise.", ge=0, le=SEED_MAX)
     num_steps: int = opt(0, "Deterministic (ODE) sampling steps; 0 = rollout.num_steps.", ge=0, le=MAX_STEPS)
+    samples_per_prompt: int = opt(1, "megaflow train's evaluation on data.test_prompts: samples of each prompt "
+                                  "(seeds fixed per prompt and sample; the first is the one a single sample "
+                                  "draws); every figure is the mean over all of them.", ge=1, le=1024)
+    group_by: list = opt([], "megaflow train's evaluation on data.test_prompts: metadata fields of the test "
+                         "prompts (.jsonl keys, table columns) to break the figures down by: for each field and "
+                         "each of its values, eval/<field>/<value> = the mean total reward of the samples whose "
+                         "prompt has that value (prompts without the field are left out of it).", items=str)
 
 
 @dataclass(kw_only=True)

@@ -18,9 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
+import torch
 
 FAMILIES = ("sd3", "flux")
 _WORDS = (
@@ -195,6 +193,7 @@ def make_tiny_pipeline(family: str, out: str | Path, *, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the builder never downloads; nor do the libraries it calls
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, default="sd3")
     parser.add_argument("--out", required=True, help="directory to write the pipeline into")

@@ -73,6 +73,15 @@ def launch_layout(placement: str, engine_hosts: str, engine_ranks: int, world_si
     return engine_host_ranks(engine_hosts, world_size, local_world_size), trainers
 
 
+def layout_gpus(parallel, rollout) -> int:
+    """The launch size a config is laid out for: ``parallel.gpus``, else one model replica (tp * pp * cp) plus
+    the engine-only ranks of a disaggregated placement."""
+    if parallel.gpus:
+        return parallel.gpus
+    engine_only = rollout.engine_ranks if rollout.placement == "disaggregated" else 0
+    return parallel.tp * parallel.pp * parallel.cp + engine_only
+
+
 @dataclass(frozen=True, kw_only=True)
 class Placement:
     """This rank's view of the engine placement (the same hosts on every rank)."""

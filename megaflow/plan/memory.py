@@ -205,8 +205,8 @@ def check_plan_args(gpus: int, gpu_mem_gib: float) -> int:
     """``--gpus`` (0: not given) and ``--gpu-mem-gb`` of ``megaflow plan``; ConfigError naming the flag when
     either is out of range. Returns ``gpus``."""
     if not 0 <= gpus <= MAX_GPUS:
-        raise ConfigError(f"--gpus {gpus}: must be a GPU count from 1 to {MAX_GPUS} (omitted: WORLD_SIZE if set, "
-                          "else parallel.tp * pp * cp)")
+        raise ConfigError(f"--gpus {gpus}: must be a GPU count from 1 to {MAX_GPUS} (omitted: parallel.gpus, else "
+                          "WORLD_SIZE if set, else parallel.tp * pp * cp plus rollout.engine_ranks)")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
         raise ConfigError(f"--gpu-mem-gb {gpu_mem_gib}: must be a positive, finite memory per GPU in GiB")
     return gpus

@@ -83,31 +83,28 @@ def write_metrics_rows(run_dir: Path, rows: list[dict]) -> None:
 
 def save_image_grid(images, path: Path, *, columns: int, scale: int = 1, labels: list[str] | None = None) -> Path:
     """Save ``images`` ([N, 3, H, W] float in [0, 1]) as one PNG grid, ``columns`` per row (a group per row),
-    each image enlarged ``scale`` times (nearest neighbour); with ``labels`` each image gets its text under it,
-    wrapped to the image's width."""
+    each image enlarged ``scale`` times (nearest neighbour) and laid out by ``torchvision.utils.make_grid``; with
+    ``labels`` each image gets its text in a white band under it, wrapped to the image's width."""
     import textwrap
 
-    import numpy as np
+    import torch
     from PIL import Image, ImageDraw
+    from torchvision.utils import make_grid
 
-    x = uint8_images(images)
-    x = x.repeat(scale, axis=1).repeat(scale, axis=2)
-    n, h, w, _ = x.shape
+    x = torch.as_tensor(uint8_images(images)).permute(0, 3, 1, 2)  # uint8 [N, 3, H, W], rounded as every grid is
+    x = x.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
+    n, _, h, w = x.shape
     width_chars = max(8, w // 6)  # PIL's default bitmap font is ~6 px per character
     wrapped = [textwrap.wrap(t, width_chars) for t in labels] if labels is not None else None
     text_h = 11 * max((len(lines) for lines in wrapped), default=0) + 4 if wrapped else 0
-    rows = -(-n // columns)
-    cell_h = h + text_h
-    grid = np.full((rows * cell_h, columns * w, 3), 255, dtype=np.uint8)
-    for i in range(n):
-        r, c = divmod(i, columns)
-        grid[r * cell_h:r * cell_h + h, c * w:(c + 1) * w] = x[i]
-    image = Image.fromarray(grid)
+    x = torch.nn.functional.pad(x, (0, 0, 0, text_h), value=255)  # the caption band under each image
+    grid = make_grid(x, nrow=columns, padding=0, pad_value=255)
+    image = Image.fromarray(grid.permute(1, 2, 0).numpy())
     if wrapped:
         draw = ImageDraw.Draw(image)
         for i, lines in enumerate(wrapped):
             r, c = divmod(i, columns)
-            draw.multiline_text((c * w + 2, r * cell_h + h + 2), "\n".join(lines), fill=(0, 0, 0), spacing=1)
+            draw.multiline_text((c * w + 2, r * (h + text_h) + h + 2), "\n".join(lines), fill=(0, 0, 0), spacing=1)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)

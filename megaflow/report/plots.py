@@ -1,7 +1,10 @@
-"""Small PNG line plots with Pillow (no plotting library in the pinned stack): curves over iterations.
+"""Line charts of curves over iterations, drawn with matplotlib (its object API: no pyplot state, so threads and
+processes that draw never share a figure).
 
-``line_plot`` draws one chart; ``panel_plot`` a grid of ``Panel`` charts in one image. Both write the PNG
-atomically (a temporary file in the same directory, then a rename), so a reader never sees half a file.
+``line_plot`` draws one chart; ``panel_plot`` a grid of ``Panel`` charts in one image. Legends sit below each chart,
+outside the axes, so they never cover a curve; a flat series gets a visible y range around its value (not the
+±1e-6 band of its rounding). Both write the PNG atomically (a temporary file in the same directory, then a
+rename), so a reader never sees half a file.
 """
 from __future__ import annotations
 
@@ -10,12 +13,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
-_COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207)]
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 Series = dict[str, list[tuple[float, float]]]
 Bands = dict[str, list[tuple[float, float, float]]]
+DPI = 100
+FLAT_SPAN = 0.05  # a flat series is shown over value ± max(FLAT_SPAN, FLAT_SPAN * |value|)
 
 
 @dataclass
@@ -29,80 +33,57 @@ class Panel:
 
 def line_plot(series: Series, path: Path, *, title: str, xlabel: str = "iteration", bands: Bands | None = None,
               size=(720, 420)) -> Path:
-    """One PNG with one chart (see ``Panel``)."""
-    img = Image.new("RGB", size, "white")
-    _draw_panel(ImageDraw.Draw(img), (0, 0, *size), Panel(title, series, bands or {}), xlabel)
-    return save_png(img, path)
+    """One PNG with one chart (see ``Panel``), ``size`` pixels."""
+    return panel_plot([Panel(title, series, bands or {})], path, columns=1, panel_size=size, xlabel=xlabel)
 
 
 def panel_plot(panels: list[Panel], path: Path, *, columns: int = 3, panel_size=(480, 300),
                xlabel: str = "iteration") -> Path:
-    """One PNG with ``panels`` in a grid, ``columns`` per row."""
-    w, h = panel_size
+    """One PNG with ``panels`` in a grid, ``columns`` per row, each about ``panel_size`` pixels."""
+    cols = min(columns, max(1, len(panels)))
     rows = max(1, -(-len(panels) // columns))
-    img = Image.new("RGB", (w * min(columns, max(1, len(panels))), h * rows), "white")
-    d = ImageDraw.Draw(img)
-    for i, panel in enumerate(panels):
-        r, c = divmod(i, columns)
-        _draw_panel(d, (c * w, r * h, w, h), panel, xlabel)
-    return save_png(img, path)
+    fig = Figure(figsize=(panel_size[0] * cols / DPI, panel_size[1] * rows / DPI), dpi=DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    for ax, panel in zip(axes, panels):
+        _draw(ax, panel, xlabel)
+    for ax in axes[len(panels):]:
+        ax.set_axis_off()
+    return save_figure(fig, path)
 
 
-def save_png(img: Image.Image, path: Path) -> Path:
-    """Write ``img`` to ``path`` atomically (temporary file + rename)."""
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` as a PNG to ``path`` atomically (temporary file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    img.save(tmp, format="PNG")
+    fig.savefig(tmp, format="png")
     os.replace(tmp, path)
     return path
 
 
-def _draw_panel(d: ImageDraw.ImageDraw, box: tuple[int, int, int, int], panel: Panel, xlabel: str) -> None:
-    ox, oy, w, h = box
-    left, right, top, bottom = 60, 20, 30, 50
-    pts = [p for s in panel.series.values() for p in s if math.isfinite(p[1])]
-    for b in panel.bands.values():
-        pts += [(x, v) for x, lo, hi in b for v in (lo, hi) if math.isfinite(v)]
-    d.text((ox + left, oy + 8), panel.title, fill="black")
-    if not pts:
-        return
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1e-6)
-    pad = 0.05 * (y1 - y0)
-    y0, y1 = y0 - pad, y1 + pad
-
-    def px(x, y):
-        return (ox + left + (x - x0) / (x1 - x0) * (w - left - right),
-                oy + top + (y1 - y) / (y1 - y0) * (h - top - bottom))
-
-    d.rectangle([ox + left, oy + top, ox + w - right, oy + h - bottom], outline="black")
-    for k in range(5):
-        yv = y0 + (y1 - y0) * k / 4
-        _, yp = px(x0, yv)
-        d.line([ox + left - 4, yp, ox + left, yp], fill="black")
-        d.text((ox + 4, yp - 6), f"{yv:.3g}", fill="black")
-    ticks = {round(x0 + (x1 - x0) * k / 4) for k in range(5)}
-    for xv in sorted(t for t in ticks if x0 <= t <= x1):  # whole numbers inside the axis, each once
-        xp, _ = px(xv, y0)
-        d.line([xp, oy + h - bottom, xp, oy + h - bottom + 4], fill="black")
-        d.text((xp - 10, oy + h - bottom + 8), f"{xv}", fill="black")
-    d.text((ox + (w - left) // 2, oy + h - 18), xlabel, fill="black")
-    for i, (name, pts_i) in enumerate(panel.series.items()):
-        color = _COLORS[i % len(_COLORS)]
-        band = panel.bands.get(name)
+def _draw(ax, panel: Panel, xlabel: str) -> None:
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ys = []
+    for i, (name, pts) in enumerate(panel.series.items()):
+        pts = [(x, y) for x, y in pts if math.isfinite(y)]
+        color = f"C{i}"
+        band = [b for b in panel.bands.get(name, []) if math.isfinite(b[1]) and math.isfinite(b[2])]
         if band:
-            light = tuple(int(c + (255 - c) * 0.75) for c in color)
-            poly = [px(x, hi) for x, lo, hi in band] + [px(x, lo) for x, lo, hi in reversed(band)]
-            if len(poly) >= 3:
-                d.polygon(poly, fill=light)
-        line = [px(x, y) for x, y in pts_i if math.isfinite(y)]
-        if len(line) >= 2:
-            d.line(line, fill=color, width=2)
-        elif line:  # one point: a dot, so a single iteration shows
-            (x, y), = line
-            d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
-        lx, ly = ox + w - right - 200, oy + top + 6 + 14 * i
-        d.rectangle([lx - 2, ly - 1, lx + d.textlength(name) + 2, ly + 12], fill="white")  # legend over the lines
-        d.text((lx, ly), name, fill=color)
+            ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=color,
+                            alpha=0.2, linewidth=0)
+            ys += [v for b in band for v in b[1:]]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], color=color, label=name, linewidth=1.5,
+                marker="o" if len(pts) == 1 else None, markersize=3)  # one point: a dot
+        ys += [y for _, y in pts]
+    xs = [x for pts in panel.series.values() for x, _ in pts]
+    if xs and all(float(x).is_integer() for x in xs):  # iterations: whole-number ticks
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ys and max(ys) - min(ys) <= 1e-12 * max(1.0, abs(ys[0])):
+        half = max(FLAT_SPAN, FLAT_SPAN * abs(ys[0]))
+        ax.set_ylim(ys[0] - half, ys[0] + half)
+    if panel.series:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(3, len(panel.series)), fontsize=7,
+                  frameon=False)

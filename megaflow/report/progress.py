@@ -8,9 +8,9 @@ anything). It owns, under the run directory:
   ``logging.tensorboard``: megaflow.report.backends);
 - ``curves.png``: reward mean ± std, each reward component, KL, clip fraction, trainer-vs-engine log-prob
   mismatch and seconds per iteration, redrawn (atomically) with every summary line;
-- ``samples/iterNNNNN.png``: the iteration's images, one group per row, every ``logging.sample_every``
-  iterations and at the last one (the first 16 also to the backends as ``samples``, each captioned with its
-  prompt and reward).
+- ``samples/iterNNNNN.png``: the iteration's images, one group per row, each captioned with its prompt and
+  reward, every ``logging.sample_every`` iterations and at the last one (the first 16 also to the backends as
+  ``samples``).
 
 On a terminal (stderr is a TTY) a tqdm bar counts iterations (reward in the postfix; tqdm shows s/it
 and the ETA) and closes at the last iteration; elsewhere (logs, CI) and with ``verbose`` (engine logs
@@ -48,6 +48,7 @@ class RunReporter:
         self._seconds: list[float] = []  # per counted iteration of this session (for s/it and ETA)
         self._last_t = time.perf_counter()
         self._drawn = 0  # rows in the last curves.png
+        self._dropped = 0  # counted iterations whose every group was dropped (equal rewards: nothing trained)
         if enabled and start_iteration > 0:
             self.rows = previous_rows(self.run_dir / "metrics.jsonl", start_iteration)
         backends = open_backends(self.run_dir, cfg, start=start_iteration) if enabled else []
@@ -71,15 +72,24 @@ class RunReporter:
         self.rows.append(row)
         last = it >= self.total
         self._advance_bar(it, row)
+        if row.get("adv/dropped_ratio") == 1.0:
+            self._dropped += 1
+            if self._dropped == 1:  # said once; the end of the run says whether it went on so
+                self._say(f"[megaflow] iteration {it} trained nothing: in every group all samples got the same reward "
+                          f"({_fmt(row.get('reward/total'))}), so algo.filter_zero_std dropped every group")
         if it % self.log_every == 0 or last:
             self._say(self.summary(row))
             self.write_curves()
+        if last and self._dropped == len(self.rows):
+            self._say(f"[megaflow] every batch was dropped: in all {self._dropped} iterations each group's rewards "
+                      "were equal, so nothing trained (the reward cannot tell this model's samples apart)")
         if images is not None and self.sample_every > 0 and (it % self.sample_every == 0 or last):
             import torch
 
             from megaflow.report.metrics import save_image_grid
-            save_image_grid(torch.stack(list(images)), self.run_dir / "samples" / f"iter{it:05d}.png",
-                            columns=self.group_size)
+            stacked = torch.stack(list(images))
+            save_image_grid(stacked, self.run_dir / "samples" / f"iter{it:05d}.png", columns=self.group_size,
+                            scale=2 if stacked.shape[-1] < 128 else 1, labels=captions)
             self._metrics.log_images(it, "samples", list(images), captions or [""] * len(images))
         if last:
             self._close_bar()

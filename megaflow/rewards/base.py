@@ -2,7 +2,8 @@
 
 A reward is a callable ``reward(images, prompts, metadata) -> Tensor[B]`` (float32), where
 ``images`` is a float tensor [B, 3, H, W] in [0, 1], a list of PIL images, or a uint8 numpy array
-[B, H, W, 3]; ``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts. A reward may
+[B, H, W, 3] (a custom ``'pkg.mod:fn'`` reward always gets the float tensor: megaflow.rewards.registry);
+``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts. A reward may
 also return ``(scores, info)``: ``info`` maps a key to a scalar or a per-sample list, and is reported as
 its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_with_info``).
 

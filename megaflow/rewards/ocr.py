@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from rapidfuzz.distance import Levenshtein
 
 from megaflow.rewards.base import ImageBatch, Reward, to_uint8
 
@@ -35,16 +36,8 @@ def normalise(text: str) -> str:
 
 
 def levenshtein(a: str, b: str) -> int:
-    """Edit distance (insertions, deletions, substitutions, each costing 1) between ``a`` and ``b``."""
-    if len(a) < len(b):
-        a, b = b, a
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        prev = cur
-    return prev[-1]
+    """Edit distance (insertions, deletions, substitutions, each costing 1) between ``a`` and ``b`` (rapidfuzz)."""
+    return Levenshtein.distance(a, b)
 
 
 def text_score(recognised: str, target: str) -> float:

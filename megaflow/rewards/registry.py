@@ -3,9 +3,14 @@ builder that turns reward specs (from the config) into one ``MultiReward``.
 
 A spec's ``name`` is a registry key, or ``"pkg.module:attr"`` for a custom reward:
 
-* a class is instantiated with the spec's ``kwargs`` and must return a callable reward;
-* any other callable is itself the reward, ``fn(images, prompts, metadata, **kwargs)`` -> [B]
-  (``images`` is whatever the caller passed: usually a float tensor [B, 3, H, W] in [0, 1]).
+* a class is instantiated with the spec's ``kwargs`` and must return a callable reward, called as
+  ``reward(images, prompts, metadata)``;
+* any other callable is itself the reward, ``fn(images, prompts, metadata, **kwargs)``.
+
+A custom reward always gets ``images`` in one form, wherever it scores (training, ``megaflow train``'s evaluation,
+``megaflow eval reward``): a float32 CPU tensor [B, 3, H, W] with values in [0, 1] (``CUSTOM_IMAGES``);
+``prompts`` a list of B strings; ``metadata`` a list of B dicts (a prompt's .jsonl fields, or a manifest line's).
+It returns B scores (a tensor, array or list), or ``(scores, info)`` (megaflow.rewards.base).
 
 User mistakes (unknown name, unimportable module, missing attribute, bad kwargs) raise a one-line
 ValueError naming the culprit.
@@ -18,7 +23,9 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 from megaflow.config.dotted import resolve
+from megaflow.config.suggest import did_you_mean
 from megaflow.rewards.aesthetic import AestheticReward
+from megaflow.rewards.base import to_float
 from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.clip import ClipScore, PickScore
 from megaflow.rewards.color import ColorTarget
@@ -63,13 +70,20 @@ class RewardSpec:
     """Key in logs and ``RewardScores.components``; defaults to ``name``."""
 
 
-class _FunctionReward:
-    """A plain function used as a reward, with its configured keyword arguments bound."""
+CUSTOM_IMAGES = "a float32 CPU tensor [B, 3, H, W] in [0, 1]"
 
-    def __init__(self, fn: Callable, name: str, kwargs: Mapping[str, object]):
-        self.fn, self.name, self.kwargs = fn, name, dict(kwargs)
+
+class _CustomReward:
+    """A ``'pkg.mod:attr'`` reward: a function with its configured keyword arguments bound, or the instance a class
+    made; either is handed the images as ``CUSTOM_IMAGES`` (``to_float``), whatever form the caller has."""
+
+    def __init__(self, fn: Callable, name: str, kwargs: Mapping[str, object] | None = None):
+        self.fn, self.name, self.kwargs = fn, name, kwargs
 
     def __call__(self, images, prompts, metadata=None):
+        images = to_float(images)
+        if self.kwargs is None:
+            return self.fn(images, prompts, metadata)
         return self.fn(images, prompts, metadata, **self.kwargs)
 
 
@@ -90,13 +104,14 @@ def build_reward(name: str, **kwargs) -> Callable:
         if not callable(target):
             raise ValueError(f"reward {name!r} is not callable")
         if not inspect.isclass(target):
-            return _FunctionReward(target, name, kwargs)
+            return _CustomReward(target, name, dict(kwargs))
         reward = _instantiate(target, name, kwargs)
         if not callable(reward):
             raise ValueError(f"reward {name!r}: class instance is not callable")
-        return reward
+        return _CustomReward(reward, name)
     if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r} (known: {', '.join(REWARDS)}; or 'pkg.module:callable')")
+        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, REWARDS)} (known: {', '.join(REWARDS)}; "
+                         "or 'pkg.module:callable')")
     return _instantiate(REWARDS[name], name, kwargs)
 
 

@@ -109,6 +109,9 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
                         trainer=trainer_offload(cfg, trainer))
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
+            if start:
+                from megaflow.run.evaluation import resume_eval_log
+                resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
                                start_iteration=start)
     except BaseException:
@@ -233,8 +236,12 @@ def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, ve
 
     placement = placement or placement_from_env("rank0", cfg.rollout.num_engines, env={})
     device = placement.device_index if torch.cuda.is_available() else None
+    ids = placement.engine_ids()
+    if ids and placement.is_driver:  # the ~20-30 s of a start (CPU) are no silence; each engine logs when it is up
+        print(f"[megaflow] starting {len(ids)} SGLang engine(s) on this rank (logs: "
+              f"{'the terminal' if verbose else run_dir_of(cfg) / 'logs'}) ...", flush=True)
     return [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
-            for engine_id in placement.engine_ids()]
+            for engine_id in ids]
 
 
 def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False):

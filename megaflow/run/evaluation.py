@@ -5,17 +5,20 @@ run has one.
 
 Two kinds, by the config:
 
-- ``data.test_prompts`` set: its first ``eval.num`` prompts, one ODE sample each
-  (``eval.num_steps`` or ``rollout.num_steps``, seed ``eval.seed``-derived per prompt, the rollout's size and
-  guidance), scored by the run's weighted rewards (``reward.weights``, ``reward.kwargs``, the prompts' metadata):
-  ``eval/reward_total`` and ``eval/<component>`` means (over the images a reward did not mask);
+- ``data.test_prompts`` set: its first ``eval.num`` prompts, ``eval.samples_per_prompt`` ODE samples each
+  (``eval.num_steps`` or ``rollout.num_steps``, seeds ``eval.seed``-derived per prompt and sample, the rollout's
+  size and guidance), scored by the run's weighted rewards (``reward.weights``, ``reward.kwargs``, the prompts'
+  metadata): ``eval/reward_total`` and ``eval/<component>`` means (over the images a reward did not mask), and per
+  ``eval.group_by`` field and value ``eval/<field>/<value>``, the mean total reward of those prompts' samples;
 - ``data.prompts = "shapes"`` without test prompts: ShapeEval's held-out prompts
   (:func:`megaflow.shapeeval.evaluate.evaluate_engine`, ``eval.num`` / ``eval.num_seen``): ``eval/accuracy``,
   ``eval/partial_mean``, ``eval/seen_accuracy`` and ``eval/category/<name>``.
 
-Each evaluation appends one JSON row ``{"iteration": n, "when": ..., "eval/...": ...}`` to
-``<run dir>/eval.jsonl`` (``iteration`` 0 = before training, ``train.iterations`` = after) and saves a captioned
-grid ``<run dir>/eval/iterNNNNN.png`` (prompt and score under each image). It is kept apart from
+Each evaluation appends one JSON row ``{"iteration": n, "when": "before" | "iteration" | "after", "eval/...": ...}``
+to ``<run dir>/eval.jsonl`` (``iteration`` 0 = before training, ``train.iterations`` = after) and saves a captioned
+grid ``<run dir>/eval/iterNNNNN.png`` (prompt and score under each image). A resumed run first rewrites eval.jsonl
+(``resume_eval_log``): rows after its checkpoint are dropped (it evaluates them again) and an earlier session's
+"after" becomes an "iteration" row, so a run's eval.jsonl has at most one "after", its last. It is kept apart from
 metrics.jsonl, whose rows are one per training iteration (resume and the curves read them so). The hook returns
 an ``Evaluation`` (megaflow.report.metrics): the loop hands its figures and its first images, captioned with
 prompt and score, to the metrics backends (W&B, TensorBoard) at the iteration's step.
@@ -24,10 +27,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Callable
 
 from megaflow.config import MegaflowConfig
+from megaflow.config.suggest import did_you_mean
 from megaflow.report.backends import MAX_IMAGES
 from megaflow.report.metrics import Evaluation
 
@@ -62,11 +67,27 @@ def iteration_of(when: str | int, iterations: int) -> int:
 
 
 def record(run_dir: Path, when: str | int, iterations: int, figures: dict) -> dict:
-    """Append ``{"iteration", "when", **figures}`` to ``<run_dir>/eval.jsonl``; the row."""
-    row = {"iteration": iteration_of(when, iterations), "when": when, **figures}
+    """Append ``{"iteration", "when", **figures}`` to ``<run_dir>/eval.jsonl`` (``when``: "before", "after", or
+    "iteration" for an evaluation between iterations); the row."""
+    row = {"iteration": iteration_of(when, iterations), "when": when if isinstance(when, str) else "iteration",
+           **figures}
     with open(Path(run_dir) / "eval.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row, sort_keys=True) + "\n")
     return row
+
+
+def resume_eval_log(run_dir: Path, start: int) -> None:
+    """Before a run resumed after iteration ``start`` evaluates: eval.jsonl keeps its rows up to ``start`` (an
+    "after" among them becomes "iteration": the run goes on past it) and loses the later ones."""
+    path = Path(run_dir) / "eval.jsonl"
+    if not path.is_file():
+        return
+    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    kept = [{**r, "when": "iteration" if r.get("when") == "after" else r.get("when")} for r in rows
+            if r.get("iteration", 0) <= start]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def grid_path(run_dir: Path, when: str | int, iterations: int) -> Path:
@@ -79,23 +100,44 @@ def _mean(values) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def score_figures(reward, images, prompts: list[str], metadata: list[dict]) -> tuple[dict, list[float]]:
-    """(``eval/reward_total`` and ``eval/<component>`` means, per-image totals) of ``images`` under ``reward``
-    (a :class:`megaflow.rewards.scorer.MultiReward`)."""
+def score_figures(reward, images, prompts: list[str], metadata: list[dict],
+                  group_by: list[str] = ()) -> tuple[dict, list[float]]:
+    """(``eval/reward_total``, ``eval/<component>`` and ``eval/<field>/<value>`` means, per-image totals) of
+    ``images`` under ``reward`` (a :class:`megaflow.rewards.scorer.MultiReward`)."""
     scores = reward.score(images, prompts, metadata)
-    figures = {"eval/reward_total": _mean(scores.total.tolist())}
+    totals = [float(v) for v in scores.total.tolist()]
+    figures = {"eval/reward_total": _mean(totals)}
     figures.update({f"eval/{label}": _mean(v.tolist()) for label, v in scores.components.items()})
-    return figures, [float(v) for v in scores.total.tolist()]
+    figures.update(breakdown(totals, metadata, group_by))
+    return figures, totals
+
+
+def breakdown(totals: list[float], metadata: list[dict], group_by: list[str]) -> dict:
+    """``eval/<field>/<value>``: the mean of ``totals`` over the samples whose metadata has that value of each
+    ``group_by`` field (in the order values first appear)."""
+    out = {}
+    for field in group_by:
+        values: dict[str, list[float]] = {}
+        for total, meta in zip(totals, metadata):
+            if field in meta:
+                values.setdefault(str(meta[field]), []).append(total)
+        out.update({f"eval/{field}/{value}": _mean(v) for value, v in values.items()})
+    return out
+
+
+SEED_STRIDE = 100_000  # sample k of prompt i: seed + i + k * SEED_STRIDE (eval.num <= 100_000: no two alike)
 
 
 def eval_requests(cfg: MegaflowConfig, prompts: list[str], metadata: list[dict]) -> list:
-    """One deterministic (ODE) request per prompt, seeds fixed by ``eval.seed``, the rollout's size, prompt
-    length and guidance."""
+    """One deterministic (ODE) request per prompt of ``eval.samples_per_prompt`` outputs, seeds fixed by
+    ``eval.seed``, the prompt and the sample; the rollout's size, prompt length and guidance."""
     from megaflow.models.registry import get_family
     from megaflow.rollout.types import RolloutRequest
     r, e = cfg.rollout, cfg.eval
     do_cfg = r.guidance_scale > 1.0 and not get_family(cfg.model.family).embedded_guidance
-    return [RolloutRequest(prompt=p, metadata=m, num_outputs=1, seed=e.seed * 100_003 + i,
+    n = e.samples_per_prompt
+    return [RolloutRequest(prompt=p, metadata=m, num_outputs=n, seed=e.seed * 100_003 + i,
+                           seeds=[e.seed * 100_003 + i + k * SEED_STRIDE for k in range(n)] if n > 1 else None,
                            num_steps=e.num_steps or r.num_steps, height=r.height, width=r.width,
                            guidance_scale=r.guidance_scale, do_cfg=do_cfg, sde_type="ode",
                            max_sequence_length=r.max_sequence_length or None, request_id=f"eval{i}")
@@ -107,6 +149,12 @@ def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
     pool = prompt_pool(cfg.data.test_prompts, seed=cfg.run.seed, key="data.test_prompts")
     items = [prompt_and_metadata(x) for x in pool[:cfg.eval.num]]
     prompts, metadata = [p for p, _ in items], [m for _, m in items]
+    missing = [f for f in cfg.eval.group_by if not any(f in m for m in metadata)]
+    if missing:
+        raise ValueError(f"eval.group_by: no test prompt of data.test_prompts has the metadata field {missing[0]!r}"
+                         f"{did_you_mean(missing[0], {k for m in metadata for k in m})}")
+    n = cfg.eval.samples_per_prompt  # the samples of a prompt are consecutive (its request's outputs)
+    sample_prompts, sample_meta = [p for p in prompts for _ in range(n)], [m for m in metadata for _ in range(n)]
     state: dict = {}  # the reward and settled config, made at the first evaluation (a model reward loads then)
 
     def evaluate(sampler, when: str | int):
@@ -120,15 +168,17 @@ def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
                          cfg=settled(cfg, run_dir))
         trajs = sampler.generate(eval_requests(state["cfg"], prompts, metadata))
         images = torch.stack([t.image for t in trajs]).float()
-        figures, totals = score_figures(state["reward"], images, prompts, metadata)
-        labels = [f"{t:.3f} {p}" for t, p in zip(totals, prompts)]
-        save_image_grid(images, grid_path(run_dir, when, cfg.train.iterations), columns=GRID_COLUMNS, scale=2,
-                        labels=labels)
-        row = record(run_dir, when, cfg.train.iterations, {**figures, "eval/num": len(prompts)})
+        figures, totals = score_figures(state["reward"], images, sample_prompts, sample_meta, cfg.eval.group_by)
+        labels = [f"{t:.3f} {p}" for t, p in zip(totals, sample_prompts)]
+        save_image_grid(images, grid_path(run_dir, when, cfg.train.iterations),
+                        columns=GRID_COLUMNS if n == 1 else n, scale=2, labels=labels)
+        row = record(run_dir, when, cfg.train.iterations, {**figures, "eval/num": len(prompts),
+                                                            **({"eval/samples": len(totals)} if n > 1 else {})})
         total = figures["eval/reward_total"]
         shown = "masked" if total is None else f"{total:.4f}"
-        print(f"[megaflow] eval {when}: reward {shown} over {len(prompts)} test prompts", flush=True)
-        captions = [f"{p} | reward {t:.3f}" for p, t in zip(prompts, totals)]
+        samples = f" ({n} samples each)" if n > 1 else ""
+        print(f"[megaflow] eval {when}: reward {shown} over {len(prompts)} test prompts{samples}", flush=True)
+        captions = [f"{p} | reward {t:.3f}" for p, t in zip(sample_prompts, totals)]
         return Evaluation(figures={k: v for k, v in row.items() if k.startswith("eval/")},
                           images=list(images[:MAX_IMAGES]), captions=captions[:MAX_IMAGES])
     return evaluate

@@ -15,10 +15,17 @@ pipeline with the checkpoint's (unchanged) base weights plus the adapter in the 
     <out>/pytorch_lora_weights.safetensors                 transformer.<module>.lora_A/B.weight, r / lora_alpha /
                                                            target_modules in its header (diffusers' save_lora_weights)
 
-so ``pipe = StableDiffusion3Pipeline.from_pretrained(out); pipe.load_lora_weights(out)`` is the trained model
-(with HF_HUB_OFFLINE=1 diffusers wants ``weight_name="pytorch_lora_weights.safetensors"`` too). With
-``lora_only`` (``--lora-only``) ``out`` holds only that file and a README.md model card (base pipeline path,
-rank / alpha / targets, iteration); a full-parameter run is refused.
+so ``pipe = StableDiffusion3Pipeline.from_pretrained(out); pipe.load_lora_weights(out,
+weight_name="pytorch_lora_weights.safetensors")`` is the trained model (offline, diffusers needs the weight_name).
+With ``lora_only`` (``--lora-only``) ``out`` holds only that file and a README.md model card (``base_model`` front
+matter: ``--base-model`` or the base pipeline directory's name, no path of the training machine; rank / alpha /
+targets, iteration); a full-parameter run is refused.
+
+An SD3 pipeline trained with a fixed prompt length (``max_sequence_length`` in its megaflow.json, as the shipped
+ShapeEval model) is sampled by the engine with every text encoder padded to that length, where diffusers' own
+``pipe(prompt=...)`` keeps CLIP at 77 tokens: the export then holds ``encode_prompts.py``, a copy of
+megaflow/models/sd3/text.py (torch only), whose ``encode_prompts(pipe, prompts, max_sequence_length=N)`` gives the
+``prompt_embeds`` / ``pooled_prompt_embeds`` the engine used, without megaflow or megatron.
 
 A transformer larger than ``max_shard_size`` (default 5GB) is written as diffusers' ``save_pretrained`` writes
 it: ``diffusion_pytorch_model-00001-of-0000N.safetensors`` ... plus ``diffusion_pytorch_model.safetensors.index.json``
@@ -182,11 +189,14 @@ def _copy_pipeline(pipeline: Path, dst: Path) -> None:
 
 
 def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True,
-               lora_only: bool = False, max_shard_size: str | int = "5GB", trust_checkpoint: bool = False) -> dict:
+               lora_only: bool = False, max_shard_size: str | int = "5GB", trust_checkpoint: bool = False,
+               base_model: str | None = None) -> dict:
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = the latest) to
     ``out``: the EMA of the trained weights when the run kept one (``train.ema_decay`` > 0) and ``ema``, else
     the trained weights; a transformer over ``max_shard_size`` is written in shards with an index.
-    ``lora_only`` (a LoRA run): only the adapter file and a README.md model card. Returns what was written
+    ``lora_only`` (a LoRA run): only the adapter file and a README.md model card, whose ``base_model`` is
+    ``base_model`` (a hub id) or the base pipeline directory's name. An SD3 pipeline with a megaflow prompt length
+    also gets ``encode_prompts.py`` (``ENCODER_FILE``: the engine's prompt encoding, torch only). Returns what was written
     (iteration, paths, tensor counts, which weights, seconds). The checkpoint is checked against its manifest
     before anything in it is read; ``trust_checkpoint``: one without a manifest (older megaflow) is read unchecked."""
     started = time.perf_counter()
@@ -206,11 +216,15 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
               "weights": shadow or "trained"}
     if lora_only:
         adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, trust=True)
-        card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"])
+        length = prompt_length(pipeline)
+        card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"],
+                          base_model=base_model or pipeline.resolve().name, prompt_length=length)
 
         def write_lora(tmp: Path) -> None:
             _write_adapter(tmp, adapters, lora, pipeline_class)
             (tmp / "README.md").write_text(card)
+            if length is not None:
+                shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
         _write_into(out, write_lora)
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
@@ -223,6 +237,8 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         files.extend(save_transformer_weights(tmp / "transformer", state, max_shard_size=shard_bytes))
         if adapters is not None:
             _write_adapter(tmp, adapters, lora, pipeline_class)
+        if prompt_length(pipeline) is not None:
+            shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
     _write_into(out, write)
     return {**result, "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
@@ -268,19 +284,43 @@ def _check_lora_run(run_dir: Path) -> None:
                          "export the whole pipeline without --lora-only")
 
 
-def model_card(pipeline: Path, lora, adapters: dict, *, iteration: int, weights: str) -> str:
-    """A short README.md for a LoRA export: the base pipeline, rank / alpha / targets, how to load it."""
+ENCODER_FILE = "encode_prompts.py"  # an SD3 export's copy of megaflow/models/sd3/text.py (torch only)
+_ENCODER_SOURCE = Path(__file__).resolve().parents[1] / "models" / "sd3" / "text.py"
+
+
+def model_card(pipeline: Path, lora, adapters: dict, *, iteration: int, weights: str, base_model: str,
+               prompt_length: int | None) -> str:
+    """A short README.md for a LoRA export: ``base_model`` front matter (the hub's field; ``base_model`` is the
+    base pipeline's hub id, or its directory's name), rank / alpha / targets, how to load it and encode prompts."""
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapters})
+    encode = [] if prompt_length is None else [
+        "", f"megaflow's engine encodes prompts to {prompt_length} tokens for every text encoder (diffusers keeps CLIP "
+        f"at 77); `{ENCODER_FILE}` here (torch only, no megaflow) encodes them the same way:", "",
+        "```python", "import sys; sys.path.insert(0, THIS_DIR)", "from encode_prompts import encode_prompts",
+        f"embeds, pooled = encode_prompts(pipe, prompts, max_sequence_length={prompt_length})",
+        "images = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=1.0).images", "```"]
     return "\n".join([
+        "---", f"base_model: {base_model}", "library_name: diffusers", "tags:", "- lora", "- megaflow", "---", "",
         "# megaflow LoRA adapter", "",
-        f"- base pipeline: `{pipeline}`",
+        f"- base pipeline: `{base_model}` (the directory `{pipeline.name}` of the training machine)",
         f"- LoRA rank {lora.rank}, alpha {lora.alpha:g} (scale alpha / rank = {lora.alpha / lora.rank:g})",
         f"- targets (megatron linears, both streams): {', '.join(lora.targets)}; {len(modules)} diffusers modules",
         f"- checkpoint iteration {iteration}, {weights} weights", "",
         "```python",
         "pipe = DiffusionPipeline.from_pretrained(BASE_PIPELINE)",
         'pipe.load_lora_weights(THIS_DIR, weight_name="pytorch_lora_weights.safetensors")',
-        "```", ""])
+        "```", *encode, ""])
+
+
+def prompt_length(pipeline: Path) -> int | None:
+    """The SD3 pipeline's prompt length for every text encoder (its megaflow.json ``max_sequence_length``), or
+    None: not an SD3 pipeline megaflow trained with a fixed length (diffusers' own prompt encoding then serves)."""
+    meta = pipeline / "megaflow.json"
+    index = json.loads((pipeline / "model_index.json").read_text())
+    if index.get("_class_name") != "StableDiffusion3Pipeline" or not meta.is_file():
+        return None
+    length = json.loads(meta.read_text()).get("max_sequence_length")
+    return length if isinstance(length, int) and length > 0 else None
 
 
 def _run_settings(run_dir: Path, ema: bool):

@@ -14,10 +14,11 @@ import torch
 from PIL import Image
 
 from megaflow.config import load_config
-from megaflow.report.plots import _COLORS
+from megaflow.report.plots import Panel, _draw
 from megaflow.report.progress import RunReporter, curve_panels
 
 GROUP, GROUPS, SIDE = 2, 3, 8
+REWARD_LINE = (31, 119, 180)  # matplotlib's first colour, C0 (#1f77b4): the reward panel's line
 
 
 def _cfg(log_every=3, sample_every=4):
@@ -63,16 +64,17 @@ def test_rows_curves_grids_and_summaries(tmp_path, capsys):
     with Image.open(tmp_path / "curves.png") as img:
         assert img.format == "PNG" and img.size == (3 * 480, 2 * 300)  # six panels, three a row
         first_panel = img.convert("RGB").crop((0, 0, 480, 300))
-        assert any(c == _COLORS[0] for _, c in first_panel.getcolors(480 * 300))  # the reward line is drawn
+        assert any(c == REWARD_LINE for _, c in first_panel.getcolors(480 * 300))  # the reward line is drawn
     assert not list(tmp_path.glob(".*tmp"))  # the atomic rewrite left no temporary file
 
     grids = sorted(p.name for p in (tmp_path / "samples").iterdir())
     assert grids == ["iter00004.png", "iter00008.png", "iter00010.png"]  # every 4th and the last
     grid = torch.tensor(list(Image.open(tmp_path / "samples" / "iter00008.png").convert("L").getdata()))
-    grid = grid.reshape(GROUPS * SIDE, GROUP * SIDE)
+    cell = 2 * SIDE  # images under 128 px are drawn twice their size (no captions given here: no text band)
+    grid = grid.reshape(GROUPS * cell, GROUP * cell)
     for k in range(GROUP * GROUPS):  # one group per row, in order
         r, c = divmod(k, GROUP)
-        assert int(grid[r * SIDE + SIDE // 2, c * SIDE + SIDE // 2]) == round(k / 10 * 255), k
+        assert int(grid[r * cell + SIDE, c * cell + SIDE]) == round(k / 10 * 255), k
 
 
 def test_curve_panels_follow_the_metrics():
@@ -90,7 +92,7 @@ def test_curve_panels_follow_the_metrics():
 
 def test_curves_rewrite_is_cheap(tmp_path):
     """Redrawing curves.png (after every logged iteration) stays cheap by construction, not by a timer: it draws
-    with Pillow from the rows held in memory -- no plotting library imported, metrics.jsonl never read back."""
+    from the rows held in memory -- metrics.jsonl is never read back."""
     code = f"""
 import builtins, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -108,8 +110,24 @@ print(path, "matplotlib" in sys.modules, any(f.endswith("metrics.jsonl") for f i
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    path, plotting, reread = proc.stdout.split()
-    assert (plotting, reread) == ("False", "False") and Image.open(path).size[0] > 0
+    path, _, reread = proc.stdout.split()
+    assert reread == "False" and Image.open(path).size[0] > 0
+
+
+def test_flat_curve_and_legend_outside_the_axes():
+    """A flat series (a reward 0 throughout) gets a y range of at least ±0.05 around it, not the ±1e-6 of its
+    rounding; the legend lies outside the axes, so it covers no curve."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(4.8, 3.0), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    _draw(ax, Panel("reward", {"reward/total": [(i, 0.0) for i in range(1, 5)], "reward/b": [(1, 0.0)]}), "iteration")
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    assert lo <= -0.05 and hi >= 0.05
+    legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.y1 <= box.y0, (legend, box)  # entirely below the axes
 
 
 def test_resume_counts_from_the_start_iteration(tmp_path, capsys, monkeypatch):
@@ -154,3 +172,23 @@ def test_verbose_has_no_bar_and_disabled_writes_nothing(tmp_path, monkeypatch):
     _run(off, range(0, 4))
     off.close()
     assert not (tmp_path / "off").exists()
+
+
+def test_dropped_batches_are_said(tmp_path, capsys):
+    """An iteration whose every group was dropped (equal rewards) is said once when it first happens, and a run in
+    which every iteration was so says it at its end; a run that trained on some batch says nothing more."""
+    cfg = _cfg(log_every=100, sample_every=0)
+    reporter = RunReporter(tmp_path / "all", cfg, enabled=True, verbose=False, total_iterations=3)
+    for it in range(1, 4):
+        reporter.iteration(it, {**_metrics(it), "reward/total": 0.0, "adv/dropped_ratio": 1.0})
+    reporter.close()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "trained nothing" in x or "dropped" in x]
+    assert lines == ["[megaflow] iteration 1 trained nothing: in every group all samples got the same reward (0), so "
+                     "algo.filter_zero_std dropped every group",
+                     "[megaflow] every batch was dropped: in all 3 iterations each group's rewards were equal, so "
+                     "nothing trained (the reward cannot tell this model's samples apart)"]
+    reporter = RunReporter(tmp_path / "some", cfg, enabled=True, verbose=False, total_iterations=3)
+    for it in range(1, 4):
+        reporter.iteration(it, {**_metrics(it), "adv/dropped_ratio": 1.0 if it == 2 else 0.25})
+    reporter.close()
+    assert [x for x in capsys.readouterr().out.splitlines() if "every batch" in x] == []

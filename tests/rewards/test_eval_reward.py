@@ -118,3 +118,36 @@ def test_eval_reward_huge_image_refused_from_its_header(tmp_path):
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr[-2000:])
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "huge.png: more than 67108864 pixels" in lines[0], r.stderr[-2000:]
+
+
+def test_custom_reward_gets_the_training_tensor_and_nothing_scored_exits_1(tmp_path):
+    """A custom reward gets what it gets in training, a float32 tensor [1, 3, H, W] in [0, 1] (here its mean is the
+    score, checked against the PNG's own pixels); a reward that scores no image exits 1 with one error line."""
+    (tmp_path / "tensorreward.py").write_text(
+        "import torch\n"
+        "def brightness(images, prompts, metadata):\n"
+        "    assert isinstance(images, torch.Tensor) and images.dtype == torch.float32 and images.shape[:2] == (1, 3)\n"
+        "    assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0\n"
+        "    return images.flatten(1).mean(1)\n"
+        "def broken(images, prompts, metadata):\n"
+        "    raise RuntimeError('weights not found')\n")
+    d = tmp_path / "imgs"
+    d.mkdir()
+    colours = [(255, 0, 0), (10, 20, 30)]
+    with open(d / "manifest.jsonl", "w") as fh:
+        for i, rgb in enumerate(colours):
+            Image.new("RGB", (6 + i, 5), rgb).save(d / f"{i}.png")
+            fh.write(json.dumps({"file": f"{i}.png", "prompt": "p"}) + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    def run(name):
+        return subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", name, "--images",
+                               str(d), "--json"], env=env, capture_output=True, text=True, timeout=300)
+    r = run("tensorreward:brightness")
+    assert r.returncode == 0, r.stderr[-2000:]
+    scores = json.loads(r.stdout.strip().splitlines()[-1])["scores"]
+    assert scores == pytest.approx([sum(c) / 3 / 255 for c in colours], abs=1e-6)
+    r = run("tensorreward:broken")
+    errors = [x for x in r.stderr.splitlines() if x.startswith("megaflow: error")]
+    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1]) == {"scores": [None, None], "mean": None}
+    assert errors == ["megaflow: error: reward 'tensorreward:broken' scored none of the 2 images (RuntimeError: "
+                      "weights not found)"], r.stderr[-2000:]

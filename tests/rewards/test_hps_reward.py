@@ -1,5 +1,6 @@
-"""``hpsv2`` on tiny random OpenCLIP-format checkpoints (no open_clip package): the conversion to a transformers
-CLIPModel and the reward's score are checked against a plain-torch transcription of the OpenCLIP ViT / text
+"""``hpsv2`` on tiny random OpenCLIP-format checkpoints: the conversion to a transformers CLIPModel is checked
+against the open_clip package's own CLIP on the same weights (a dev dependency: the reward never imports it), and
+it and the reward's score against a plain-torch transcription of the OpenCLIP ViT / text
 transformer forward written here (float64, straight from the OpenCLIP state dict: fused q/k/v, class token,
 causal text mask, end-of-text pooling by argmax, 0-padded context), to 1e-5 relative (embeddings) / 1e-5 absolute
 (cosines); the full ViT-H/14 shapes convert to a config with its 16 + 16 heads (meta tensors, no memory); the image
@@ -147,6 +148,29 @@ def test_conversion_matches_the_openclip_forward(heads):
     wrong = openclip_to_clip(sd, vision_heads=4 if heads is None else 1)  # the heads matter
     with torch.no_grad():
         assert _rel(_features(wrong.get_image_features(pixel_values=pixels)), ref_image) > 1e-3
+
+
+def test_conversion_matches_the_open_clip_package():
+    """The same random weights loaded (strictly: every name and shape) into open_clip's own CLIP model, the one HPSv2
+    scores with: megaflow's converted CLIPModel gives its image and text embeddings to 1e-5 relative."""
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+    sd = _openclip_state(0)
+    reference = CLIP(embed_dim=24, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=64, patch_size=8,
+                                                            image_size=32),
+                     text_cfg=CLIPTextCfg(context_length=20, vocab_size=586, width=128, heads=2, layers=2))
+    reference.load_state_dict(sd, strict=True)
+    reference.eval()
+    model = openclip_to_clip(sd)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ids = torch.zeros(3, 20, dtype=torch.long)  # open_clip's layout: [sot] ... [eot], 0-padded to the context
+    for row, seq in enumerate([[584, 320, 66, 585], [584, 516, 533, 565, 12, 585], [584, 585]]):
+        ids[row, :len(seq)] = torch.tensor(seq)
+    with torch.no_grad():
+        want_image, want_text = reference.encode_image(pixels), reference.encode_text(ids)
+        image = _features(model.get_image_features(pixel_values=pixels))
+        text = _features(model.get_text_features(input_ids=ids, attention_mask=(ids > 0).long()))
+    assert _rel(image, want_image.double()) < 1e-5, _rel(image, want_image.double())
+    assert _rel(text, want_text.double()) < 1e-5, _rel(text, want_text.double())
 
 
 def test_vit_h_shapes_give_the_hps_config():

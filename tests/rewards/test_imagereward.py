@@ -2,7 +2,8 @@
 med_config.json, a WordPiece vocab): the reward's score equals a plain-torch transcription of BLIP's ViT,
 cross-attention BERT and MLP head run on that state dict (rtol 1e-5); its image preprocessing equals
 torchvision's Resize(shorter side, bicubic) / CenterCrop / ToTensor / Normalize (atol 1e-6); its tokens equal ids
-worked out by hand (35 tokens, padded, truncated); missing files are one line from the reward and from
+worked out by hand (35 tokens, padded, truncated); its score equals the image-reward package's own
+ImageReward.score on the same weights (1e-5); missing files are one line from the reward and from
 preflight, before anything is loaded. Needs: CPU, 1 process (~15 s: transformers)."""
 from __future__ import annotations
 
@@ -173,6 +174,90 @@ def test_score_matches_a_plain_torch_transcription(download):
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
     swapped = reward([images[0], images[0], images[1]], [PROMPTS[0], PROMPTS[1], PROMPTS[0]])
     assert abs(swapped[0] - swapped[1]) > 1e-3 and abs(swapped[0] - swapped[2]) > 1e-3  # prompt and image both count
+
+
+def _imagereward_package():
+    """The image-reward package's own modules (ImageReward 1.5, installed without its dependencies' pins), imported
+    past what no longer exists in this stack: its packages' __init__ (they import OpenAI's clip, not installed) are
+    not run, and transformers 5 helpers its BERT calls (removed upstream) are put back with their old meaning --
+    fairscale's checkpoint wrapper (only for gradient checkpointing) as the identity, init_weights
+    (its random init: the weights are loaded after) as nothing, get_head_mask as "no head mask",
+    invert_attention_mask as BERT's additive mask, find_pruneable_heads_and_indices (pruning only) absent."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    import transformers.modeling_utils as mu
+    import transformers.pytorch_utils as pu
+    for name in ("apply_chunking_to_forward", "prune_linear_layer"):
+        setattr(mu, name, getattr(pu, name))
+    mu.find_pruneable_heads_and_indices = None
+    fairscale = {n: types.ModuleType(n) for n in ("fairscale", "fairscale.nn", "fairscale.nn.checkpoint",
+                                                  "fairscale.nn.checkpoint.checkpoint_activations")}
+    fairscale["fairscale.nn.checkpoint.checkpoint_activations"].checkpoint_wrapper = lambda module, **_: module
+    root = Path(importlib.util.find_spec("ImageReward").origin).parent
+    packages = {}  # the package and its subpackages, their __init__ (which imports everything) not run
+    for name, folder in (("ImageReward", root), ("ImageReward.models", root / "models"),
+                         ("ImageReward.models.BLIP", root / "models" / "BLIP")):
+        packages[name] = types.ModuleType(name)
+        packages[name].__path__ = [str(folder)]
+    saved = {k: sys.modules.get(k) for k in [*fairscale, *packages]}
+    sys.modules.update(fairscale)
+    sys.modules.update(packages)
+    try:
+        med = importlib.import_module("ImageReward.models.BLIP.med")
+        vit = importlib.import_module("ImageReward.models.BLIP.vit")
+        release = importlib.import_module("ImageReward.ImageReward")
+    finally:
+        for k, v in saved.items():
+            sys.modules.pop(k) if v is None else sys.modules.__setitem__(k, v)
+
+    def invert_attention_mask(self, mask):
+        return (1.0 - mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+
+    med.BertModel.init_weights = lambda self: None  # its random init: the weights are loaded over it
+    med.BertModel.get_head_mask = lambda self, head_mask, layers: [None] * layers
+    med.BertModel.invert_attention_mask = invert_attention_mask
+    return med, vit, release
+
+
+def test_score_matches_the_imagereward_package(download):
+    """The release's own ImageReward.score (its ViT, its cross-attention BERT, its MLP head and its preprocess, at
+    this test's 64 px instead of 224) on the same random weights: megaflow's scores to 1e-5 relative."""
+    import functools
+
+    from torch import nn
+    from transformers import BertTokenizer
+    med, vit, release = _imagereward_package()
+    state, width = download["state"], BERT["width"]
+    part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}  # noqa: E731
+    visual = vit.VisionTransformer(img_size=64, patch_size=VIT["patch"], embed_dim=VIT["width"], depth=VIT["depth"],
+                                   num_heads=VIT["width"] // 64, mlp_ratio=VIT["mlp"] / VIT["width"],
+                                   norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))
+    visual.load_state_dict(part("blip.visual_encoder."), strict=True)
+    config = med.BertConfig.from_json_file(str(download["model"] / "med_config.json"))
+    config.intermediate_size, config.num_hidden_layers = BERT["ffn"], BERT["depth"]
+    config.max_position_embeddings = BERT["positions"]
+    text = med.BertModel(config=config, add_pooling_layer=False)
+    text.load_state_dict(part("blip.text_encoder."), strict=True)
+    head = release.MLP(width)
+    head.load_state_dict(part("mlp."), strict=True)
+    scorer = release.ImageReward.__new__(release.ImageReward)  # its __init__ builds a ViT-L at 224: set by hand
+    nn.Module.__init__(scorer)
+    scorer.device, scorer.mean, scorer.std, scorer.mlp = "cpu", SHIFT, SCALE, head
+    scorer.blip = nn.Module()
+    scorer.blip.visual_encoder, scorer.blip.text_encoder = visual, text
+    scorer.blip.tokenizer = BertTokenizer.from_pretrained(download["tokenizer"])
+    scorer.preprocess = release._transform(64)
+    scorer.eval()
+    images = _images()
+    with torch.no_grad():
+        want = torch.tensor([scorer.score(p, im) for p, im in zip(PROMPTS, images)], dtype=torch.float32)
+    got = build_reward("imagereward", path=str(download["model"]), tokenizer_path=str(download["tokenizer"]))(
+        images, PROMPTS)
+    assert want.max() - want.min() > 0.1, want
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_preprocessing_matches_the_published_transform():

@@ -28,8 +28,9 @@ class FakeSampler:
         self.requests.append(list(requests))
         out = []
         for i, r in enumerate(requests):
-            image = torch.tensor(COLORS[i % len(COLORS)]).view(3, 1, 1).expand(3, r.height, r.width).clone()
-            out.append(SimpleNamespace(image=image))
+            for k in range(r.num_outputs):  # a request's outputs in order; sample k darker by k/10
+                image = torch.tensor(COLORS[i % len(COLORS)]).view(3, 1, 1).expand(3, r.height, r.width) * (1 - k / 10)
+                out.append(SimpleNamespace(image=image.clone()))
         return out
 
 
@@ -60,7 +61,8 @@ def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
     images = torch.stack([torch.tensor(c).view(3, 1, 1).expand(3, 16, 16) for c in COLORS[:3]])
     direct = build_reward("color_target", target="red")(images, [r.prompt for r in reqs])
     rows = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 2, 3] and [r["when"] for r in rows] == ["before", 2, "after"]
+    assert [r["iteration"] for r in rows] == [0, 2, 3]
+    assert [r["when"] for r in rows] == ["before", "iteration", "after"]
     for row in rows:
         assert row["eval/color_target"] == pytest.approx(float(direct.mean()), rel=1e-5)
         assert row["eval/reward_total"] == pytest.approx(2.0 * float(direct.mean()), rel=1e-5)
@@ -73,6 +75,48 @@ def test_hook_samples_ode_and_scores_with_the_runs_rewards(cfg, tmp_path):
         assert torch.equal(torch.stack(result.images), images.float())
         scores = 2.0 * direct
         assert result.captions == [f"prompt {i} | reward {float(scores[i]):.3f}" for i in range(3)]
+
+
+def test_samples_per_prompt_and_breakdown_by_metadata(cfg, tmp_path):
+    """eval.samples_per_prompt = 3: one request per prompt of 3 outputs, the first seed the single-sample one, the
+    others distinct; every figure is the mean over the 9 images, and eval.group_by = ["parity"] gives the mean total
+    of each parity's samples, computed here from the reward called directly."""
+    rows = [{"prompt": f"prompt {i}", "parity": ["even", "odd"][i % 2]} for i in range(3)]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one, sampler = FakeSampler(), FakeSampler()
+    (tmp_path / "one").mkdir()
+    evaluation.eval_hook(cfg, tmp_path / "one")(one, "before")  # one sample per prompt
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, test_prompts=str(tmp_path / "held.jsonl")),
+                              eval=dataclasses.replace(cfg.eval, samples_per_prompt=3, group_by=["parity"]))
+    result = evaluation.eval_hook(cfg, tmp_path)(sampler, "after")
+    reqs = sampler.requests[0]
+    assert [r.num_outputs for r in reqs] == [3, 3, 3]
+    assert [r.output_seeds()[0] for r in reqs] == [r.output_seeds()[0] for r in one.requests[0]]
+    assert len({s for r in reqs for s in r.output_seeds()}) == 9
+    images = torch.stack([torch.tensor(COLORS[i]).view(3, 1, 1).expand(3, 16, 16) * (1 - k / 10)
+                          for i in range(3) for k in range(3)])
+    direct = 2.0 * build_reward("color_target", target="red")(images, ["p"] * 9)
+    (row,) = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert row["eval/reward_total"] == pytest.approx(float(direct.mean()), rel=1e-5)
+    assert row["eval/parity/even"] == pytest.approx(float(direct[[0, 1, 2, 6, 7, 8]].mean()), rel=1e-5)
+    assert row["eval/parity/odd"] == pytest.approx(float(direct[3:6].mean()), rel=1e-5)
+    assert row["eval/num"] == 3 and row["eval/samples"] == 9 and len(result.images) == 9
+    with pytest.raises(ValueError, match="no test prompt of data.test_prompts has the metadata field 'pariti'"):
+        evaluation.eval_hook(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, group_by=["pariti"])),
+                             tmp_path)
+
+
+def test_resumed_run_keeps_one_after(tmp_path):
+    """A run finished at iteration 3 ("after") and resumed from its checkpoint at 3 to run on: its "after" becomes an
+    "iteration" row; a row written after the checkpoint a run resumes from (2) is dropped."""
+    rows = [{"iteration": 0, "when": "before"}, {"iteration": 2, "when": "iteration"},
+            {"iteration": 3, "when": "after"}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evaluation.resume_eval_log(tmp_path, 3)
+    assert [json.loads(x)["when"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == \
+        ["before", "iteration", "iteration"]
+    evaluation.resume_eval_log(tmp_path, 2)
+    assert [json.loads(x)["iteration"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0, 2]
 
 
 def test_test_prompts_win_over_shapes_and_a_prompt_file_alone_is_refused(cfg, tmp_path):

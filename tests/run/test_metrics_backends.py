@@ -106,9 +106,10 @@ def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(tmp_path):
     images = acc.Tags()["images"]
     assert sorted(images) == sorted([f"samples/{k:02d}" for k in range(6)] + [f"eval/images/{k:02d}" for k in range(3)])
     assert [e.step for e in acc.Images("samples/05")] == [1, 2] and [e.step for e in acc.Images("eval/images/02")] == [0, 1, 2]
-    grid = np.asarray(Image.open(run / "samples" / "iter00002.png"))  # 2 groups of 3, one per row, 32x32 cells
+    grid = np.asarray(Image.open(run / "samples" / "iter00002.png"))  # 2 groups of 3, one per row, 32x32 images
+    cell = grid.shape[0] // 2  # each image drawn twice its size (nearest), its caption under it
     last = np.asarray(Image.open(io.BytesIO(acc.Images("samples/05")[-1].encoded_image_string)))
-    assert np.array_equal(last, grid[32:64, 64:96])
+    assert np.array_equal(last, grid[cell:cell + 64:2, 128:192:2])
     (eval_text,) = [t for t in acc.Tensors("eval/images/captions/text_summary") if t.step == 0]
     assert [line.split(": ", 1)[1].rsplit(" | reward ", 1)[0]
             for line in eval_text.tensor_proto.string_val[0].decode().split("  \n")] == PROMPTS

@@ -2,6 +2,9 @@
 
 The trainer never encodes text (a Trajectory carries its conditioning); the diffusers baseline sampler
 (megaflow.rollout.baseline) and the ShapeEval pretraining (megaflow.pretrain) do, and must match the engine.
+The file imports torch only: ``megaflow export`` copies it into an SD3 export as ``encode_prompts.py``, so the
+exported pipeline is sampled as the engine sampled it without megaflow (``pipe(prompt_embeds=embeds,
+pooled_prompt_embeds=pooled)``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""Run files that build on another: a top-level ``base = "other.toml"`` (a path relative to the file that names it)
+makes ``other.toml`` the starting point, and every table of this file then sets its keys over the base's, key by
+key (a key's value replaces the base's whole: ``reward.weights = {...}`` is the new table, not a merge).
+A base may have a base of its own.
+
+``config_layers(path)`` reads the chain, the farthest base first, and returns each file with its tables, so an
+error names the file that holds the key. Every mistake is one ConfigError line: a missing or unreadable file, a
+``base`` that is not a string, a chain that comes back to a file it already read (a cycle), or one deeper than
+``MAX_DEPTH``.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from megaflow.config.load import ConfigError
+
+BASE_KEY = "base"
+MAX_DEPTH = 16  # files in one chain: beyond, a chain is a mistake, not a design
+
+
+def read_toml(path: Path, named_by: str) -> dict:
+    """The tables of one TOML run file; ConfigError naming it (and ``named_by``: who asked for it)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}{named_by}")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file (TOML run files are UTF-8)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def config_layers(path: str | Path) -> list[tuple[Path, dict]]:
+    """``[(file, its tables without 'base'), ...]``, the farthest base first and ``path`` last."""
+    chain: list[tuple[Path, dict]] = []
+    path, named_by = Path(path), ""
+    seen: list[Path] = []
+    while True:
+        resolved = path.resolve()
+        if resolved in seen:
+            loop = " -> ".join(p.name for p in [*seen, resolved])
+            raise ConfigError(f"{seen[-1]}: base = {path.name!r} makes a cycle ({loop})")
+        if len(seen) >= MAX_DEPTH:
+            raise ConfigError(f"{path}: more than {MAX_DEPTH} files in one chain of base = ...")
+        seen.append(resolved)
+        data = read_toml(path, named_by)
+        base = data.pop(BASE_KEY, None)
+        chain.append((path, data))
+        if base is None:
+            return chain[::-1]
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"{path}: base must be the path of another run file (a string), got {base!r}")
+        named_by = f" (the base of {path})"
+        path = path.parent / base

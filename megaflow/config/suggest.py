@@ -1,0 +1,56 @@
+"""Did-you-mean suggestions for names a user mistyped: config keys, reward names, reward arguments, the attribute
+of a ``'pkg.mod:fn'`` path (standard library only: difflib).
+
+Every function returns the text to append to a one-line error, `` (did you mean 'x'?)``, or ``""`` when nothing
+is close: a suggestion is only ever a hint, the error is raised either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable
+
+CUTOFF = 0.6  # difflib's similarity ratio a suggestion needs (its own default)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``word`` (difflib, ratio >= ``CUTOFF``), or None."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=CUTOFF)
+    return match[0] if match else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, else ``""``."""
+    match = closest(word, choices)
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+def suggest_key(cfg, section: str, key: str) -> str:
+    """The hint for an unknown ``section.key`` of config ``cfg`` (a MegaflowConfig), the first of: a close key of the
+    same section (``group_sise`` -> ``group_size``); a key of the section that starts with it (``warmup`` ->
+    ``warmup_iterations``); the same key in another section (``train.group_size`` -> ``rollout.group_size``); a key
+    of the section whose help text holds the key's words (``learning_rate`` -> ``lr``: "AdamW learning rate."); a
+    close key of another section."""
+    sections = {f.name: {g.name: g for g in dataclasses.fields(getattr(cfg, f.name))} for f in dataclasses.fields(cfg)}
+    own = sections.get(section, {})
+    words = key.replace("_", " ").replace("-", " ").lower().strip()
+    others = {f"{s}.{k}": k for s, fields in sections.items() if s != section for k in fields}
+    candidates = (
+        lambda: [f"{section}.{k}" for k in [closest(key, own)] if k],
+        lambda: [f"{section}.{k}" for k in own if len(key) >= 3 and k.startswith(key)],
+        lambda: [d for d, k in others.items() if k == key],
+        lambda: sorted((f"{section}.{k}" for k, f in own.items() if words and words in _help(f)),
+                       key=lambda d: len(_help(own[d.split(".")[1]])))[:1],  # the field most about those words
+        lambda: [d for d, k in others.items() if k == closest(key, set(others.values()))],
+    )
+    found = next((c for c in (make() for make in candidates) if c), [])
+    return f" (did you mean {' or '.join(found)}?)" if found else ""
+
+
+def _help(f: dataclasses.Field) -> str:
+    return str(f.metadata.get("help", "")).lower()
+
+
+def suggest_section(cfg, section: str) -> str:
+    """The hint for an unknown config section of ``cfg``."""
+    return did_you_mean(section, [f.name for f in dataclasses.fields(cfg)])
