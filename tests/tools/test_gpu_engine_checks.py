@@ -1,0 +1,188 @@
+"""The CPU logic of the GPU engine checks and of the engine wheelhouse (megaflow.testing.gpu: throughput, engine,
+sd35m, mirror, wheelhouse, run; tools/sgl_kernel_standin). Needs: CPU, no engine; one subprocess per stand-in import
+(~2 s, torch). Checks:
+- the throughput arithmetic against hand computations (model FLOPs of a small MMDiT, MFU, verl-omni's images/GPU/s);
+- each check's record from given measurements (pass / fail), the log-prob comparison of the mirror check;
+- the loop checks' settings are a valid config whose plan has a rollout and a training phase;
+- a slimmed wheel drops exactly the matching files and its RECORD says so; the pins skip what the image has; what
+  the GPU machine installs; the stand-in: refuses without CUDA, placeholders raise a clear error when used;
+- ``--only engine`` expands to the engine checks, and the environment record lists the installed versions.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaflow.plan.dit import DiTDims
+from megaflow.testing.gpu import engine, mirror, run, sd35m, throughput, wheelhouse
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dims(**kw) -> DiTDims:
+    base = dict(family="sd3", source="test", hidden=4, heads=2, head_dim=2, blocks=2, single_blocks=0, dual_blocks=1,
+                qk_norm=True, in_channels=2, out_channels=2, patch=1, joint_dim=3, pooled_dim=2, guidance_embeds=False)
+    return DiTDims(**{**base, **kw})
+
+
+def test_sd3_forward_flops_by_hand():
+    # embed 2*5*2*4 = 80, text 2*3*3*4 = 72, final 2*5*4*2 = 80; block 0 (dual): image 2*5*12*16 = 1920,
+    # text 2*3*12*16 = 1152, joint attention 4*8*8*4 = 1024, dual 2*5*4*16 + 4*5*5*4 = 1040; block 1 (last):
+    # image 1920, text (qkv only) 2*3*3*16 = 288, attention 1024
+    assert throughput.sd3_forward_flops(_dims(), image=5, text=3) == 232 + 5136 + 3232
+    assert throughput.train_step_flops(_dims(), 5, 3, batch=4) == 3 * 4 * 8600
+    flux = _dims(family="flux", blocks=1, single_blocks=2, dual_blocks=0)
+    # embed 2*5*2*4 + 2*3*3*4 + 2*5*4*2 = 232; three blocks of 2*8*12*16 + 4*64*4 = 3072 + 1024
+    assert throughput.flux_forward_flops(flux, image=5, text=3) == 232 + 3 * 4096
+
+
+def test_sd3_forward_flops_match_torch_flop_counter():
+    """Against torch's own count of a diffusers SD3.5-style DiT's forward (matmuls, attention through SDPA's math
+    path, which torch counts as its two batched products; the patch conv), which also counts the per-sample adaLN
+    linears left out here (< 2% at 256 + 77 tokens)."""
+    from diffusers import SD3Transformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megaflow.plan.dit import dims_from_config
+
+    conf = dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=3, attention_head_dim=32,
+                num_attention_heads=2, joint_attention_dim=96, caption_projection_dim=64, pooled_projection_dim=32,
+                pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
+    dit = SD3Transformer2DModel(**conf).eval()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        dit(hidden_states=torch.randn(1, 16, 32, 32), timestep=torch.tensor([500.0]),
+            encoder_hidden_states=torch.randn(1, 77, 96), pooled_projections=torch.randn(1, 32))
+    ours = throughput.sd3_forward_flops(dims_from_config("sd3", conf, "test"), image=256, text=77)
+    assert ours == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_mfu_and_images_per_gpu_second():
+    assert throughput.peak_flops("NVIDIA H100 80GB HBM3") == throughput.peak_flops("NVIDIA H200") == 989e12
+    assert throughput.peak_flops("NVIDIA H100 80GB HBM3", "fp32") is None and throughput.peak_flops("Some GPU") is None
+    assert throughput.mfu(989e12, 2.0, 989e12) == 0.5 and throughput.mfu(1.0, 1.0, None) is None
+    # verl-omni: batch x samples / (step seconds x GPUs): 32 prompts x 16 samples in 251 s on 4 GPUs = 0.51
+    assert throughput.images_per_gpu_second(32, 16, 251.0, 4) == pytest.approx(0.51, abs=0.001)
+    with pytest.raises(ValueError):
+        throughput.images_per_gpu_second(1, 1, 0.0, 1)
+
+
+def test_check_records_from_measurements():
+    rec = sd35m.rollout_record({"sglang": [1.0, 2.0, 1.0], "diffusers": [2.0, 2.0, 2.0]})
+    assert rec["images_per_s"] == {"sglang": 8.0, "diffusers": 4.0} and rec["sglang_over_diffusers"] == 2.0
+    step = sd35m.step_record(_dims(), [0.5, 0.4, 0.6], 4, "none", "NVIDIA H100", 2**30)
+    assert step["step_s"] == 0.5 and step["mfu"] == pytest.approx(3 * 4 * throughput.sd3_forward_flops(
+        _dims(), 1024, 333) / 0.5 / 989e12)
+    metrics = {"time/iteration_s": 4.0, "time/rollout_s": 1.0, "time/train_s": 2.5, "mem/cuda_alloc_mib_train": 2048.0}
+    loop = sd35m.loop_record("nft", metrics, {"train": 2**31, "rollout": 2**30}, 2**31, 9.0)
+    assert loop["images_per_gpu_s"] == 2.0 and loop["device_peak_vs_plan"] == 1.0, loop
+    assert loop["trainer_cuda_gib"] == {"mem/cuda_alloc_mib_train": 2.0} and loop["phase_s"]["time/train_s"] == 2.5
+    mib = 2**20
+    good = engine.release_record(10 * mib, 500 * mib, 480 * mib, 499 * mib, 0.1, 0.2, same=True)
+    assert good["status"] == "pass" and good["freed_mib"] == 20.0
+    assert engine.release_record(10 * mib, 500 * mib, 499 * mib, 499 * mib, 0.1, 0.2, same=True)["status"] == "fail"
+    lp = torch.tensor([[100.0, -50.0]], dtype=torch.float64)
+    err = engine.logprob_errors(lp, lp + torch.tensor([[0.0, 1e-4]], dtype=torch.float64))
+    assert err["max_abs"] == pytest.approx(1e-4) and err["rel"] == pytest.approx(1e-6)
+    ok = {"rel": 1e-6, "finite": True}
+    assert engine.sd3_record({"fp32": ok, "bf16": {"rel": 0.3, "finite": True}})["status"] == "pass"
+    assert engine.sd3_record({"fp32": {"rel": 1e-3, "finite": True}})["status"] == "fail"
+
+
+def test_mirror_comparison():
+    ref = {k: torch.randn(5, 4) for k in ("log_probs", "latents", "model_outputs", "images")} | {"seeds": [1, 2]}
+    assert mirror.compare_tensors(ref, dict(ref))["ok"]
+    off = dict(ref, log_probs=ref["log_probs"] * (1 + 1e-3))
+    res = mirror.compare_tensors(ref, off)
+    assert not res["ok"] and not res["tensors"]["log_probs"]["ok"] and res["tensors"]["latents"]["identical"]
+    assert not mirror.compare_tensors(ref, dict(ref, seeds=[1, 3]))["ok"]
+
+
+@pytest.mark.parametrize("algo", ["nft", "flowgrpo"])
+def test_loop_settings_are_a_config_with_two_phases(algo):
+    from megaflow.config import load_config
+    from megaflow.plan.memory import plan
+
+    cfg = load_config(REPO / "configs/cpu_demo.toml",
+                      [*sd35m.LOOP_SETTINGS, f"algo.name={algo}", "model.pretrained=no-such-dir"])
+    assert cfg.algo.name == algo and cfg.train.offload == "optimizer" and cfg.rollout.num_steps == sd35m.STEPS
+    (group,) = plan(cfg, gpus=1, gpu_mem_gib=80)["groups"]
+    assert set(group.phases) == {"train", "rollout"} and group.phases["rollout"] < group.phases["train"]
+
+
+def _wheel(path: Path, files: dict[str, bytes]) -> Path:
+    record = "pkg-1.0.dist-info/RECORD"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(record, "".join(f"{n},sha256=x,{len(d)}\n" for n, d in files.items()) + f"{record},,\n")
+    return path
+
+
+def test_slim_wheel_drops_matching_files_and_rewrites_record(tmp_path):
+    files = {"pkg/__init__.py": b"x = 1\n", "pkg/ext/_big.so": b"\0" * 1000, "pkg/test/test_a.py": b"",
+             "pkg-1.0.dist-info/METADATA": b"Name: pkg\n"}
+    out, dropped = wheelhouse.slim_wheel(_wheel(tmp_path / "pkg-1.0-py3-none-any.whl", files), tmp_path / "out",
+                                         ["pkg/ext/*.so", "pkg/test/*"])
+    assert sorted(dropped) == ["pkg/ext/_big.so", "pkg/test/test_a.py"]
+    with zipfile.ZipFile(out) as z:
+        assert z.read("pkg/__init__.py") == b"x = 1\n"
+        rows = list(csv.reader(io.StringIO(z.read("pkg-1.0.dist-info/RECORD").decode())))
+        assert sorted(z.namelist()) == sorted(r[0] for r in rows)
+    assert {r[0] for r in rows} == {"pkg/__init__.py", "pkg-1.0.dist-info/METADATA", "pkg-1.0.dist-info/RECORD"}
+    assert rows[0][1] == wheelhouse._record_hash(b"x = 1\n")
+
+
+def test_pins_skip_what_the_image_has_and_wanted_only_what_is_missing(tmp_path):
+    image = {"pydantic": "2.0", "psutil": None}
+    pins = wheelhouse.pins(REPO / "pyproject.toml", image, lambda d: "9.9")
+    assert pins[:3] == ["megatron-core==0.19.2", "sglang==0.5.23", "diffusers==0.37.0"]
+    assert "pyzmq==9.9" in pins and not any(p.startswith(("pydantic==", "psutil")) for p in pins)
+    for name in ("megatron_core-0.19.2-py3-none-any.whl", "sglang-0.5.23-cp312.whl", "pyzmq-27-cp312.whl"):
+        (tmp_path / name).write_bytes(b"")
+    install, absent = wheelhouse.wanted(tmp_path, can_import=lambda m: m != "zmq" and m != "orjson",
+                                        version_of=lambda d: "1.0")
+    assert install == ["megatron_core", "sglang", "pyzmq"]
+    assert set(absent) == {"diffusers", "megaflow", "megaflow_sgl_kernel_standin", "orjson"}
+    install, _ = wheelhouse.wanted(tmp_path, can_import=lambda m: True, version_of=lambda d: "0.30.1")
+    assert install == ["megatron_core", "sglang"]  # huggingface_hub 0.30 < 0.34 wanted, but no wheel here
+
+
+def _standin(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tools/sgl_kernel_standin"),
+                               "CUDA_VISIBLE_DEVICES": "", **env})
+
+
+def test_standin_refuses_without_cuda_and_raises_when_used(tmp_path):
+    log = tmp_path / "standin.log"
+    refused = _standin("import sgl_kernel", SGL_KERNEL_STANDIN_LOG=str(log))
+    assert refused.returncode != 0 and "ImportError" in refused.stderr and "refused sgl_kernel" in log.read_text()
+    forced = _standin(
+        "from sgl_kernel import rmsnorm\nimport sgl_kernel\nassert sgl_kernel.STANDIN\n"
+        "try:\n    import sgl_kernel.flash_attn\nexcept ModuleNotFoundError:\n    print('no submodule')\n"
+        "rmsnorm(1)", SGL_KERNEL_STANDIN_FORCE="1", SGL_KERNEL_STANDIN_LOG=str(log))
+    assert "no submodule" in forced.stdout, forced.stderr
+    assert "SglKernelUnavailable: sgl_kernel.rmsnorm is a kernel of sgl_kernel" in forced.stderr
+    assert "lookup sgl_kernel.rmsnorm" in log.read_text()
+    wheel = wheelhouse.standin_wheel(REPO / "tools/sgl_kernel_standin", tmp_path / "wheels")
+    assert "sgl_kernel/__init__.py" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_only_groups_and_installed_versions():
+    assert run.expand_only(["engine"]) == run.GROUPS["engine"] and "sd35m_loop_nft" in run.GROUPS["engine"]
+    assert run.expand_only(["nccl", "engine_sd3"]) == ["nccl", "engine_sd3"] and run.expand_only([]) is None
+    assert set(run.GROUPS["trainer"]) | set(run.GROUPS["engine"]) == set(run.CHECKS)
+    with pytest.raises(SystemExit):
+        run.expand_only(["no_such_check"])
+    rec = run.installed_versions()
+    assert rec["versions"]["torch"] == torch.__version__.split("+")[0] or rec["versions"]["torch"] == torch.__version__
+    assert any(p.lower().startswith("torch==") for p in rec["packages"])
