@@ -117,8 +117,8 @@ def wheelhouse_record(wheels: str | None, install_log: str | None) -> dict:
         files = {p.name: p.stat().st_size for p in sorted(Path(wheels).glob("*.whl"))}
         out.update(wheel_bytes=files, wheelhouse_total_bytes=sum(files.values()))
     if install_log and Path(install_log).is_file():
-        out["installed"] = next((ln for ln in Path(install_log).read_text().splitlines() if ln.startswith("install:")),
-                                None)
+        line = next((ln for ln in Path(install_log).read_text().splitlines() if ln.startswith("install:")), "")
+        out["installed"] = line.removeprefix("install:").split(" (from ")[0].split()  # no machine paths
     return out
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megaflow.testing.gpu import throughput
-from megaflow.testing.gpu.common import require_cuda, require_module
+from megaflow.testing.gpu.common import Skip, require_cuda, require_module
 
 HEIGHT = WIDTH = 512
 STEPS, BATCH, TIMED = 10, 8, 3
@@ -204,22 +204,25 @@ def loop(algo: str) -> dict:
     from megaflow.config import load_config
     from megaflow.plan.memory import plan
 
+    config = Path.cwd() / "configs" / "cpu_demo.toml"  # gpu_check.sh runs from the checkout's root
+    if not config.is_file():
+        raise Skip(f"no {config} (run from the repository's root)")
     path = pipeline_dir()
     with tempfile.TemporaryDirectory() as runs:
         sets = [*LOOP_SETTINGS, f"algo.name={algo}", f"model.pretrained={path}", f"run.output_dir={runs}",
                 f"run.name=loop-{algo}"]
-        args = ["-c", "configs/cpu_demo.toml", *(x for s in sets for x in ("--set", s))]
+        args = ["-c", str(config), *(x for s in sets for x in ("--set", s))]
         peak = _DevicePeak()
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "megaflow.cli", "train", *args, "--json"], capture_output=True,
-                              text=True, env={**os.environ}, cwd=Path(__file__).resolve().parents[3])
+                              text=True, env={**os.environ})
         wall, device_peak = time.perf_counter() - t0, peak.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"megaflow train exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     import torch
 
-    (group,) = plan(load_config("configs/cpu_demo.toml", sets), gpus=1,
+    (group,) = plan(load_config(config, sets), gpus=1,
                     gpu_mem_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)["groups"]
     return loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall)
 
