@@ -7,9 +7,13 @@
 # pass | fail | skipped with the numbers, error or reason), $OUT/gpu_check_summary.txt, $OUT/logs/<check>.log and
 # $OUT/install.log. Exits 0 whatever the checks say (non-zero only if the driver itself cannot start).
 # Environment: PYTHON (default: the first of python3 / python that imports torch), GPU_WHEELS (default <repo>/gpu_wheels; absent = install nothing),
-# GPU_CHECK_BUDGET_S (seconds for the checks together, default 400), GPU_CHECK_ONLY (comma-separated names).
+# GPU_CHECK_BUDGET_S (seconds for the checks together, default 400), GPU_CHECK_ONLY (comma-separated check names
+# or groups: trainer, engine; see megaflow/testing/gpu/run.py).
 #
 # GPU_CHECK_INSTALL_ONLY=1: install the wheelhouse, print the site directory and stop (scripts/gpu_mirror_check.sh).
+# GPU_CHECK_PACK=1: pack logs/ into logs.tgz afterwards ($OUT then holds 4 files: a device call returns at most 8).
+# The prepared run of a lease (the engine group, ~7 min; the checks past the budget skip, in CHECKS' order):
+#   GPU_CHECK_ONLY=engine GPU_CHECK_BUDGET_S=420 GPU_CHECK_PACK=1 bash scripts/gpu_check.sh   (carry gpu_wheels)
 #
 # Install: pip --target into a fresh directory put first on PYTHONPATH (works with any base interpreter, venv or
 # not, and leaves the image's own packages untouched): megatron-core, diffusers, sglang (slim), the sgl_kernel
@@ -76,4 +80,10 @@ SPENT=$(( $(date +%s) - START ))
 BUDGET="${GPU_CHECK_BUDGET_S:-400}"
 echo "install took ${SPENT} s; checks get ${BUDGET} s" | tee -a "$INSTALL_LOG"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec "$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+if [ "${GPU_CHECK_PACK:-0}" != 1 ]; then
+  exec "$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+fi
+"$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+RC=$?
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $RC

@@ -11,6 +11,7 @@ sd35m, mirror, wheelhouse, run; tools/sgl_kernel_standin). Needs: CPU, no engine
 from __future__ import annotations
 
 import csv
+import json
 import io
 import os
 import subprocess
@@ -186,3 +187,44 @@ def test_only_groups_and_installed_versions():
     rec = run.installed_versions()
     assert rec["versions"]["torch"] == torch.__version__.split("+")[0] or rec["versions"]["torch"] == torch.__version__
     assert any(p.lower().startswith("torch==") for p in rec["packages"])
+
+
+def test_mirror_record_names_wheels_without_paths(tmp_path):
+    (tmp_path / "a-1-py3-none-any.whl").write_bytes(b"12345")
+    log = tmp_path / "install.log"
+    log.write_text("pip 25\ninstall: megaflow sglang pyzmq (from /x/gpu_wheels into /tmp/site)\n")
+    rec = mirror.wheelhouse_record(str(tmp_path), str(log))
+    assert rec == {"wheel_bytes": {"a-1-py3-none-any.whl": 5}, "wheelhouse_total_bytes": 5,
+                   "installed": ["megaflow", "sglang", "pyzmq"]}
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_sd3_logprob_check_body_on_cpu(tmp_path):
+    """``engine_sd3``'s body with a CPU engine (fp32): the trainer's recompute (megatron DiT + flow math) matches the
+    engine's rollout log-probs within the GPU check's tolerance, and its velocities the engine's."""
+    code = ("import json, torch, megaflow\nfrom pathlib import Path\nfrom megaflow.testing.gpu import engine\n"
+            "if __name__ == '__main__':\n"
+            f"    r = engine.sd3_logprobs_body(torch.device('cpu'), Path({str(tmp_path)!r}), precisions=('fp32',))\n"
+            "    print(json.dumps(r))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["status"] == "pass" and rec["fp32"]["rel"] <= engine.TOLERANCE["fp32"], rec
+    assert rec["fp32"]["velocity_max_abs"] < 1e-4 and rec["fp32"]["samples"] == 4, rec
+
+
+def test_prepared_engine_run_skips_without_cuda_and_packs_its_logs(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path),
+           "GPU_WHEELS": str(tmp_path / "no-wheels"), "GPU_CHECK_ONLY": "engine", "GPU_CHECK_PACK": "1"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.jsonl", "gpu_check_summary.txt", "install.log",
+                                                     "logs.tgz"]
+    records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert [r["check"] for r in records] == ["env", *run.GROUPS["engine"]]
+    assert all(r["status"] == "skipped" and "no CUDA" in r["reason"] for r in records[1:]), records
+    assert records[0]["versions"]["torch"] and records[0]["packages"]
