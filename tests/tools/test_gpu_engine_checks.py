@@ -228,3 +228,20 @@ def test_prepared_engine_run_skips_without_cuda_and_packs_its_logs(tmp_path):
     assert [r["check"] for r in records] == ["env", *run.GROUPS["engine"]]
     assert all(r["status"] == "skipped" and "no CUDA" in r["reason"] for r in records[1:]), records
     assert records[0]["versions"]["torch"] and records[0]["packages"]
+
+
+@pytest.mark.slow  # ~20-40 s: imports sglang
+def test_standin_lets_the_cuda_time_imports_of_the_dits_succeed(tmp_path):
+    """With SGLang's platform faked as CUDA (its layers then import sgl_kernel's names unguarded), the SD3 and
+    FLUX DiT modules import against the stand-in, which hands out placeholders for exactly the names they import."""
+    log = tmp_path / "standin.log"
+    proc = _standin(
+        "import importlib, megaflow\nfrom sglang.multimodal_gen.runtime.platforms import current_platform\n"
+        "type(current_platform).is_cuda = lambda self: True\n"
+        "type(current_platform).is_cuda_alike = lambda self: True\n"
+        "for m in ('layers.layernorm', 'layers.activation', 'models.dits.stablediffusion3', 'models.dits.flux'):\n"
+        "    importlib.import_module('sglang.multimodal_gen.runtime.' + m)\nprint('imported')",
+        SGL_KERNEL_STANDIN_FORCE="1", SGL_KERNEL_STANDIN_LOG=str(log))
+    assert "imported" in proc.stdout, proc.stderr[-3000:]
+    looked_up = {line.split()[2] for line in log.read_text().splitlines() if line.split()[1] == "lookup"}
+    assert looked_up == {"sgl_kernel.rmsnorm", "sgl_kernel.fused_add_rmsnorm"}, looked_up

@@ -25,6 +25,13 @@ runs are fp32 on CPU, but torch 2.11 and 2.14 may pick different CPU kernels (on
 CPU path), whose rounding differs by a few fp32 ulps per op; over a 4-step rollout through CLIP, T5, the DiT and the
 VAE that stays orders below 1e-5 of the values, while any wrong weight, wrong seed or wrong sampler setting moves
 them by O(1)."""
+PROVES = ("sglang 0.5.23 (slimmed, without its dependencies), megatron-core, diffusers and megaflow from the GPU "
+          "wheelhouse import and run the tiny SD3 engine on the GPU image's stack (torch 2.11.0, triton 3.6.0, "
+          "transformers 5.17.0) with nothing but the image's packages beneath them, no shim or environment variable "
+          "needed; its rollout equals the full venv's (torch 2.14.1, transformers 5.19.0) within the tolerance; on "
+          "CPU the sgl_kernel stand-in refuses to import, as the real CUDA package does, so no kernel of it is used. "
+          "Not proved here: anything CUDA (the engine checks of scripts/gpu_check.sh).")
+"""What a passing record shows (kept in the record)."""
 VERSIONED = ("python", "torch", "triton", "transformers", "diffusers", "sglang", "megatron-core", "numpy",
              "huggingface_hub", "tokenizers", "safetensors")
 
@@ -114,8 +121,12 @@ def wheelhouse_record(wheels: str | None, install_log: str | None) -> dict:
     """What the mirror had on top of the image: the wheelhouse's files and bytes, and gpu_check.sh's install line."""
     out: dict = {}
     if wheels and Path(wheels).is_dir():
+        from megaflow.testing.gpu.wheelhouse import tree_bytes
+
         files = {p.name: p.stat().st_size for p in sorted(Path(wheels).glob("*.whl"))}
         out.update(wheel_bytes=files, wheelhouse_total_bytes=sum(files.values()))
+        if (Path(wheels).parent / ".git").exists():  # gpu_wheels/ of a checkout: what a GPU call carries in all
+            out["carried_with_tree_bytes"] = sum(files.values()) + tree_bytes(Path(wheels).parent)
     if install_log and Path(install_log).is_file():
         line = next((ln for ln in Path(install_log).read_text().splitlines() if ln.startswith("install:")), "")
         out["installed"] = line.removeprefix("install:").split(" (from ")[0].split()  # no machine paths
@@ -132,7 +143,7 @@ def compare(reference: str, mirror: str, tol: float = TOLERANCE, wheels: str | N
     kernel = got["sgl_kernel"]
     untouched = not kernel["names_looked_up"] and not kernel["imported_by_pids"]  # on CPU: refused, never used
     lp, nan = res["tensors"]["log_probs"], float("nan")
-    return {"check": "cpu_mirror", "status": "pass" if res["ok"] and untouched else "fail", **res,
+    return {"check": "cpu_mirror", "status": "pass" if res["ok"] and untouched else "fail", "proves": PROVES, **res,
             "reference_versions": ref["versions"], "mirror_versions": got["versions"],
             "mirror_sgl_kernel": kernel, "standin_never_reached": untouched,
             "log_probs_shape": list(ref["log_probs"].shape), **wheelhouse_record(wheels, install_log),
