@@ -110,11 +110,14 @@ def test_mirror_comparison():
 @pytest.mark.parametrize("algo", ["nft", "flowgrpo"])
 def test_loop_settings_are_a_config_with_two_phases(algo):
     from megaflow.config import load_config
+    from megaflow.config.preflight import preflight
     from megaflow.plan.memory import plan
 
-    cfg = load_config(REPO / "configs/cpu_demo.toml",
-                      [*sd35m.LOOP_SETTINGS, f"algo.name={algo}", "model.pretrained=no-such-dir"])
+    sets = [*sd35m.LOOP_SETTINGS, *sd35m.ALGO_SETTINGS[algo]]
+    cfg = load_config(REPO / "configs/cpu_demo.toml", [*sets, "model.pretrained=no-such-dir"])
     assert cfg.algo.name == algo and cfg.train.offload == "optimizer" and cfg.rollout.num_steps == sd35m.STEPS
+    preflight(load_config(REPO / "configs/cpu_demo.toml", sets), "show", files=False)  # megaflow train's checks,
+    # but those of the files it names (the pipeline is built on the GPU machine) and of this machine's devices
     (group,) = plan(cfg, gpus=1, gpu_mem_gib=80)["groups"]
     assert set(group.phases) == {"train", "rollout"} and group.phases["rollout"] < group.phases["train"]
 
@@ -200,19 +203,25 @@ def test_mirror_record_names_wheels_without_paths(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_sd3_logprob_check_body_on_cpu(tmp_path):
+def test_sd3_logprob_and_sync_check_bodies_on_cpu(tmp_path):
     """``engine_sd3``'s body with a CPU engine (fp32): the trainer's recompute (megatron DiT + flow math) matches the
-    engine's rollout log-probs within the GPU check's tolerance, and its velocities the engine's."""
+    engine's rollout log-probs within the GPU check's tolerance, and its velocities the engine's; ``engine_sync``'s
+    body: the pushed weights verified, the engine's checksum theirs, the images changed."""
     code = ("import json, torch, megaflow\nfrom pathlib import Path\nfrom megaflow.testing.gpu import engine\n"
+            f"root, cpu = Path({str(tmp_path)!r}), torch.device('cpu')\n"
             "if __name__ == '__main__':\n"
-            f"    r = engine.sd3_logprobs_body(torch.device('cpu'), Path({str(tmp_path)!r}), precisions=('fp32',))\n"
-            "    print(json.dumps(r))")
+            "    r = engine.sd3_logprobs_body(cpu, root / 'a', precisions=('fp32',))\n"
+            "    s = engine.sync_body(cpu, root / 'b')\n"
+            "    print(json.dumps({**r, 'sync': s}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["status"] == "pass" and rec["fp32"]["rel"] <= engine.TOLERANCE["fp32"], rec
     assert rec["fp32"]["velocity_max_abs"] < 1e-4 and rec["fp32"]["samples"] == 4, rec
+    sync = rec["sync"]  # engine_sync's body: the colocated bridge through shared memory on CPU
+    assert sync["status"] == "pass" and sync["verified"] and sync["checksum_is_pushed_weights"], sync
+    assert sync["buckets"] > 1 and sync["image_change_max"] > 1e-3, sync
 
 
 def test_prepared_engine_run_skips_without_cuda_and_packs_its_logs(tmp_path):
@@ -245,3 +254,17 @@ def test_standin_lets_the_cuda_time_imports_of_the_dits_succeed(tmp_path):
     assert "imported" in proc.stdout, proc.stderr[-3000:]
     looked_up = {line.split()[2] for line in log.read_text().splitlines() if line.split()[1] == "lookup"}
     assert looked_up == {"sgl_kernel.rmsnorm", "sgl_kernel.fused_add_rmsnorm"}, looked_up
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_loop_check_body_on_cpu(tmp_path, tiny_sd3_dir):
+    """The loop check's path (``megaflow train`` with the check's settings, its --json metrics, the plan, the
+    record) with the tiny SD3 pipeline on CPU: fp32, 64 px, 4 steps, 2 iterations of NFT."""
+    extra = ("rollout.precision=fp32", "model.dtype=float32", "rollout.height=64", "rollout.width=64",
+             "rollout.num_steps=4", "train.iterations=2", "run.num_threads=1")
+    rec = sd35m.loop_body("nft", tiny_sd3_dir, REPO / "configs/cpu_demo.toml", extra)
+    assert rec["status"] == "pass" and rec["algo"] == "nft" and rec["iteration_s"] > 0, rec
+    assert rec["images_per_gpu_s"] == pytest.approx(2 * 4 / rec["iteration_s"]), rec
+    assert {"time/rollout_s", "time/train_s"} <= set(rec["phase_s"]), rec
+    assert set(rec["planned_gib"]) == {"train", "rollout"}, rec

@@ -161,30 +161,38 @@ def engine_sync() -> dict:
     _needs()
     import torch
 
+    with tempfile.TemporaryDirectory() as tmp:
+        return sync_body(torch.device("cuda", 0), Path(tmp))
+
+
+def sync_body(dev, root: Path) -> dict:
+    """``engine_sync``'s body: the tiny SD3 DiT's weights + noise, on ``dev``, through ``ColocatedBridge`` (CUDA IPC
+    on a GPU, shared memory on CPU: the CPU test runs it)."""
+    import torch
+
     from megaflow.bridge.colocated import ColocatedBridge
     from megaflow.rollout.reference import ReferenceSampler
     from megaflow.rollout.sglang import weights_checksum
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = tiny_pipeline("sd3", Path(tmp))
-        engine = start_engine(path)
-        try:
-            before = rollout(engine)
-            gen = torch.Generator().manual_seed(0)
-            state = [(n, (p + 0.05 * torch.randn(p.shape, generator=gen)).cuda())
-                     for n, p in ReferenceSampler(path).transformer.state_dict().items()]
-            report = ColocatedBridge([engine], bucket_bytes=1 << 20, verify=True).push(state)
-            same_checksum = engine.checksum() == weights_checksum([(n, t.cpu()) for n, t in state])
-            after = rollout(engine)
-        finally:
-            engine.shutdown()
+    path = tiny_pipeline("sd3", root)
+    engine = start_engine(path)
+    try:
+        before = rollout(engine)
+        gen = torch.Generator().manual_seed(0)
+        state = [(n, (p + 0.05 * torch.randn(p.shape, generator=gen)).to(dev))
+                 for n, p in ReferenceSampler(path).transformer.state_dict().items()]
+        report = ColocatedBridge([engine], bucket_bytes=1 << 20, verify=True).push(state)
+        same_checksum = engine.checksum() == weights_checksum([(n, t.cpu()) for n, t in state])
+        after = rollout(engine)
+    finally:
+        engine.shutdown()
     changed = float(max((a.image - b.image).abs().max() for a, b in zip(after, before)))
     ok = bool(report.verified) and same_checksum and changed > 1e-3
-    return {"status": "pass" if ok else "fail", "verified": bool(report.verified), "message": report.message,
-            "tensors": report.num_tensors, "buckets": report.num_buckets, "mbytes": round(report.num_bytes / 2**20, 2),
-            "push_s": round(report.seconds, 4), "checksum_is_pushed_weights": same_checksum,
-            "image_change_max": changed,
-            "headline": f"{report.num_buckets} CUDA buckets verified={report.verified}, checksum match "
+    return {"status": "pass" if ok else "fail", "device": str(dev), "verified": bool(report.verified),
+            "message": report.message, "tensors": report.num_tensors, "buckets": report.num_buckets,
+            "mbytes": round(report.num_bytes / 2**20, 2), "push_s": round(report.seconds, 4),
+            "checksum_is_pushed_weights": same_checksum, "image_change_max": changed,
+            "headline": f"{report.num_buckets} {dev.type} buckets verified={report.verified}, checksum match "
                         f"{same_checksum}, images changed by {changed:.3f}"}
 
 

@@ -147,8 +147,8 @@ def compare(reference: str, mirror: str, tol: float = TOLERANCE, wheels: str | N
             "reference_versions": ref["versions"], "mirror_versions": got["versions"],
             "mirror_sgl_kernel": kernel, "standin_never_reached": untouched,
             "log_probs_shape": list(ref["log_probs"].shape), **wheelhouse_record(wheels, install_log),
-            "headline": f"log-probs max |diff| {lp.get('max_abs', nan):.3g} (rel {lp.get('rel', nan):.3g}, tol {tol:g}); "
-                        f"stand-in reached: {not untouched}"}
+            "headline": f"log-probs max |diff| {lp.get('max_abs', nan):.3g} (rel {lp.get('rel', nan):.3g}, "
+                        f"tol {tol:g}); stand-in reached: {not untouched}"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megaflow.testing.gpu import throughput
-from megaflow.testing.gpu.common import Skip, require_cuda, require_module
+from megaflow.testing.gpu.common import Skip, last_line, require_cuda, require_module
 
 HEIGHT = WIDTH = 512
 STEPS, BATCH, TIMED = 10, 8, 3
@@ -40,6 +40,8 @@ LOOP_SETTINGS = ["rollout.height=512", "rollout.width=512", f"rollout.num_steps=
                  "train.offload=optimizer", "train.iterations=3", "bridge.mode=colocated", "run.num_threads=8",
                  "parallel.tp=1"]
 """``--set`` overrides of the loop checks on configs/cpu_demo.toml (its reward: color_target, cheap)."""
+ALGO_SETTINGS = {"nft": ["algo.name=nft", "rollout.sde_type=ode"], "flowgrpo": ["algo.name=flowgrpo"]}
+"""Per algorithm (DiffusionNFT trains on ODE samples; FlowGRPO keeps cpu_demo's SDE rollouts)."""
 
 
 def pipeline_dir() -> Path:
@@ -201,30 +203,38 @@ class _DevicePeak:
 def loop(algo: str) -> dict:
     """``megaflow train`` (this algorithm) on the SD3.5-M pipeline; its last iteration's metrics and the plan."""
     _needs("sglang")
-    from megaflow.config import load_config
-    from megaflow.plan.memory import plan
-
     config = Path.cwd() / "configs" / "cpu_demo.toml"  # gpu_check.sh runs from the checkout's root
     if not config.is_file():
         raise Skip(f"no {config} (run from the repository's root)")
-    path = pipeline_dir()
+    return loop_body(algo, pipeline_dir(), config)
+
+
+def loop_body(algo: str, pipeline: Path, config: Path, extra: tuple[str, ...] = ()) -> dict:
+    """``loop``'s body: ``megaflow train -c config`` with ``LOOP_SETTINGS`` (then ``extra``) on ``pipeline``, in
+    its own process; device memory polled while it runs (CUDA only). The CPU test runs a tiny pipeline through it."""
+    import torch
+
+    from megaflow.config import load_config
+    from megaflow.plan.memory import plan
+
+    cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as runs:
-        sets = [*LOOP_SETTINGS, f"algo.name={algo}", f"model.pretrained={path}", f"run.output_dir={runs}",
-                f"run.name=loop-{algo}"]
+        sets = [*LOOP_SETTINGS, *ALGO_SETTINGS[algo], f"model.pretrained={pipeline}", f"run.output_dir={runs}",
+                f"run.name=loop-{algo}", *extra]
         args = ["-c", str(config), *(x for s in sets for x in ("--set", s))]
-        peak = _DevicePeak()
+        peak = _DevicePeak() if cuda else None
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "megaflow.cli", "train", *args, "--json"], capture_output=True,
                               text=True, env={**os.environ})
-        wall, device_peak = time.perf_counter() - t0, peak.stop()
+        wall, device_peak = time.perf_counter() - t0, peak.stop() if peak else 0
     if proc.returncode != 0:
-        raise RuntimeError(f"megaflow train exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"megaflow train exited {proc.returncode}: {last_line(proc.stderr)}")
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
-    import torch
-
-    (group,) = plan(load_config(config, sets), gpus=1,
-                    gpu_mem_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)["groups"]
-    return loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall)
+    cfg = load_config(config, [s for s in sets if not s.startswith("run.output_dir=")])
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
+    (group,) = plan(cfg, gpus=1, gpu_mem_gib=memory)["groups"]
+    return loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall,
+                       prompts=cfg.rollout.prompts_per_iter, group_size=cfg.rollout.group_size)
 
 
 def loop_record(algo: str, metrics: dict, planned: dict, device_peak: int, wall_s: float, prompts: int = 2,
