@@ -268,3 +268,59 @@ def test_loop_check_body_on_cpu(tmp_path, tiny_sd3_dir):
     assert rec["images_per_gpu_s"] == pytest.approx(2 * 4 / rec["iteration_s"]), rec
     assert {"time/rollout_s", "time/train_s"} <= set(rec["phase_s"]), rec
     assert set(rec["planned_gib"]) == {"train", "rollout"}, rec
+
+
+def test_sd35m_pipeline_widths_fit_the_dit():
+    from megaflow.plan.dit import BUILTIN
+
+    conf = BUILTIN["sd3"][1]
+    clip_l, clip_g, t5 = sd35m.ENCODER_WIDTHS
+    assert clip_l + clip_g == conf["pooled_projection_dim"] and t5 == conf["joint_attention_dim"]
+    assert sd35m.VAE["latent_channels"] == conf["in_channels"] and 2 ** (len(sd35m.VAE["block_out_channels"]) - 1) == 8
+
+
+@pytest.mark.slow  # ~20-60 s
+def test_sd35m_pipeline_builder_makes_a_pipeline_diffusers_samples(tmp_path):
+    """``build_pipeline`` with small shapes on CPU: diffusers loads what it saved and samples a 64 px image."""
+    from diffusers import StableDiffusion3Pipeline
+
+    dit = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+               num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+               pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
+    vae = dict(sd35m.VAE, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=8, sample_size=64)
+    sd35m.build_pipeline(tmp_path / "p", dit, vae, (32, 32, 64), "cpu")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "p", torch_dtype=torch.float32)
+    image = pipe(prompt="a red cat", num_inference_steps=2, height=64, width=64, guidance_scale=1.0,
+                 output_type="pt").images
+    assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_flux_check_body_on_cpu(tmp_path):
+    """``engine_flux``'s body in fp32 on CPU: finite FLUX trajectories, log-probs equal to the flow math on the
+    engine's velocities."""
+    code = ("import json, megaflow\nfrom pathlib import Path\nfrom megaflow.testing.gpu import engine\n"
+            "if __name__ == '__main__':\n"
+            f"    print(json.dumps(engine.flux_body(Path({str(tmp_path)!r}), 'fp32')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["status"] == "pass" and rec["finite"] and rec["rel"] <= 1e-5 and rec["samples"] == 4, rec
+
+
+@pytest.mark.slow  # ~20-40 s: a megatron world of one
+def test_train_step_check_body_on_cpu():
+    """``sd35m_train_step``'s path (bf16, distributed Adam, batch 4 of 1024 + 333 tokens) with a 2-block, hidden-16
+    DiT of SD3.5-M's input widths: the losses are finite and fall; no MFU without a known device."""
+    code = ("import json, torch, megaflow\nfrom megaflow.testing.gpu import sd35m\n"
+            "from megaflow.plan.dit import BUILTIN\nconf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
+            "            caption_projection_dim=16, dual_attention_layers=[0])\n"
+            "print(json.dumps(sd35m.train_step_body(torch.device('cpu'), conf, 2, 'full', 'cpu')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["status"] == "pass" and len(rec["losses"]) == 1 + sd35m.TIMED and rec["mfu"] is None, rec
+    assert rec["losses"][-1] < rec["losses"][0] and rec["batch"] == 2 and rec["model_tflops_per_step"] > 0, rec

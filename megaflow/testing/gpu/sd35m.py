@@ -44,32 +44,43 @@ ALGO_SETTINGS = {"nft": ["algo.name=nft", "rollout.sde_type=ode"], "flowgrpo": [
 """Per algorithm (DiffusionNFT trains on ODE samples; FlowGRPO keeps cpu_demo's SDE rollouts)."""
 
 
+ENCODER_WIDTHS = (768, 1280, 4096)
+"""CLIP-L, CLIP-G and T5-XXL widths: SD3 concatenates the CLIPs' pooled outputs (768 + 1280 = the DiT's
+pooled_projection_dim) and pads their hidden states to T5's width (the DiT's joint_attention_dim)."""
+
+
 def pipeline_dir() -> Path:
     """The SD3.5-M-shaped pipeline (bf16 safetensors), built once under $TMPDIR and reused by every check."""
-    import torch
+    from megaflow.plan.dit import BUILTIN
 
     out = Path(tempfile.gettempdir()) / "megaflow-sd35m-pipeline"
-    if (out / ".complete").is_file():
-        return out
+    if not (out / ".complete").is_file():
+        build_pipeline(out, BUILTIN["sd3"][1], VAE, ENCODER_WIDTHS, "cuda")
+        (out / ".complete").write_text("")
+    return out
+
+
+def build_pipeline(out: Path, dit_conf: dict, vae_conf: dict, widths: tuple[int, int, int], device: str) -> Path:
+    """A StableDiffusion3Pipeline of random weights: DiT and VAE at ``dit_conf`` / ``vae_conf`` (made on ``device``,
+    saved in bf16), 2-layer text encoders of ``widths`` (fp32); the CPU test builds a small one and samples it."""
+    import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
         StableDiffusion3Pipeline
 
     from megaflow.models import tiny_pipeline as tp
-    from megaflow.plan.dit import BUILTIN
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        dit = SD3Transformer2DModel(**BUILTIN["sd3"][1]).to(torch.bfloat16)
-        vae = AutoencoderKL(**VAE).to(torch.bfloat16)
+    with torch.device(device):
+        dit = SD3Transformer2DModel(**dit_conf).to(torch.bfloat16)
+        vae = AutoencoderKL(**vae_conf).to(torch.bfloat16)
     toks = [tp.make_clip_tokenizer(), tp.make_clip_tokenizer(), tp.make_t5_tokenizer()]
     pipe = StableDiffusion3Pipeline(
         transformer=dit.eval(), vae=vae.eval(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        text_encoder=tp.make_clip_encoder(toks[0], hidden=768, seed=2, with_projection=True),
-        text_encoder_2=tp.make_clip_encoder(toks[1], hidden=1280, seed=3, with_projection=True),
-        text_encoder_3=tp.make_t5_encoder(toks[2], d_model=4096, seed=4),
+        text_encoder=tp.make_clip_encoder(toks[0], hidden=widths[0], seed=2, with_projection=True),
+        text_encoder_2=tp.make_clip_encoder(toks[1], hidden=widths[1], seed=3, with_projection=True),
+        text_encoder_3=tp.make_t5_encoder(toks[2], d_model=widths[2], seed=4),
         tokenizer=toks[0], tokenizer_2=toks[1], tokenizer_3=toks[2])
     pipe.save_pretrained(out, safe_serialization=True)
-    (out / ".complete").write_text("")
     return out
 
 
@@ -134,31 +145,45 @@ def sd35m_train_step() -> dict:
     _needs()
     import torch
 
-    import megaflow  # noqa: F401
-    from megaflow.parallel.dims import ParallelDims
-    from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.plan.dit import BUILTIN, dims_from_config
-    from megaflow.testing.gpu import model
-    from megaflow.trainer.runner import rectified_flow_microbatch
+    from megaflow.plan.dit import BUILTIN
 
     props = torch.cuda.get_device_properties(0)
     recompute = "none" if props.total_memory > 100 * 2**30 else "full"  # batch 4 without recompute needs ~75 GiB
-    conf, batch = BUILTIN["sd3"][1], 4
+    return train_step_body(torch.device("cuda", 0), BUILTIN["sd3"][1], 4, recompute, props.name)
+
+
+def train_step_body(dev, conf: dict, batch: int, recompute: str, device_name: str) -> dict:
+    """``sd35m_train_step``'s body: the step check's trainer (megaflow.testing.gpu.model) for diffusers config
+    ``conf``, a random rectified-flow batch of 1024 image + 333 text tokens; the CPU test runs a tiny ``conf``."""
+    import torch
+
+    import megaflow  # noqa: F401
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import destroy_distributed, init_distributed
+    from megaflow.plan.dit import dims_from_config
+    from megaflow.testing.gpu import model
+    from megaflow.trainer.runner import rectified_flow_microbatch
+
+    cuda = dev.type == "cuda"
     init_distributed(ParallelDims(), seed=0)
     try:
         trainer, _ = model._trainer(recompute, conf)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x0, noise = (torch.randn(batch, 16, 64, 64, device="cuda", generator=g) for _ in range(2))
-        ehs = torch.randn(batch, 333, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
-        pooled = torch.randn(batch, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
-        mb = rectified_flow_microbatch(x0, noise, torch.full((batch,), 0.5, device="cuda"), ehs, pooled)
-        torch.cuda.reset_peak_memory_stats()
-        times = _timed_calls(lambda: trainer.train_step([mb]), torch.cuda.synchronize)
-        peak = torch.cuda.max_memory_allocated()
+        g = torch.Generator(device=dev).manual_seed(0)
+        x0, noise = (torch.randn(batch, conf["in_channels"], 64, 64, device=dev, generator=g) for _ in range(2))
+        ehs = torch.randn(batch, 333, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+        pooled = torch.randn(batch, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+        mb = rectified_flow_microbatch(x0, noise, torch.full((batch,), 0.5, device=dev), ehs, pooled)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        losses = []
+        times = _timed_calls(lambda: losses.append(float(trainer.train_step([mb])["loss"])),
+                             torch.cuda.synchronize if cuda else (lambda: None))
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
     finally:
         destroy_distributed()
-    dims = dims_from_config("sd3", conf, BUILTIN["sd3"][0])
-    return step_record(dims, times, batch, recompute, props.name, peak)
+    rec = step_record(dims_from_config("sd3", conf, "check"), times, batch, recompute, device_name, peak)
+    finite = all(loss == loss and abs(loss) < float("inf") for loss in losses)
+    return {**rec, "status": "pass" if finite else "fail", "losses": losses}
 
 
 def step_record(dims, times: list[float], batch: int, recompute: str, device: str, peak_bytes: int) -> dict:
