@@ -312,10 +312,11 @@ def test_flux_check_body_on_cpu(tmp_path):
 
 @pytest.mark.slow  # ~20-40 s: a megatron world of one
 def test_train_step_check_body_on_cpu():
-    """``sd35m_train_step``'s path (bf16, distributed Adam, batch 4 of 1024 + 333 tokens) with a 2-block, hidden-16
-    DiT of SD3.5-M's input widths: the losses are finite and fall; no MFU without a known device."""
+    """``sd35m_train_step``'s path (bf16, distributed Adam, a batch of 1024 + 333 tokens; 2 here) with a 2-block,
+    hidden-16 DiT of SD3.5-M's input widths: the losses are finite and fall; no MFU without a known device."""
     code = ("import json, torch, megaflow\nfrom megaflow.testing.gpu import sd35m\n"
-            "from megaflow.plan.dit import BUILTIN\nconf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
+            "from megaflow.plan.dit import BUILTIN\n"
+            "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
             "            caption_projection_dim=16, dual_attention_layers=[0])\n"
             "print(json.dumps(sd35m.train_step_body(torch.device('cpu'), conf, 2, 'full', 'cpu')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
