@@ -58,7 +58,7 @@ SGLANG_DROP = (
 """What the engine wheelhouse drops from sglang's wheel: compiled extensions and files the diffusion engine never
 imports (the mirror check, scripts/gpu_mirror_check.sh, runs the engine without them)."""
 SLIM = {"sglang": SGLANG_DROP, "imageio_ffmpeg": ("imageio_ffmpeg/binaries/ffmpeg-*",)}
-"""Distribution -> what its wheel drops. imageio_ffmpeg: its bundled 60 MiB ffmpeg binary (only video output, which
+"""Distribution -> what its wheel drops. imageio_ffmpeg: its bundled 70 MiB ffmpeg binary (only video output, which
 an image rollout never writes, runs it; the module imports without it)."""
 STANDIN_NAME, STANDIN_VERSION = "megaflow_sgl_kernel_standin", "0.0.0"
 
