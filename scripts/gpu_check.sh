@@ -7,12 +7,19 @@
 # pass | fail | skipped with the numbers, error or reason), $OUT/gpu_check_summary.txt, $OUT/logs/<check>.log and
 # $OUT/install.log. Exits 0 whatever the checks say (non-zero only if the driver itself cannot start).
 # Environment: PYTHON (default: the first of python3 / python that imports torch), GPU_WHEELS (default <repo>/gpu_wheels; absent = install nothing),
-# GPU_CHECK_BUDGET_S (seconds for the checks together, default 400), GPU_CHECK_ONLY (comma-separated names).
+# GPU_CHECK_BUDGET_S (seconds for the checks together, default 400), GPU_CHECK_ONLY (comma-separated check names
+# or groups: trainer, engine; see megaflow/testing/gpu/run.py).
+#
+# GPU_CHECK_INSTALL_ONLY=1: install the wheelhouse, print the site directory and stop (scripts/gpu_mirror_check.sh).
+# GPU_CHECK_PACK=1: pack logs/ into logs.tgz afterwards ($OUT then holds 4 files: a device call returns at most 8).
+# The prepared run of a lease (the engine group, ~7 min; the checks past the budget skip, in CHECKS' order):
+#   GPU_CHECK_ONLY=engine GPU_CHECK_BUDGET_S=420 GPU_CHECK_PACK=1 bash scripts/gpu_check.sh   (carry gpu_wheels)
 #
 # Install: pip --target into a fresh directory put first on PYTHONPATH (works with any base interpreter, venv or
-# not, and leaves the image's own packages untouched): megatron-core, diffusers, megaflow always; psutil and the
-# small dependencies only where the image cannot import them already (its torch, transformers, numpy,
-# huggingface-hub stay in charge). Without pip, the wheels are unzipped there instead.
+# not, and leaves the image's own packages untouched): megatron-core, diffusers, sglang (slim), the sgl_kernel
+# stand-in and megaflow always; the small dependencies only where the image cannot import them already (its torch,
+# transformers, numpy, huggingface-hub stay in charge); see megaflow/testing/gpu/wheelhouse.py. Without pip, the
+# wheels are unzipped there instead.
 set -uo pipefail
 START=$(date +%s)
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,28 +40,11 @@ INSTALL_LOG="$OUT/install.log"
 
 install_wheels() {
   rm -rf "$SITE" && mkdir -p "$SITE"
-  # import name -> wheel name of the dependencies installed only when missing
-  local missing
-  missing="$("$PY" - <<'PYEOF'
-import importlib.util
-deps = {"psutil": "psutil", "importlib_metadata": "importlib_metadata", "zipp": "zipp", "filelock": "filelock",
-        "httpx": "httpx", "httpcore": "httpcore", "h11": "h11", "anyio": "anyio", "sniffio": "sniffio",
-        "idna": "idna", "certifi": "certifi", "requests": "requests", "urllib3": "urllib3",
-        "charset_normalizer": "charset_normalizer", "regex": "regex", "safetensors": "safetensors",
-        "huggingface_hub": "huggingface_hub", "PIL": "pillow", "einops": "einops", "tqdm": "tqdm",
-        "typing_extensions": "typing_extensions"}
-import importlib.metadata as md
-missing = [w for m, w in deps.items() if importlib.util.find_spec(m) is None]
-try:  # diffusers needs huggingface-hub >= 0.34: an older one on the image is shadowed by ours
-    hub = tuple(int(x) for x in md.version("huggingface_hub").split(".")[:2])
-    if hub < (0, 34) and "huggingface_hub" not in missing:
-        missing.append("huggingface_hub")
-except (md.PackageNotFoundError, ValueError):
-    pass
-print(" ".join(missing))
-PYEOF
-)"
-  local wanted=(megatron_core diffusers megaflow $missing)
+  # megaflow/testing/gpu/wheelhouse.py decides (standard library only, run from this checkout): ALWAYS, plus the
+  # dependencies this interpreter cannot import, of those the wheelhouse holds
+  local wanted
+  wanted="$("$PY" -m megaflow.testing.gpu.wheelhouse wanted "$WHEELS" 2>>"$INSTALL_LOG")"
+  wanted=($wanted)
   echo "install: ${wanted[*]} (from $WHEELS into $SITE)" | tee -a "$INSTALL_LOG"
   if "$PY" -m pip --version >>"$INSTALL_LOG" 2>&1; then
     "$PY" -m pip install --no-index --find-links "$WHEELS" --no-deps --no-compile --disable-pip-version-check \
@@ -82,8 +72,18 @@ else
   echo "install: no wheelhouse at $WHEELS: nothing installed (checks needing a missing package skip)" \
     | tee -a "$INSTALL_LOG"
 fi
+if [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then
+  echo "$SITE"
+  exit 0
+fi
 SPENT=$(( $(date +%s) - START ))
 BUDGET="${GPU_CHECK_BUDGET_S:-400}"
 echo "install took ${SPENT} s; checks get ${BUDGET} s" | tee -a "$INSTALL_LOG"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-exec "$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+if [ "${GPU_CHECK_PACK:-0}" != 1 ]; then
+  exec "$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+fi
+"$PY" -m megaflow.testing.gpu all --out "$OUT" --budget "$BUDGET" --only "${GPU_CHECK_ONLY:-}"
+RC=$?
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $RC

@@ -26,6 +26,7 @@ from pathlib import Path
 from megaflow.testing.gpu.common import Skip, error_line, last_line, probe_import
 
 PROBED = ("megatron.core", "diffusers", "transformer_engine", "sglang")
+ENGINE_NEEDS = ("cuda", "sglang", "megatron.core", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,21 @@ CHECKS = {
                              ("cuda", "megatron.core", "diffusers")),
     "parity_te": Check("megaflow.testing.gpu.model:parity_te", 120,
                        ("cuda", "megatron.core", "diffusers", "transformer_engine")),
+    "engine_sd3": Check("megaflow.testing.gpu.engine:engine_sd3", 150, ENGINE_NEEDS),
+    "engine_sync": Check("megaflow.testing.gpu.engine:engine_sync", 90, ENGINE_NEEDS),
+    "engine_release": Check("megaflow.testing.gpu.engine:engine_release", 90, ENGINE_NEEDS),
+    "engine_flux": Check("megaflow.testing.gpu.engine:engine_flux", 90, ENGINE_NEEDS),
+    "sd35m_rollout": Check("megaflow.testing.gpu.sd35m:sd35m_rollout", 180, ENGINE_NEEDS),
+    "sd35m_train_step": Check("megaflow.testing.gpu.sd35m:sd35m_train_step", 120, ("cuda", "megatron.core")),
+    "sd35m_loop_nft": Check("megaflow.testing.gpu.sd35m:sd35m_loop_nft", 180, ENGINE_NEEDS),
+    "sd35m_loop_flowgrpo": Check("megaflow.testing.gpu.sd35m:sd35m_loop_flowgrpo", 200, ENGINE_NEEDS),
 }
+GROUPS = {"trainer": [n for n in CHECKS if not n.startswith(("engine_", "sd35m_"))],
+          "engine": [n for n in CHECKS if n.startswith(("engine_", "sd35m_"))]}
+"""``--only`` names a check or one of these groups. engine: the SGLang engine checks and the SD3.5-M table (the
+prepared run of a GPU lease: ``GPU_CHECK_ONLY=engine bash scripts/gpu_check.sh``, ~7 min)."""
+VERSIONS = ("torch", "triton", "transformers", "diffusers", "megatron-core", "sglang", "numpy", "huggingface-hub",
+            "pydantic", "tokenizers", "safetensors")
 
 
 def environment() -> dict:
@@ -70,7 +85,35 @@ def environment() -> dict:
                    gpu_uuid=str(p.uuid), nccl=".".join(map(str, torch.cuda.nccl.version())))
     really = cuda or os.environ.get("GPU_CHECK_IMPORTS") == "1"
     rec["imports"] = {m: probe_import(m, really=really) for m in PROBED}
+    rec.update(installed_versions())
     return rec
+
+
+def installed_versions() -> dict:
+    """{"versions": the ``VERSIONS`` packages' (None: absent), "packages": every distribution as name==version}."""
+    import importlib.metadata as md
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    dists = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distributions() if d.metadata["Name"]},
+                   key=str.lower)
+    return {"versions": {n: version(n) for n in VERSIONS}, "packages": dists}
+
+
+def expand_only(names: list[str] | None) -> list[str] | None:
+    """``--only``'s names with each group of ``GROUPS`` replaced by its checks; an unknown name is an error."""
+    if not names:
+        return None
+    out = []
+    for n in names:
+        if n not in CHECKS and n not in GROUPS:
+            raise SystemExit(f"--only: unknown check or group {n!r} (groups: {', '.join(GROUPS)})")
+        out.extend(GROUPS.get(n, [n]))
+    return out
 
 
 def run_in_process(name: str) -> dict:
@@ -185,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name", nargs="?", help="with check: one of " + ", ".join(CHECKS))
     ap.add_argument("--out", default="gpu_check_out", help="with all: where the records go")
     ap.add_argument("--budget", type=float, default=420.0, help="with all: seconds for every check together")
-    ap.add_argument("--only", default="", help="with all: comma-separated check names")
+    ap.add_argument("--only", default="", help="with all: comma-separated check or group names (" +
+                    ", ".join(GROUPS) + ")")
     ap.add_argument("--result", help="with env / check: write the record here (JSON) too")
     args = ap.parse_args(argv)
     if args.what == "all":
-        run_all(Path(args.out), args.budget, [n for n in args.only.split(",") if n] or None)
+        run_all(Path(args.out), args.budget, expand_only([n for n in args.only.split(",") if n]))
         return 0
     if args.what == "env":
         rec = environment()

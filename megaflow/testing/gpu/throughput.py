@@ -1,0 +1,87 @@
+"""The arithmetic of the SD3.5-M RL throughput table (plain functions, standard library only, tested on CPU
+against hand computations): the DiT's model FLOPs, model-FLOPs utilisation, and verl-omni's images/GPU/s.
+
+The invariant: model FLOPs count what the model needs, not what the hardware ran: 2 FLOPs per multiply-add of every
+weight matrix applied to every token of its stream, plus attention's two L x L products; a train step is 3x the
+forward (the backward's two products per matmul), whatever activation recomputation adds on top. Norms, softmax,
+elementwise ops and biases are left out (a few percent at these shapes).
+"""
+from __future__ import annotations
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12}
+"""Dense bf16 tensor-core peak (FLOP/s, no sparsity) by the device name's model; the SXM parts' datasheet figures."""
+
+
+def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
+    """Datasheet peak FLOP/s of the device named ``device_name`` (e.g. 'NVIDIA H100 80GB HBM3'); None if unknown or
+    not bf16 (fp32 MFU is not reported)."""
+    if dtype != "bf16":
+        return None
+    for model, flops in PEAK_BF16_FLOPS.items():
+        if model in device_name.split() or any(w.startswith(model) for w in device_name.split()):
+            return flops
+    return None
+
+
+def attention_flops(tokens: int, hidden: int) -> float:
+    """Q K^T and (softmax) V over ``tokens`` tokens: 2 products of 2 * L^2 * hidden FLOPs."""
+    return 4.0 * tokens * tokens * hidden
+
+
+def sd3_forward_flops(d, image: int, text: int) -> float:
+    """Model FLOPs of one SD3 / SD3.5 MMDiT forward for one sample of ``image`` + ``text`` tokens (``d``: a
+    megaflow.plan.dit.DiTDims). Per block: each stream's qkv (3h^2), output (h^2) and MLP (2 x 4h^2) on its own
+    tokens (the last block's text stream only has qkv: context_pre_only), joint attention over image + text, and
+    for the first ``dual_blocks`` blocks a second, image-only attention (qkv + output, 4h^2); then the patch embed,
+    the text projection and the final projection."""
+    h = d.hidden
+    total = 2.0 * image * d.in_channels * d.patch ** 2 * h + 2.0 * text * d.joint_dim * h
+    total += 2.0 * image * h * d.patch ** 2 * d.out_channels
+    for i in range(d.blocks):
+        last = i == d.blocks - 1
+        total += 2.0 * image * 12 * h * h + 2.0 * text * (3 if last else 12) * h * h
+        total += attention_flops(image + text, h)
+        if i < d.dual_blocks:
+            total += 2.0 * image * 4 * h * h + attention_flops(image, h)
+    return total
+
+
+def flux_forward_flops(d, image: int, text: int) -> float:
+    """Model FLOPs of one FLUX.1 forward: double-stream blocks as SD3's (12h^2 per token and stream, joint
+    attention), single-stream blocks on image + text tokens (qkv 3h^2, MLP in 4h^2, output over attention + MLP
+    5h^2: 12h^2), attention over image + text."""
+    h, tokens = d.hidden, image + text
+    total = 2.0 * image * d.in_channels * h + 2.0 * text * d.joint_dim * h + 2.0 * image * h * d.out_channels
+    total += d.blocks * (2.0 * tokens * 12 * h * h + attention_flops(tokens, h))
+    total += d.single_blocks * (2.0 * tokens * 12 * h * h + attention_flops(tokens, h))
+    return total
+
+
+def forward_flops(d, image: int, text: int) -> float:
+    return (sd3_forward_flops if d.family == "sd3" else flux_forward_flops)(d, image, text)
+
+
+def train_step_flops(d, image: int, text: int, batch: int) -> float:
+    """Model FLOPs of one train step (forward + backward = 3 forwards) over ``batch`` samples."""
+    return 3.0 * batch * forward_flops(d, image, text)
+
+
+def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Model-FLOPs utilisation: ``flops`` done in ``seconds`` over the ``peak`` FLOP/s (None without a peak)."""
+    if peak is None or seconds <= 0:
+        return None
+    return flops / seconds / peak
+
+
+def images_per_gpu_second(prompts: int, samples_per_prompt: int, step_seconds: float, gpus: int) -> float:
+    """verl-omni's whole-loop throughput: batch x samples / (step seconds x GPUs), one step = one RL iteration
+    (rollout, reward, training, weight sync)."""
+    if step_seconds <= 0 or gpus < 1:
+        raise ValueError(f"step_seconds must be > 0 and gpus >= 1, got {step_seconds}, {gpus}")
+    return prompts * samples_per_prompt / (step_seconds * gpus)
+
+
+def images_per_second(images: int, seconds: float) -> float:
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return images / seconds
