@@ -7,6 +7,7 @@ happen inside the handlers so ``megaflow --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -281,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"megaflow: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"megaflow: error: {e}", file=sys.stderr)  # a full disk (a checkpoint says what it needed)
+        return 1
     except Interrupted as e:
         print(f"megaflow: {e}", file=sys.stderr)
         return 128 + e.signum

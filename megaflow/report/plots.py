@@ -53,8 +53,12 @@ def save_png(img: Image.Image, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    try:
+        img.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
     return path
 
 

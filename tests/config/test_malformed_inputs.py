@@ -219,7 +219,7 @@ def _lost_config(runs: Path) -> None:
     ckpt = runs / "r" / "checkpoints" / "iter_000002"
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "model" / "megaflow_model.json").write_text(json.dumps({"format": 1, "family": "sd3"}))
-    (ckpt / "state.json").write_text(json.dumps({"iteration": 2, "layout": {"tp": 1, "pp": 1}}))
+    (ckpt / "state.json").write_text(json.dumps({**STATE, "iteration": 2}))
     (runs / "r" / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
 
 
