@@ -154,3 +154,25 @@ def test_verbose_has_no_bar_and_disabled_writes_nothing(tmp_path, monkeypatch):
     _run(off, range(0, 4))
     off.close()
     assert not (tmp_path / "off").exists()
+
+
+def test_a_full_disk_leaves_no_half_curves_file_and_does_not_hide_the_runs_error(tmp_path, monkeypatch, caplog):
+    """A PNG write that fails midway (ENOSPC after some bytes) leaves no temp file; at close, a redraw that fails
+    so is a warning, not a second error on top of the one that stopped the run."""
+    import errno
+
+    from megaflow.report import plots
+
+    def full_disk(self, fp, format=None, **params):
+        Path(fp).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rep = RunReporter(tmp_path, _cfg(log_every=100), enabled=True, verbose=True, total_iterations=5)
+    rep.iteration(1, _metrics(1))
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    with pytest.raises(OSError):
+        plots.save_png(Image.new("RGB", (4, 4)), tmp_path / "x.png")
+    rep.close()  # the curves of iteration 1 were not drawn yet: drawn now, and the disk is full
+    assert "curves.png not redrawn" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "curves.png").exists()
