@@ -19,7 +19,7 @@ from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, appl
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
-from megaflow.run.interrupt import Interrupted
+from megaflow.run.interrupt import Interrupted, child_pids, kill_children
 
 TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the checks of its pickles (torch unpickles them): "
               "only from a trusted source.")
@@ -67,10 +67,14 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_eval_reward(args: argparse.Namespace) -> int:
     from megaflow.config.manifest import check_reward_args, read_manifest
+    from megaflow.shapeeval.score import check_image_files
+    if not args.timeout_s >= 0:
+        raise ValueError(f"--timeout-s {args.timeout_s}: want seconds >= 0 (0 = no limit)")
     kwargs = check_reward_args(args.reward, args.kwargs)
     entries = read_manifest(args.images)  # one-line errors before torch loads
+    check_image_files([e.path for e in entries])
     from megaflow.rewards.folder import score_folder
-    result = score_folder(entries, args.reward, kwargs)
+    result = score_folder(entries, args.reward, kwargs, timeout_s=args.timeout_s)
     if args.json:
         print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
         return 0
@@ -251,6 +255,9 @@ def _add_eval_parsers(sub) -> None:
                        "\"prompt\", ...} a line; the other keys are that image's metadata.")
     p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
                        "(null for an image the reward failed on).")
+    p_rew.add_argument("--timeout-s", type=float, default=600.0, help="Seconds the reward may take for the whole "
+                       "folder (default 600; 0 = no limit): a call still running then is abandoned, and it and the "
+                       "images not scored yet are null. No image scored at all is an error (exit 2).")
     p_rew.set_defaults(handler=_cmd_eval_reward)
 
 
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verbose", False):
         _quiet_third_party()
     handler: Handler = args.handler
+    scores_rewards = args.command in ("train", "demo") or getattr(args, "eval_command", None) == "reward"
+    before = child_pids() if scores_rewards else None
     try:
         return handler(args)
     except ConfigError as e:
@@ -293,3 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # a plain Ctrl-C, or Abandoned (a second signal) with its signal
         print("megaflow: interrupted (engines shut down, no checkpoint written)", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
+    finally:
+        if before is not None:  # what a reward started (e.g. on a call abandoned at its timeout) ends with us
+            kill_children(spare=before)

@@ -29,6 +29,17 @@ MAX_TEXT_BYTES = 64 << 20  # a prompt file larger than this is refused before it
 CKPT_META = "megaflow_model.json"  # family + diffusers config of a megaflow checkpoint (trainer/checkpoint, run/checkpoints)
 
 
+def shown(path: object) -> str:
+    """A path as a one-line message shows it: whole up to 160 characters, else its two ends and its length."""
+    text = str(path)
+    return text if len(text) <= 160 else f"{text[:60]}...{text[-40:]} ({len(text)} characters)"
+
+
+def os_error(key: str, path: object, error: OSError) -> ConfigError:
+    """The one line for a path the file system refuses (too long, a symlink loop, no permission)."""
+    return ConfigError(f"{key}: {shown(path)}: {error.strerror or type(error).__name__}")
+
+
 def check_text_file(path: str | Path, key: str, *, max_line: int | None = None) -> list[str]:
     """The non-blank lines of a UTF-8 text file; ConfigError (``key: path: why``) when it has none, is over
     ``MAX_TEXT_BYTES`` or (``max_line``) has a line longer than ``max_line`` characters."""
@@ -65,8 +76,8 @@ def read_json(path: Path, key: str) -> dict:
         raise ConfigError(f"{key}: {path} not found")
     try:
         obj = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: {path} is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{key}: {path} is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{key}: {path} is not a JSON object")
     return obj

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import urllib.parse
 from pathlib import Path
 
 from megaflow.config.dotted import is_dotted_path, unfindable
-from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
+from megaflow.config.files import check_pipeline, check_safetensors, check_text_file, os_error
 from megaflow.config.load import ConfigError, run_dir_of
-from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
+from megaflow.config.reward_args import REWARD_NAMES, SERVER_REWARDS, check_rewards  # noqa: F401 (their home)
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
@@ -37,18 +35,14 @@ from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
 
-# Names of megaflow.rewards.registry.REWARDS, megaflow.models.provider.BUILTIN_SPECS and the families'
-# diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept here and
-# tests/config/test_preflight.py checks that they are equal.
-REWARD_NAMES = ("jpeg_compressibility", "jpeg_incompressibility", "color_target", "shapeeval",
-                "shapeeval_partial", "cifar10", "ocr", "remote", "remote_json", "vlm_judge", "clipscore",
-                "pickscore", "aesthetic", "imagereward", "hpsv2")
-SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
-SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
+# Names of megaflow.models.provider.BUILTIN_SPECS and the families' diffusers classes (megaflow.models.registry)
+# (and in megaflow.config.reward_args those of megaflow.rewards.registry.REWARDS): those modules import torch, so
+# the names are kept here and tests/config/test_preflight.py checks that they are equal.
 BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
+TINY_SD3_POSITIONS = 16  # pos_embed_max_size of the tiny SD3 pipeline (megaflow.models.tiny_pipeline)
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -75,6 +69,13 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
+    try:
+        return _preflight(cfg, command, files)
+    except OSError as e:  # a path no check named: the file system's reason, the path shortened
+        raise os_error("a path of the config", e.filename, e) from None
+
+
+def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig:
     _check_run(cfg, files=files)
     _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
     _check_recompute(cfg)
@@ -84,7 +85,7 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
     _check_data(cfg, files=files)
-    _check_rewards(cfg, probe=command in ("train", "demo"), files=files)
+    check_rewards(cfg, probe=command in ("train", "demo"), files=files, cuda_available=cuda_available)
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
@@ -199,62 +200,8 @@ def _check_prompt_file(path: str, key: str) -> None:
             read_jsonl_prompts(path, key)
     except ValueError as e:  # ConfigError is one too
         raise ConfigError(str(e)) from None
-
-
-def _check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> None:
-    r = cfg.reward
-    if not r.weights:
-        raise ConfigError("reward.weights is empty: name at least one reward")
-    for name in r.weights:
-        if ":" in name:
-            if not is_dotted_path(name):
-                raise ConfigError(f"reward.weights: {name!r} is not a well-formed 'pkg.module:callable'")
-            if files and (missing := unfindable(name)):
-                raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
-        elif name not in REWARD_NAMES:
-            raise ConfigError(f"reward.weights: unknown reward {name!r} (known: {', '.join(REWARD_NAMES)}; "
-                              "or 'pkg.module:callable')")
-    for name, kwargs in r.kwargs.items():
-        if name not in r.weights:
-            raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "
-                              f"({', '.join(r.weights)})")
-        if not isinstance(kwargs, dict):
-            raise ConfigError(f"reward.kwargs.{name}: expected a table of arguments, got {kwargs!r}")
-    for name in r.weights:
-        if name in SERVER_REWARDS:
-            _check_server_reward(name, r.kwargs.get(name, {}), probe=probe)
-        elif name in MODEL_REWARDS:  # megaflow.rewards.clip / aesthetic / imagereward / hps: local files, a device
-            device = r.kwargs.get(name, {}).get("device", "cpu")  # the GPU is the run's machine's, like the files
-            if files and isinstance(device, str) and device.startswith("cuda") and not cuda_available():
-                raise ConfigError(f"reward.kwargs.{name}.device = {device!r} but this machine has no visible CUDA "
-                                  "device (use 'cpu')")
-            if files:
-                check_model_reward(name, r.kwargs.get(name, {}))
-
-
-def _check_server_reward(name: str, kwargs: dict, *, probe: bool) -> None:
-    """A remote reward's url (and, with ``probe``, that a TCP connect to it succeeds within SERVER_PROBE_S),
-    the pickle trust flag, the judge's model."""
-    url = kwargs.get("url")
-    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"reward.kwargs.{name}.url: the {name} reward needs its server's http(s) URL, "
-                          f"got {url!r}")
-    if name == "remote" and kwargs.get("format", "pickle") == "pickle" and kwargs.get("trust_pickle") is not True:
-        raise ConfigError(f"reward.kwargs.{name}.trust_pickle: the pickle protocol runs code the server sends; "
-                          "set it to true for a server you trust, or use format = \"json\" (or 'remote_json')")
-    if name == "vlm_judge" and not kwargs.get("model"):
-        raise ConfigError(f"reward.kwargs.{name}.model: name the model the server serves")
-    if probe:
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError as e:
-            raise ConfigError(f"reward.kwargs.{name}.url: {e} in {url!r}") from None
-        try:
-            socket.create_connection((parts.hostname, port), timeout=SERVER_PROBE_S).close()
-        except OSError as e:
-            raise ConfigError(f"reward.kwargs.{name}.url: cannot reach {parts.hostname}:{port} ({e}); start the "
-                              "reward server first or fix the URL") from None
+    except OSError as e:
+        raise os_error(key, path, e) from None
 
 
 def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
@@ -380,6 +327,8 @@ def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int,
 def _check_model(cfg: MegaflowConfig) -> None:
     r, key = cfg.rollout, "model.pretrained"
     multiple, largest, where = DEFAULT_PIXEL_MULTIPLE, None, "the tiny pipeline built for the run"
+    if cfg.model.family == "sd3":
+        largest = TINY_SD3_POSITIONS * DEFAULT_PIXEL_MULTIPLE
     if cfg.model.pretrained:
         configs = check_pipeline(cfg.model.pretrained, key)
         tconf, where = configs["transformer"], cfg.model.pretrained
