@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst", type=Path, required=True)
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="Read a checkpoint that has no MANIFEST.json (written by an older megaflow) without checking "
-                   "its files, and skip the checks of its pickles (.metadata, non-tensor items), which torch then "
-                   "unpickles: use only for checkpoints from a trusted source. A manifest that is there is always "
-                   "checked.")
+                   "its files, and skip the trust checks of its metadata and pickles (.metadata, non-tensor items), "
+                   "which torch then unpickles and follows: use only for checkpoints from a trusted source. A "
+                   "manifest that is there is always checked.")
     args = parser.parse_args(argv)
     try:
         _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))

@@ -21,8 +21,8 @@ from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
 from megaflow.run.interrupt import Interrupted, child_pids, kill_children
 
-TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the checks of its pickles (torch unpickles them): "
-              "only from a trusted source.")
+TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust checks of its metadata and pickles "
+              "(torch unpickles them and reads what they name): only from a trusted source.")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
