@@ -13,13 +13,15 @@ the problem: first with the standard library only, before torch or megatron is i
 ``--src``, an existing ``--dst``, ``--tp`` / ``--pp`` that do not divide the attention heads / blocks of
 ``config.json``, a missing or truncated safetensors file or shard, a checkpoint without ``.metadata`` or
 ``megaflow_model.json``: ``megaflow.config.files``), then after loading (unknown architecture, missing /
-unexpected / mis-shaped tensors; a checkpoint is read under megaflow.trainer.dcp_metadata's trust rule). The result is written into a temp
+unexpected / mis-shaped tensors; a checkpoint is read under megaflow.trainer.dcp_metadata's trust rule).
+The result is written into a temp
 dir next to ``--dst`` and renamed into place. An existing ``--dst`` is never overwritten.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import uuid
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))
         warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
         import megaflow  # noqa: F401  (import guards before megatron)
         if args.command == "to-megatron":
             to_megatron(args.src, args.dst, args.tp, args.pp)

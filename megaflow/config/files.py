@@ -12,6 +12,9 @@ wrong, so a broken input stops a command before any heavy import or any engine s
 * ``check_pipeline``: a diffusers pipeline directory (``model_index.json``, every component folder it
   lists, ``transformer/config.json`` and weights, every component's safetensors);
 * ``check_megatron_checkpoint``: a megaflow dist checkpoint (``.metadata`` and ``megaflow_model.json``).
+
+A path the file system refuses (too long, a symlink loop) is one line too (``os_error``), shown shortened
+(``shown``): a 130 KB path is its two ends and its length.
 """
 from __future__ import annotations
 

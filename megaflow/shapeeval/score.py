@@ -54,7 +54,8 @@ def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
         except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"{images_dir / MANIFEST} line {n}: want {{\"file\", \"prompt\"}} ({e!r})") from None
         except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
-            raise ValueError(f"{images_dir / MANIFEST} line {n}: image {row['file']!r} cannot be opened ({e})") from None
+            raise ValueError(f"{images_dir / MANIFEST} line {n}: image {row['file']!r} cannot be opened "
+                             f"({e})") from None
         if not inside:
             raise ValueError(f"{images_dir / MANIFEST} line {n}: {row['file']!r} is outside the folder")
         items.append((path, str(row["prompt"])))

@@ -266,6 +266,15 @@ def _looped_images(tmp: Path, *, manifest: bool) -> list[str]:
     return ["eval", "shapes", "--images", str(tmp / "images")]
 
 
+def _text_chunk_reward_images(tmp: Path) -> list[str]:
+    argv = _reward_images(tmp, _A, reward="jpeg_compressibility")
+    (tmp / "images" / "a.png").write_bytes(_png_text_chunk(200))
+    return argv
+
+
+DEEP_JSON = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+
+
 def _looped_reward_images(tmp: Path) -> list[str]:
     argv = _reward_images(tmp, _A + b'{"file": "loop.png", "prompt": "x"}\n', reward="jpeg_compressibility")
     _loop(tmp / "images", "loop.png")
@@ -470,13 +479,12 @@ CASES = {
     "images: a PNG with a 200 MB text chunk": (lambda t: _images(t, {"a_red_circle.png": _png_text_chunk(200)}),
                                                "a_red_circle.png: ValueError: Decompressed data too large"),
     "reward: a symlink loop": (lambda t: _looped_reward_images(t), "line 2: image 'loop.png' cannot be opened"),
-    "reward: a PNG with a 200 MB text chunk": (lambda t: (_reward_images(t, _A, reward="jpeg_compressibility"),
-                                                          (t / "images" / "a.png").write_bytes(_png_text_chunk(200)))[0],
+    "reward: a PNG with a 200 MB text chunk": (lambda t: _text_chunk_reward_images(t),
                                                "a.png: ValueError: Decompressed data too large"),
     "reward: unknown colour": (lambda t: _reward_images(t, _A, reward="color_target",
                                                         kwargs='{"target": "purpleish"}'),
                                "--kwargs.target: unknown colour 'purpleish'"),
-    "reward: kwargs nested 5000 deep": (lambda t: _reward_images(t, _A, kwargs='{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
+    "reward: kwargs nested 5000 deep": (lambda t: _reward_images(t, _A, kwargs=DEEP_JSON),
                                         "--kwargs: nested too deeply to read"),
     "reward: --timeout-s -1": (lambda t: [*_reward_images(t, _A, reward="jpeg_compressibility"), "--timeout-s", "-1"],
                                "--timeout-s -1.0: want seconds >= 0"),
