@@ -10,15 +10,18 @@ diffusion_pytorch_model.safetensors.
 
 Both directions validate before writing anything and exit with code 2 and one line on stderr naming
 the problem: first with the standard library only, before torch or megatron is imported (missing
-``--src``, an existing ``--dst``, a missing or truncated safetensors file or shard, a checkpoint
-without ``.metadata`` or ``megaflow_model.json``: ``megaflow.config.files``), then after loading
-(unknown architecture, missing / unexpected / mis-shaped tensors). The result is written into a temp
+``--src``, an existing ``--dst``, ``--tp`` / ``--pp`` that do not divide the attention heads / blocks of
+``config.json``, a missing or truncated safetensors file or shard, a checkpoint without ``.metadata`` or
+``megaflow_model.json``: ``megaflow.config.files``), then after loading (unknown architecture, missing /
+unexpected / mis-shaped tensors; a checkpoint is read under megaflow.trainer.dcp_metadata's trust rule).
+The result is written into a temp
 dir next to ``--dst`` and renamed into place. An existing ``--dst`` is never overwritten.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import uuid
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from megaflow.config.files import check_megatron_checkpoint, check_weights_dir, read_json
 from megaflow.config.load import ConfigError
+from megaflow.parallel.dims import ParallelDims
 
 
 class ConvertError(Exception):
@@ -63,7 +67,6 @@ def _new_tmp(dst: Path) -> Path:
 
 
 def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
-    from megaflow.parallel.dims import ParallelDims
     from megaflow.testing.dist import RankError, run_multiprocess
     from megaflow.trainer import checkpoint
     from megaflow.trainer.manifest import write_manifest
@@ -71,14 +74,11 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
     dconfig = read_json(src / "config.json", "--src")
     fam = _family_for(dconfig)
     try:
-        config = fam.config_from_diffusers(dconfig)
-        ParallelDims(tp=tp, pp=pp)
+        fam.config_from_diffusers(dconfig)  # its own checks of the config; tp / pp: _check_layout, before torch
         state = checkpoint.read_diffusers_weights(src)
     except ValueError as e:
         raise ConvertError(str(e)) from None
     _check_shapes(state, fam, dconfig)
-    if config.num_attention_heads % tp or config.num_layers % pp:
-        raise ConvertError(f"tp={tp} must divide {config.num_attention_heads} heads and pp={pp} {config.num_layers} layers")
     del state
     tmp = _new_tmp(dst)
     try:
@@ -111,6 +111,21 @@ def to_diffusers(src: Path, dst: Path, *, trust: bool = False) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _check_layout(dconfig: dict, tp: int, pp: int, where: Path) -> None:
+    """--tp divides the attention heads and --pp the blocks (FLUX: double- and single-stream) of the config."""
+    def count(key: str) -> int | None:
+        value = dconfig.get(key)
+        return value if type(value) is int and value > 0 else None
+
+    blocks = count("num_layers")
+    if dconfig.get("_class_name") == "FluxTransformer2DModel" and blocks is not None:
+        blocks = blocks + (count("num_single_layers") or 0)
+    try:
+        ParallelDims(tp=tp, pp=pp).check_model(count("num_attention_heads"), blocks, str(where), keys=("--tp", "--pp"))
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
 def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int) -> None:
     """What can be checked with the standard library, before torch / megatron are imported."""
     if not src.is_dir():
@@ -120,7 +135,8 @@ def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise ConvertError(f"--tp {tp} / --pp {pp}: both must be >= 1")
     if command == "to-megatron":
-        read_json(src / "config.json", "--src")
+        dconfig = read_json(src / "config.json", "--src")
+        _check_layout(dconfig, tp, pp, src / "config.json")
         check_weights_dir(src, "--src")
     else:
         check_megatron_checkpoint(src, "--src")
@@ -139,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst", type=Path, required=True)
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="Read a checkpoint that has no MANIFEST.json (written by an older megaflow) without checking "
-                   "its files, and skip the checks of its pickles (.metadata, non-tensor items), which torch then "
-                   "unpickles: use only for checkpoints from a trusted source. A manifest that is there is always "
-                   "checked.")
+                   "its files, and skip the trust checks of its metadata and pickles (.metadata, non-tensor items), "
+                   "which torch then unpickles and follows: use only for checkpoints from a trusted source. A "
+                   "manifest that is there is always checked.")
     args = parser.parse_args(argv)
     try:
         _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))
         warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
         import megaflow  # noqa: F401  (import guards before megatron)
         if args.command == "to-megatron":
             to_megatron(args.src, args.dst, args.tp, args.pp)

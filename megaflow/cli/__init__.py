@@ -7,6 +7,7 @@ happen inside the handlers so ``megaflow --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -18,10 +19,10 @@ from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, appl
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
-from megaflow.run.interrupt import Interrupted
+from megaflow.run.interrupt import Interrupted, child_pids, kill_children
 
-TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the checks of its pickles (torch unpickles them): "
-              "only from a trusted source.")
+TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust checks of its metadata and pickles "
+              "(torch unpickles them and reads what they name): only from a trusted source.")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -75,10 +76,14 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
 
 def _cmd_eval_reward(args: argparse.Namespace) -> int:
     from megaflow.config.manifest import check_reward_args, read_manifest
+    from megaflow.shapeeval.score import check_image_files
+    if not args.timeout_s >= 0:
+        raise ValueError(f"--timeout-s {args.timeout_s}: want seconds >= 0 (0 = no limit)")
     kwargs = check_reward_args(args.reward, args.kwargs)
     entries = read_manifest(args.images)  # one-line errors before torch loads
+    check_image_files([e.path for e in entries])
     from megaflow.rewards.folder import score_folder
-    result = score_folder(entries, args.reward, kwargs)
+    result = score_folder(entries, args.reward, kwargs, timeout_s=args.timeout_s)
     if args.json:
         print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
     else:
@@ -87,11 +92,6 @@ def _cmd_eval_reward(args: argparse.Namespace) -> int:
             print(f"{fmt(score)}  {file}  {prompt}")
         print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
               "images")
-    if result["mean"] is None:  # nothing scored: a broken reward, not a result
-        from megaflow.rewards.base import last_failure
-        print(f"megaflow: error: reward {args.reward!r} scored none of the {len(entries)} images "
-              f"({last_failure(args.reward) or 'every score was missing'})", file=sys.stderr)
-        return 1
     return 0
 
 
@@ -298,6 +298,9 @@ def _add_eval_parsers(sub) -> None:
                        "\"prompt\", ...} a line; the other keys are that image's metadata.")
     p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
                        "(null for an image the reward failed on).")
+    p_rew.add_argument("--timeout-s", type=float, default=600.0, help="Seconds the reward may take for the whole "
+                       "folder (default 600; 0 = no limit): a call still running then is abandoned, and it and the "
+                       "images not scored yet are null. No image scored at all is an error (exit 2).")
     p_rew.set_defaults(handler=_cmd_eval_reward)
 
 
@@ -330,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verbose", False):
         _quiet_third_party()
     handler: Handler = args.handler
+    scores_rewards = args.command in ("train", "demo") or getattr(args, "eval_command", None) == "reward"
+    before = child_pids() if scores_rewards else None
     try:
         return handler(args)
     except ConfigError as e:
@@ -338,9 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"megaflow: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"megaflow: error: {e}", file=sys.stderr)  # a full disk (a checkpoint says what it needed)
+        return 1
     except Interrupted as e:
         print(f"megaflow: {e}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt as e:  # a plain Ctrl-C, or Abandoned (a second signal) with its signal
         print("megaflow: interrupted (engines shut down, no checkpoint written)", file=sys.stderr)
         return 128 + getattr(e, "signum", 2)
+    finally:
+        if before is not None:  # what a reward started (e.g. on a call abandoned at its timeout) ends with us
+            kill_children(spare=before)

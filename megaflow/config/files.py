@@ -12,6 +12,9 @@ wrong, so a broken input stops a command before any heavy import or any engine s
 * ``check_pipeline``: a diffusers pipeline directory (``model_index.json``, every component folder it
   lists, ``transformer/config.json`` and weights, every component's safetensors);
 * ``check_megatron_checkpoint``: a megaflow dist checkpoint (``.metadata`` and ``megaflow_model.json``).
+
+A path the file system refuses (too long, a symlink loop) is one line too (``os_error``), shown shortened
+(``shown``): a 130 KB path is its two ends and its length.
 """
 from __future__ import annotations
 
@@ -27,6 +30,17 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 _MAX_HEADER = 100_000_000  # the safetensors library's own limit
 MAX_TEXT_BYTES = 64 << 20  # a prompt file larger than this is refused before it is read
 CKPT_META = "megaflow_model.json"  # family + diffusers config of a megaflow checkpoint (trainer/checkpoint, run/checkpoints)
+
+
+def shown(path: object) -> str:
+    """A path as a one-line message shows it: whole up to 160 characters, else its two ends and its length."""
+    text = str(path)
+    return text if len(text) <= 160 else f"{text[:60]}...{text[-40:]} ({len(text)} characters)"
+
+
+def os_error(key: str, path: object, error: OSError) -> ConfigError:
+    """The one line for a path the file system refuses (too long, a symlink loop, no permission)."""
+    return ConfigError(f"{key}: {shown(path)}: {error.strerror or type(error).__name__}")
 
 
 def check_text_file(path: str | Path, key: str, *, max_line: int | None = None) -> list[str]:
@@ -65,8 +79,8 @@ def read_json(path: Path, key: str) -> dict:
         raise ConfigError(f"{key}: {path} not found")
     try:
         obj = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: {path} is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{key}: {path} is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{key}: {path} is not a JSON object")
     return obj

@@ -10,10 +10,9 @@ error names the file that holds the key. Every mistake is one ConfigError line: 
 """
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
-from megaflow.config.load import ConfigError
+from megaflow.config.load import MAX_CONFIG_BYTES, ConfigError, parse_toml
 
 BASE_KEY = "base"
 MAX_DEPTH = 16  # files in one chain: beyond, a chain is a mistake, not a design
@@ -23,12 +22,14 @@ def read_toml(path: Path, named_by: str) -> dict:
     """The tables of one TOML run file; ConfigError naming it (and ``named_by``: who asked for it)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}{named_by}")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB a run file may be "
+                          "(one is a few KB)")
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file (TOML run files are UTF-8)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    return parse_toml(text, str(path))
 
 
 def config_layers(path: str | Path) -> list[tuple[Path, dict]]:

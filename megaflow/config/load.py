@@ -2,8 +2,9 @@
 
 ``load_config(path, overrides)`` reads a TOML run file, applies ``--set section.key=value``
 overrides (values parsed as TOML literals, bare words as strings) and validates everything
-before any work starts: an unknown key, a wrong type or an out-of-range value raises
-:class:`ConfigError` with one line naming the key and the value. ``save_config`` writes the
+before any work starts: an unknown key, a wrong type, an out-of-range value, or a value nested more than
+``MAX_NESTING`` deep or with more than ``MAX_ITEMS`` entries raises :class:`ConfigError` with one line naming the
+key and the value (a run file over ``MAX_CONFIG_BYTES`` is refused unread). ``save_config`` writes the
 resolved config (TOML) into the run directory atomically; ``run_dir_of`` says where that directory is.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import tempfile
 import tomllib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,36 @@ class ConfigError(ValueError):
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
+MAX_CONFIG_BYTES = 1 << 20  # a run file is a few KB; a larger one is refused before it is parsed
+MAX_NESTING = 16  # lists / tables inside a config value (reward.kwargs tables nest 2-3 deep)
+MAX_ITEMS = 4096  # entries of one list or table in a config value
+
+
+def check_value_shape(key: str, value: Any) -> None:
+    """ConfigError when ``value`` nests more than MAX_NESTING lists / tables deep or one of them holds more than
+    MAX_ITEMS entries (an iterative walk: no recursion on hostile input)."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if not isinstance(v, (list, dict)):
+            continue
+        if depth >= MAX_NESTING:
+            raise ConfigError(f"{key}: nested more than {MAX_NESTING} lists or tables deep")
+        if len(v) > MAX_ITEMS:
+            raise ConfigError(f"{key}: {len(v)} entries in one {'list' if isinstance(v, list) else 'table'}, "
+                              f"more than the {MAX_ITEMS} a config value may have")
+        todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+def parse_toml(text: str, where: str) -> dict:
+    """``tomllib.loads(text)``; ConfigError (``where: ...``) when it is not TOML or nests too deeply to parse."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read (a config value nests at most {MAX_NESTING} "
+                          "lists or tables)") from None
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -38,6 +70,7 @@ def _field_type(f: dataclasses.Field) -> type:
 
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     want = _field_type(f)
+    check_value_shape(key, value)
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if want is int and isinstance(value, bool) or not isinstance(value, want):
@@ -88,6 +121,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    except RecursionError:
+        raise ConfigError(f"--set {dotted.strip()}: nested too deeply to read (a config value nests at most "
+                          f"{MAX_NESTING} lists or tables)") from None
     return parts[0], parts[1], value
 
 
@@ -100,7 +136,11 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
         raise ConfigError(str(e)) from None
     bad = [i for i in r.sde_window if not isinstance(i, int) or not 0 <= i < r.num_steps]
     if bad:
-        raise ConfigError(f"rollout.sde_window: step indices {bad} not in [0, {r.num_steps})")
+        raise ConfigError(f"rollout.sde_window: step indices {bad[:8]} not in [0, {r.num_steps})")
+    repeated = sorted(i for i, n in Counter(r.sde_window).items() if n > 1)
+    if repeated:
+        raise ConfigError(f"rollout.sde_window: step{'s' if len(repeated) > 1 else ''} {repeated[:8]} listed more "
+                          "than once (each step is sampled with SDE or not: list it once)")
     if r.sde_type == "cps" and not r.log_prob_no_const:
         raise ConfigError("rollout.sde_type = 'cps' requires rollout.log_prob_no_const = true (log-prob is -inf at the last step otherwise)")
     for name, w in cfg.reward.weights.items():

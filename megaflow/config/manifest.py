@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaflow.config.files import shown
+from megaflow.config.load import check_value_shape
 from megaflow.config.reward_check import check_custom_reward, check_reward_kwargs, check_reward_name
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.data.prompts import json_object
@@ -34,10 +36,14 @@ def _entry(images_dir: Path, where: str, line: str) -> ImageEntry:
         if not isinstance(row.get(key), str) or not row[key]:
             raise ValueError(f"{where}: needs a non-empty string {key!r}")
     path = images_dir / row["file"]
-    if not path.resolve().is_relative_to(images_dir.resolve()):
-        raise ValueError(f"{where}: {row['file']!r} is outside the folder")
-    if not path.is_file():
-        raise ValueError(f"{where}: image {row['file']!r} not found in {images_dir}")
+    try:
+        inside, found = path.resolve().is_relative_to(images_dir.resolve()), path.is_file()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise ValueError(f"{where}: image {shown(row['file'])!r} cannot be opened ({e})") from None
+    if not inside:
+        raise ValueError(f"{where}: {shown(row['file'])!r} is outside the folder")
+    if not found:
+        raise ValueError(f"{where}: image {shown(row['file'])!r} not found in {images_dir} (or not a readable file)")
     metadata = {k: v for k, v in row.items() if k not in ("file", "prompt")}
     return ImageEntry(row["file"], path, row["prompt"], metadata)
 
@@ -72,9 +78,12 @@ def check_reward_args(name: str, kwargs_json: str | None) -> dict:
     try:
         kwargs = json.loads(kwargs_json)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--kwargs: not JSON ({e.msg}): {kwargs_json!r}") from None
+        raise ValueError(f"--kwargs: not JSON ({e.msg}): {kwargs_json[:200]!r}") from None
+    except RecursionError:
+        raise ValueError("--kwargs: nested too deeply to read") from None
     if not isinstance(kwargs, dict):
-        raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json!r}")
+        raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json[:200]!r}")
+    check_value_shape("--kwargs", kwargs)
     if ":" in name:  # imported, found and its arguments bound before any image is read
         check_custom_reward(name, kwargs, "--reward: ")
         return kwargs

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from megaflow.config.dotted import is_dotted_path, unfindable
-from megaflow.config.files import check_pipeline, check_safetensors, check_text_file
+from megaflow.config.files import check_pipeline, check_safetensors, check_text_file, os_error
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.machine import cuda_available
 from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
@@ -44,6 +44,7 @@ BUILTIN_SPECS = ("auto", "local", "te")
 FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
+TINY_SD3_POSITIONS = 16  # pos_embed_max_size of the tiny SD3 pipeline (megaflow.models.tiny_pipeline)
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -58,6 +59,13 @@ def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
+    try:
+        return _preflight(cfg, command, files)
+    except OSError as e:  # a path no check named: the file system's reason, the path shortened
+        raise os_error("a path of the config", e.filename, e) from None
+
+
+def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig:
     _check_run(cfg, files=files)
     _check_parallel(cfg, launch=command in ("train", "demo", "pretrain"))
     _check_recompute(cfg)
@@ -197,6 +205,8 @@ def _check_prompt_file(path: str, key: str) -> None:
             read_jsonl_prompts(path, key)
     except ValueError as e:  # ConfigError is one too
         raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise os_error(key, path, e) from None
 
 
 def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
@@ -322,6 +332,8 @@ def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int,
 def _check_model(cfg: MegaflowConfig) -> None:
     r, key = cfg.rollout, "model.pretrained"
     multiple, largest, where = DEFAULT_PIXEL_MULTIPLE, None, "the tiny pipeline built for the run"
+    if cfg.model.family == "sd3":
+        largest = TINY_SD3_POSITIONS * DEFAULT_PIXEL_MULTIPLE
     if cfg.model.pretrained:
         configs = check_pipeline(cfg.model.pretrained, key)
         tconf, where = configs["transformer"], cfg.model.pretrained

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import socket
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from megaflow.config.dotted import is_dotted_path, resolve, unfindable
 from megaflow.config.load import ConfigError
@@ -18,11 +18,12 @@ from megaflow.config.machine import cuda_available
 from megaflow.config.reward_files import MODEL_REWARDS, check_model_reward
 from megaflow.config.schema import MegaflowConfig
 from megaflow.config.suggest import did_you_mean
+from megaflow.data.colors import parse_color
 
 SERVER_REWARDS = ("remote", "remote_json", "vlm_judge")  # megaflow.rewards.remote: scored by a server at 'url'
 SERVER_PROBE_S = 3.0  # seconds a TCP connect to a reward server may take in preflight
 
-_REMOTE = ("timeout", "retries", "backoff", "jpeg_quality")
+_REMOTE = ("timeout", "retries", "backoff", "jpeg_quality", "deadline", "max_answer_bytes")
 REWARD_ARGS: dict[str, tuple[str, ...]] = {  # built-in reward -> the keyword arguments its constructor takes
     "jpeg_compressibility": ("quality",),
     "jpeg_incompressibility": ("quality",),
@@ -34,7 +35,7 @@ REWARD_ARGS: dict[str, tuple[str, ...]] = {  # built-in reward -> the keyword ar
     "remote": ("url", "format", "trust_pickle", *_REMOTE),
     "remote_json": ("url", *_REMOTE),
     "vlm_judge": ("url", "model", "question", "timeout", "retries", "backoff", "max_score", "max_tokens",
-                  "concurrency", "api_key_env"),
+                  "concurrency", "api_key_env", "deadline", "max_answer_bytes"),
     "clipscore": ("path", "device", "batch_size", "w", "prefix"),
     "pickscore": ("path", "processor_path", "device", "batch_size", "scale"),
     "aesthetic": ("clip_path", "head_path", "device", "batch_size"),
@@ -112,13 +113,24 @@ def check_reward_name(name: str, where: str) -> None:
 
 
 def check_reward_kwargs(name: str, kwargs: Mapping, where: str) -> None:
-    """A built-in reward's argument names: ConfigError naming the first unknown one (``where`` + its name)."""
+    """A built-in reward's arguments: ConfigError naming the first unknown one (``where`` + its name), then the
+    values its constructor would refuse only once the engines run (``ARG_VALUE_CHECKS``)."""
     known = REWARD_ARGS[name]
     for arg in kwargs:
         if arg not in known:
             listed = f"its arguments: {', '.join(known)}" if known else "it takes no arguments"
             raise ConfigError(f"{where}{arg}: reward {name!r} has no argument {arg!r}{did_you_mean(arg, known)} "
                               f"({listed})")
+    for arg, check in ARG_VALUE_CHECKS.get(name, {}).items():
+        if kwargs.get(arg) is not None:
+            try:
+                check(kwargs[arg])
+            except ValueError as e:
+                raise ConfigError(f"{where}{arg}: {e}") from None
+
+
+# built-in reward -> {argument: check(value) raising ValueError}: told without torch, before any engine starts
+ARG_VALUE_CHECKS: dict[str, dict[str, Callable[[object], object]]] = {"color_target": {"target": parse_color}}
 
 
 def check_custom_reward(name: str, kwargs: Mapping, where: str) -> object:

@@ -240,8 +240,9 @@ class TrainConfig:
                           ge=0, le=MAX_ITERS)
     max_masked_iterations: int = opt(3, "Stop the run (one line naming the reward(s) and why; exit non-zero; the "
                                      "iteration checkpointed) after this many iterations in a row in which the "
-                                     "rewards masked every sample (a reward raised, returned the wrong length or a "
-                                     "non-finite score), so nothing trained; 0 = never stop.", ge=0, le=MAX_ITERS)
+                                     "rewards masked every sample (a reward raised, timed out or returned a "
+                                     "non-finite score), so nothing trained, or at the end when every iteration "
+                                     "was one; 0 = never stop.", ge=0, le=MAX_ITERS)
     keep_checkpoints: int = opt(2, "Newest checkpoints kept; older ones are deleted once a new one is complete.",
                                 ge=1, le=1000)
     recompute: str = opt("none", "Activation recompute of the megatron DiT blocks (train, pretrain): none (each block's internal "

@@ -22,6 +22,8 @@ def json_object(text: str, where: str, want: str) -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not JSON this reader takes (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: {want}, got {type(obj).__name__}")
     return obj

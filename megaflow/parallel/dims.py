@@ -68,11 +68,12 @@ class ParallelDims:
                              f"launch a multiple of {size} trainer processes")
         return world_size // size
 
-    def check_model(self, heads: int | None, blocks: int | None, where: str) -> None:
+    def check_model(self, heads: int | None, blocks: int | None, where: str,
+                    keys: tuple[str, str] = ("parallel.tp", "parallel.pp")) -> None:
         """ValueError unless TP divides the ``heads`` attention heads and PP (x VPP) the ``blocks`` transformer
-        blocks of the model ``where`` names (None: not known, not checked)."""
+        blocks of the model ``where`` names (None: not known, not checked); ``keys``: how the message names them."""
         if heads is not None and heads % self.tp:
-            raise ValueError(f"parallel.tp = {self.tp} does not divide the {heads} attention heads of {where}")
+            raise ValueError(f"{keys[0]} = {self.tp} does not divide the {heads} attention heads of {where}")
         if blocks is not None and blocks % self.num_stages:
-            raise ValueError(f"parallel.pp = {self.pp}{f' x vpp = {self.vpp}' if self.vpp else ''} does not divide "
+            raise ValueError(f"{keys[1]} = {self.pp}{f' x vpp = {self.vpp}' if self.vpp else ''} does not divide "
                              f"the {blocks} blocks of {where}")

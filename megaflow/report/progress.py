@@ -21,6 +21,7 @@ ETA goes to stdout every ``logging.log_every`` iterations and at the last one. A
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -30,6 +31,8 @@ from megaflow.config import MegaflowConfig
 from megaflow.report.backends import open_backends
 from megaflow.report.metrics import Evaluation, MetricsLog
 from megaflow.report.plots import Panel, panel_plot
+
+logger = logging.getLogger("megaflow.report")
 
 
 class RunReporter:
@@ -130,7 +133,10 @@ class RunReporter:
             return
         self._close_bar()
         if len(self.rows) != self._drawn:
-            self.write_curves()
+            try:
+                self.write_curves()
+            except OSError as e:  # a full disk at the end: the run's own error is the one to tell
+                logger.warning("curves.png not redrawn: %s", e)
         self._metrics.close()
 
     def _advance_bar(self, it: int, row: dict) -> None:

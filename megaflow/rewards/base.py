@@ -7,10 +7,12 @@ A reward is a callable ``reward(images, prompts, metadata) -> Tensor[B]`` (float
 also return ``(scores, info)``: ``info`` maps a key to a scalar or a per-sample list, and is reported as
 its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_with_info``).
 
-Rewards must never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
+A reward's failures never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
 for the affected samples (a batch that raises is retried sample by sample, so only the samples
 that really fail are masked) and logs a warning naming the reward and the reason. A reward still running
-after ``reward.timeout_s`` is masked for the whole batch by the scorer (``megaflow.rewards.scorer``).
+after ``reward.timeout_s`` is masked for the whole batch by the scorer (``megaflow.rewards.scorer``). A reward that
+breaks the contract -- scores of the wrong length or shape, or not numbers -- is a bug, not a failure of one
+sample: :class:`RewardContractError` (one line) stops the command.
 """
 from __future__ import annotations
 
@@ -92,12 +94,22 @@ def select(images: ImageBatch, i: int) -> ImageBatch:
     return [images[i]]
 
 
+class RewardContractError(ValueError):
+    """A reward returned something other than one score per image (one line naming it): a bug in the reward,
+    which masking every sample would hide, so it stops the command."""
+
+
 def _as_scores(out, num: int, name: str) -> torch.Tensor:
-    """Validate a reward's output: anything convertible to float32 of shape [num]."""
-    t = torch.as_tensor(np.asarray(out.detach().cpu() if isinstance(out, torch.Tensor) else out,
-                                   dtype=np.float32))
+    """Validate a reward's output: anything convertible to float32 of shape [num]; RewardContractError otherwise."""
+    try:
+        t = torch.as_tensor(np.asarray(out.detach().cpu() if isinstance(out, torch.Tensor) else out,
+                                       dtype=np.float32))
+    except (TypeError, ValueError) as e:
+        raise RewardContractError(f"reward {name!r} returned {type(out).__name__}, not scores ({str(e)[:80]}); a "
+                                  "reward returns one number per image") from None
     if t.shape != (num,):
-        raise ValueError(f"reward {name!r} returned shape {tuple(t.shape)}, expected ({num},)")
+        raise RewardContractError(f"reward {name!r} returned scores of shape {tuple(t.shape)} for {num} image"
+                                  f"{'s' if num != 1 else ''}; a reward returns one number per image, shape ({num},)")
     return t
 
 
@@ -143,23 +155,25 @@ def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata
     raised: set[int] = set()
     try:
         out, info = _split(reward(images, list(prompts), meta), name)
-        scores = _as_scores(out, num, name)
-    except Exception as e:  # noqa: BLE001 - a reward must never stop the run
+    except Exception as e:  # noqa: BLE001 - a reward's failure must never stop the run
         logger.warning("reward %s raised on a batch of %d (%s: %s); retrying per sample",
                        name, num, type(e).__name__, e)
         scores, infos = torch.full((num,), float("nan")), []
         for i in range(num):
             try:
                 out, info_i = _split(reward(select(images, i), [prompts[i]], [meta[i]]), name)
-                scores[i] = _as_scores(out, 1, name)[0]
-                infos.append(info_i)
             except Exception as e_i:  # noqa: BLE001
                 raised.add(i)
                 logger.warning("reward %s masked sample %d (prompt %r): %s: %s",
                                name, i, prompts[i], type(e_i).__name__, e_i)
+                continue
+            scores[i] = _as_scores(out, 1, name)[0]  # a RewardContractError stops the command
+            infos.append(info_i)
         info = _mean_info(infos)
         if raised:
             _LAST_FAILURE[name] = f"{type(e).__name__}: {e}"
+    else:
+        scores = _as_scores(out, num, name)  # a RewardContractError stops the command
     bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in raised]
     if bad:
         logger.warning("reward %s returned non-finite values for samples %s: masked", name, bad)

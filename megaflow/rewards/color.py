@@ -12,31 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from megaflow.data.shapes import PALETTE
+from megaflow.data.colors import COLOR_NAMES, parse_color
 from megaflow.rewards.base import ImageBatch, Reward, to_float
 
-# ShapeEval's palette plus a few common names, RGB 0-255.
-COLOR_NAMES: dict[str, tuple[int, int, int]] = {
-    **PALETTE,
-    "white": (255, 255, 255), "black": (0, 0, 0), "gray": (128, 128, 128), "grey": (128, 128, 128),
-    "orange": (245, 130, 30), "pink": (245, 150, 190), "brown": (130, 80, 40),
-}
 _COLOR_RE = re.compile(r"\b(" + "|".join(COLOR_NAMES) + r")\b", re.IGNORECASE)
-
-
-def parse_color(value) -> tuple[float, float, float]:
-    """RGB in [0, 1] from a colour name, ``#rrggbb``, or a sequence of 3 floats in [0, 1]."""
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in COLOR_NAMES:
-            return tuple(c / 255.0 for c in COLOR_NAMES[v])
-        if re.fullmatch(r"#[0-9a-f]{6}", v):
-            return tuple(int(v[i:i + 2], 16) / 255.0 for i in (1, 3, 5))
-        raise ValueError(f"unknown colour {value!r} (a name in {', '.join(COLOR_NAMES)} or #rrggbb)")
-    rgb = tuple(float(c) for c in value)
-    if len(rgb) != 3 or not all(0.0 <= c <= 1.0 for c in rgb):
-        raise ValueError(f"colour must be 3 floats in [0, 1], got {value!r}")
-    return rgb
 
 
 def color_in_prompt(prompt: str) -> tuple[float, float, float]:

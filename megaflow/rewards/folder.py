@@ -2,43 +2,61 @@
 
 The folder's ``manifest.jsonl`` is read and checked by ``megaflow.config.manifest.read_manifest``; each image
 is scored on its own (images may differ in size) through ``safe_score``, so an image the reward fails on gets
-``None`` and is left out of the mean rather than stopping the command.
+``None`` and is left out of the mean rather than stopping the command. The scoring of the whole folder has a
+deadline (``timeout_s``): a call still running then is abandoned (megaflow.rewards.scorer.call_within) and it and
+the images not scored yet are ``None``. :func:`score_folder` raises one line when no image was scored.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 from PIL import Image
 
 from megaflow.config.manifest import ImageEntry
-from megaflow.rewards.base import safe_score
+from megaflow.rewards.base import last_failure, note_failure, safe_score
 from megaflow.rewards.registry import build_reward
-from megaflow.shapeeval.score import open_image
+from megaflow.rewards.scorer import RewardTimeout, call_within
+from megaflow.shapeeval.score import check_image_files, open_image
 
 
-def _open(entry: ImageEntry, *, decode: bool = True) -> Image.Image | None:
-    """The image as RGB (``decode``), or only its header checked; ValueError naming an unreadable file or
-    one larger than ShapeEval's MAX_PIXELS (refused from its header)."""
+def _open(entry: ImageEntry) -> Image.Image:
+    """The image as RGB; ValueError naming an unreadable file or one larger than ShapeEval's MAX_PIXELS (refused
+    from its header)."""
     lazy = open_image(entry.path)
     try:
         with lazy as im:
-            return im.convert("RGB") if decode else None
-    except OSError as e:
-        raise ValueError(f"cannot read image {entry.path}: {e}") from None
+            return im.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a damaged file: one line naming it
+        raise ValueError(f"cannot read image {entry.path}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def score_folder(entries: Sequence[ImageEntry], reward: str, kwargs: Mapping[str, object] | None = None) -> dict:
+def score_folder(entries: Sequence[ImageEntry], reward: str, kwargs: Mapping[str, object] | None = None, *,
+                 timeout_s: float = 0.0) -> dict:
     """``{"reward", "files", "prompts", "scores", "mean", "masked"}``: one score per entry (None where the
-    reward failed on that image), the mean of the others (None when none was scored)."""
+    reward failed on that image, or was not done within ``timeout_s`` seconds for the folder; 0 = no limit), the
+    mean of the others. ValueError (one line naming the reward and why) when no image was scored."""
     fn = build_reward(reward, **dict(kwargs or {}))
-    for entry in entries:  # every file an image before the (possibly slow) scoring; decoded one at a time
-        _open(entry, decode=False)
+    check_image_files([e.path for e in entries])  # every file an image before the (possibly slow) scoring
+    deadline = time.monotonic() + timeout_s if timeout_s else None
     scores: list[float | None] = []
     for entry in entries:
-        s = float(safe_score(fn, [_open(entry)], [entry.prompt], [dict(entry.metadata)], name=reward)[0])
+        left = deadline - time.monotonic() if deadline is not None else 0.0
+        if deadline is not None and left <= 0:
+            scores.append(None)
+            continue
+        try:
+            s = float(call_within(lambda entry=entry: safe_score(fn, [_open(entry)], [entry.prompt],
+                                                                 [dict(entry.metadata)], name=reward)[0],
+                                  left, name=reward))
+        except RewardTimeout:
+            note_failure(reward, f"timed out: the folder's --timeout-s {timeout_s:g} s ran out")
+            s = math.nan
         scores.append(s if math.isfinite(s) else None)
     kept = [s for s in scores if s is not None]
+    if not kept:
+        raise ValueError(f"reward {reward!r} scored none of the {len(entries)} image{'s' if len(entries) > 1 else ''}"
+                         f" ({last_failure(reward) or 'every score was masked'})")
     return {"reward": reward, "files": [e.file for e in entries], "prompts": [e.prompt for e in entries],
-            "scores": scores, "mean": sum(kept) / len(kept) if kept else None,
-            "masked": len(scores) - len(kept)}
+            "scores": scores, "mean": sum(kept) / len(kept), "masked": len(scores) - len(kept)}

@@ -16,8 +16,11 @@ holding a bearer token. Judge rule: an answer whose first word is "yes" / "no" (
 otherwise its first number divided by ``max_score`` must lie in [0, 1]; any other answer masks the sample.
 
 Failures never stop a run: each request has ``timeout`` seconds (per socket operation) and up to ``retries``
-more attempts after the first, waiting ``backoff * 2**k`` seconds before retry k; when every attempt failed
-the request's samples are NaN (masked by ``safe_score``) with a warning. An answer of the wrong length, or
+more attempts after the first, waiting ``backoff * 2**k`` seconds before retry k, all within ``deadline`` seconds
+(the request's total, retries and the answer's transfer included); an answer over ``max_answer_bytes`` (its
+announced Content-Length, or what arrives) is refused at once, unread; while a request waits a warning says so
+every ``PROGRESS_S`` seconds. When every attempt failed the request's samples are NaN (masked by ``safe_score``)
+with a warning. An answer of the wrong length, or
 one that cannot be decoded, masks the whole batch with an error naming the server. The reward itself does
 not raise on these, so ``safe_score`` does not retry a dead server once per sample. Whether the server is up
 is checked once before the run starts (a TCP connect in megaflow.config.preflight, ``train`` / ``demo``).
@@ -25,6 +28,7 @@ is checked once before the run starts (a TCP connect in megaflow.config.prefligh
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
@@ -33,6 +37,7 @@ import math
 import os
 import pickle
 import re
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -46,6 +51,10 @@ from megaflow.rewards.base import ImageBatch, Reward, to_pil
 logger = logging.getLogger("megaflow.rewards")
 
 DEFAULT_QUESTION = 'Does this image match the description "{prompt}"? Answer yes or no.'
+DEADLINE_S = 120.0  # default total seconds of one request, retries included
+MAX_ANSWER_BYTES = 16 << 20  # default cap of an answer (scores of a batch, or one judge's reply: a few KB)
+PROGRESS_S = 15.0  # a waiting request says so this often
+_CHUNK = 1 << 16
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
 _WORD = re.compile(r"[a-z]+")
 
@@ -58,9 +67,13 @@ def check_url(name: str, url: object) -> str:
     return url
 
 
-def _check_common(name: str, timeout: object, retries: object, backoff: object) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"reward {name!r}: timeout must be a number of seconds > 0, got {timeout!r}")
+def _check_common(name: str, timeout: object, retries: object, backoff: object, deadline: object = DEADLINE_S,
+                  max_answer_bytes: object = MAX_ANSWER_BYTES) -> None:
+    for key, value in (("timeout", timeout), ("deadline", deadline)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+            raise ValueError(f"reward {name!r}: {key} must be a number of seconds in (0, 86400], got {value!r}")
+    if isinstance(max_answer_bytes, bool) or not isinstance(max_answer_bytes, int) or max_answer_bytes < 1:
+        raise ValueError(f"reward {name!r}: max_answer_bytes must be an integer >= 1, got {max_answer_bytes!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"reward {name!r}: retries must be an integer >= 0, got {retries!r}")
     if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or backoff < 0:
@@ -77,23 +90,74 @@ def jpegs(images: ImageBatch, quality: int = 95) -> list[bytes]:
     return out
 
 
+class AnswerTooLarge(OSError):
+    """An answer over the reward's ``max_answer_bytes`` (refused unread; not retried)."""
+
+
+def _read_capped(answer, max_bytes: int, end: float) -> bytes:
+    """The answer's body, at most ``max_bytes`` (its Content-Length checked first) and by the monotonic time
+    ``end``; AnswerTooLarge or TimeoutError otherwise."""
+    announced = answer.headers.get("Content-Length")
+    if announced is not None and announced.isdigit() and int(announced) > max_bytes:
+        raise AnswerTooLarge(f"it announces {int(announced)} bytes, more than max_answer_bytes = {max_bytes}")
+    parts, size = [], 0
+    while chunk := answer.read1(_CHUNK):  # what has arrived: a trickle cannot hold it past the deadline
+        size += len(chunk)
+        if size > max_bytes:
+            raise AnswerTooLarge(f"more than max_answer_bytes = {max_bytes} bytes")
+        if time.monotonic() > end:
+            raise TimeoutError(f"its transfer was still going at the deadline ({size} bytes in)")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+@contextlib.contextmanager
+def _saying_while_waiting(name: str, url: str, deadline: float):
+    """A warning every PROGRESS_S seconds while the block runs (requests waiting on a server; ``deadline``: each
+    request's, for the message)."""
+    done, t0 = threading.Event(), time.monotonic()
+
+    def say() -> None:
+        while not done.wait(PROGRESS_S):
+            logger.warning("reward %s: still waiting for %s (%.0f s of the %g s deadline)", name, url,
+                           time.monotonic() - t0, deadline)
+    threading.Thread(target=say, name=f"megaflow-reward-{name}-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def post(url: str, body: bytes, *, content_type: str, timeout: float, retries: int, backoff: float,
-         name: str, headers: dict | None = None) -> bytes | None:
+         name: str, headers: dict | None = None, deadline: float = DEADLINE_S,
+         max_answer_bytes: int = MAX_ANSWER_BYTES, say_progress: bool = True) -> bytes | None:
     """The answer's body to a POST of ``body``, or None (with a warning) after ``1 + retries`` failed attempts
-    (a connection error, a timeout or an HTTP error status each count as one)."""
+    (a connection error, a timeout or an HTTP error status each count as one), when ``deadline`` seconds have
+    passed, or at once for an answer over ``max_answer_bytes``; (``say_progress``) a warning every PROGRESS_S
+    seconds while it waits."""
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": content_type, **(headers or {})})
     error: Exception | None = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return answer.read()
-        except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
-            error = e
+    end, tries = time.monotonic() + deadline, 0
+    with _saying_while_waiting(name, url, deadline) if say_progress else contextlib.nullcontext():
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(max(0.0, min(backoff * 2 ** (attempt - 1), end - time.monotonic())))
+            left = end - time.monotonic()
+            if left <= 0:
+                error = TimeoutError(f"the deadline of {deadline:g} s passed")
+                break
+            tries += 1
+            try:
+                with urllib.request.urlopen(request, timeout=min(timeout, left)) as answer:
+                    return _read_capped(answer, max_answer_bytes, end)
+            except AnswerTooLarge as e:
+                error = e
+                break
+            except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+                error = e
     logger.warning("reward %s: POST %s failed %d time(s), last with %s: %s; its samples are masked",
-                   name, url, retries + 1, type(error).__name__, error)
+                   name, url, tries, type(error).__name__, error)
     return None
 
 
@@ -130,13 +194,14 @@ def _item_score(item: object, name: str, i: int) -> float:
 
 class RemoteReward(Reward):
     """A reward server (module docstring): ``url``, ``format`` ("pickle" needs ``trust_pickle = true``, or
-    "json"), ``timeout`` / ``retries`` / ``backoff`` (seconds, attempts after the first, first wait),
-    ``jpeg_quality`` of the images sent."""
+    "json"), ``timeout`` / ``retries`` / ``backoff`` / ``deadline`` (seconds, attempts after the first, first
+    wait, a request's total), ``max_answer_bytes``, ``jpeg_quality`` of the images sent."""
 
     name = "remote"
 
     def __init__(self, *, url: str, format: str = "pickle", trust_pickle: bool = False, timeout: float = 60.0,
-                 retries: int = 2, backoff: float = 1.0, jpeg_quality: int = 95):
+                 retries: int = 2, backoff: float = 1.0, jpeg_quality: int = 95, deadline: float = DEADLINE_S,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         if format not in ("pickle", "json"):
             raise ValueError(f"reward {self.name!r}: format must be 'pickle' or 'json', got {format!r}")
         if format == "pickle" and trust_pickle is not True:
@@ -145,11 +210,12 @@ class RemoteReward(Reward):
                              "format = 'json' (the 'remote_json' reward)")
         if format == "json" and trust_pickle:
             raise ValueError(f"reward {self.name!r}: trust_pickle is for format = 'pickle' only")
-        _check_common(self.name, timeout, retries, backoff)
+        _check_common(self.name, timeout, retries, backoff, deadline, max_answer_bytes)
         if isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
             raise ValueError(f"reward {self.name!r}: jpeg_quality must be an integer in [1, 100], got {jpeg_quality!r}")
-        self.url, self.format = check_url(self.name, url), format
-        self.timeout, self.retries, self.backoff, self.quality = float(timeout), retries, float(backoff), jpeg_quality
+        self.url, self.format, self.quality = check_url(self.name, url), format, jpeg_quality
+        self.limits = dict(timeout=float(timeout), retries=retries, backoff=float(backoff), deadline=float(deadline),
+                           max_answer_bytes=max_answer_bytes)
 
     def _body(self, images: ImageBatch, prompts: list[str], meta: list[dict]) -> tuple[bytes, str]:
         data = jpegs(images, self.quality)
@@ -171,8 +237,7 @@ class RemoteReward(Reward):
         num = len(prompts)
         meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in range(num)]
         body, content_type = self._body(images, list(prompts), meta)
-        raw = post(self.url, body, content_type=content_type, timeout=self.timeout, retries=self.retries,
-                   backoff=self.backoff, name=self.name)
+        raw = post(self.url, body, content_type=content_type, name=self.name, **self.limits)
         if raw is None:
             return _nan(num)
         try:
@@ -194,9 +259,9 @@ class RemoteJsonReward(RemoteReward):
     name = "remote_json"
 
     def __init__(self, *, url: str, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
-                 jpeg_quality: int = 95):
+                 jpeg_quality: int = 95, deadline: float = DEADLINE_S, max_answer_bytes: int = MAX_ANSWER_BYTES):
         super().__init__(url=url, format="json", timeout=timeout, retries=retries, backoff=backoff,
-                         jpeg_quality=jpeg_quality)
+                         jpeg_quality=jpeg_quality, deadline=deadline, max_answer_bytes=max_answer_bytes)
 
 
 def chat_url(url: str) -> str:
@@ -206,18 +271,19 @@ def chat_url(url: str) -> str:
 
 class VlmJudge(Reward):
     """A VLM's answer to ``question`` about each image, scored by the judge rule (module docstring);
-    ``concurrency`` requests in flight at most."""
+    ``concurrency`` requests in flight at most, each with ``RemoteReward``'s limits."""
 
     name = "vlm_judge"
 
     def __init__(self, *, url: str, model: str, question: str = DEFAULT_QUESTION, timeout: float = 60.0,
                  retries: int = 2, backoff: float = 1.0, max_score: float = 1.0, max_tokens: int = 16,
-                 concurrency: int = 8, api_key_env: str | None = None):
+                 concurrency: int = 8, api_key_env: str | None = None, deadline: float = DEADLINE_S,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         if not isinstance(model, str) or not model:
             raise ValueError(f"reward {self.name!r}: model must be the served model's name, got {model!r}")
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"reward {self.name!r}: question must be a non-empty string, got {question!r}")
-        _check_common(self.name, timeout, retries, backoff)
+        _check_common(self.name, timeout, retries, backoff, deadline, max_answer_bytes)
         if isinstance(max_score, bool) or not isinstance(max_score, (int, float)) or not max_score > 0:
             raise ValueError(f"reward {self.name!r}: max_score must be a number > 0, got {max_score!r}")
         for key, value in (("max_tokens", max_tokens), ("concurrency", concurrency)):
@@ -229,7 +295,8 @@ class VlmJudge(Reward):
                 raise ValueError(f"reward {self.name!r}: api_key_env names {api_key_env!r}, which is not set")
             self.headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
         self.url, self.model, self.question = chat_url(check_url(self.name, url)), model, question
-        self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
+        self.limits = dict(timeout=float(timeout), retries=retries, backoff=float(backoff), deadline=float(deadline),
+                           max_answer_bytes=max_answer_bytes)
         self.max_score, self.max_tokens, self.concurrency = float(max_score), max_tokens, concurrency
 
     def request(self, jpeg: bytes, prompt: str) -> dict:
@@ -242,8 +309,7 @@ class VlmJudge(Reward):
 
     def _one(self, i: int, jpeg: bytes, prompt: str) -> float:
         raw = post(self.url, json.dumps(self.request(jpeg, prompt)).encode(), content_type="application/json",
-                   timeout=self.timeout, retries=self.retries, backoff=self.backoff, name=self.name,
-                   headers=self.headers)
+                   name=self.name, headers=self.headers, say_progress=False, **self.limits)
         if raw is None:
             return float("nan")
         try:
@@ -257,6 +323,7 @@ class VlmJudge(Reward):
     def __call__(self, images: ImageBatch, prompts: Sequence[str],
                  metadata: Sequence[dict] | None = None) -> torch.Tensor:
         data = jpegs(images)
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(data)))) as pool:
+        with _saying_while_waiting(self.name, self.url, self.limits["deadline"]), \
+                ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(data)))) as pool:
             scores = list(pool.map(self._one, range(len(data)), data, prompts))
         return torch.tensor(scores, dtype=torch.float32)

@@ -76,16 +76,17 @@ def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:
         raise ValueError(f"unexpected tensor {extra[0]!r} (wrong architecture?)")
 
 
-def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None, trust: bool = False):
+def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None, trust: bool = False,
+                           checked_manifest: bool = False):
     """(family, diffusers config dict as the family writes it, diffusers state dict) of a megatron dist
     checkpoint's model, read in this process without building a model; the state is checked against
     the diffusers class of the config recorded in the checkpoint. A LoRA run's adapter tensors are not
     part of it (``checkpoint_adapters`` reads them). ``shadow`` ("ema"): those weights instead of the trained ones.
-    ``trust``: a checkpoint without a manifest is read unchecked (megaflow.trainer.manifest)."""
+    Read under the checkpoint trust rule (``trust``, ``checked_manifest``: megaflow.trainer.checkpoint)."""
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
-    meta, full = load_full_state_dict(model_dir, shadow=shadow, trust=trust)
+    meta, full = load_full_state_dict(model_dir, shadow=shadow, trust=trust, checked_manifest=checked_manifest)
     family = get_family(meta["family"])
     config = family.config_from_diffusers(meta["diffusers_config"])
     base = {k: v for k, v in full.items() if not k.endswith(ADAPTER_SUFFIXES)}
@@ -94,7 +95,8 @@ def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None, 
     return family, family.config_to_diffusers(config), state
 
 
-def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = None, trust: bool = False) -> dict:
+def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = None, trust: bool = False,
+                        checked_manifest: bool = False) -> dict:
     """The LoRA adapters (``LoRASettings`` ``lora``) of a megatron dist checkpoint as a PEFT-named state dict
     (``<module>.lora_A.weight`` ...); ValueError names the first adapter tensor the settings and the
     checkpoint disagree on."""
@@ -102,7 +104,7 @@ def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = Non
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
-    meta, full = load_full_state_dict(model_dir, shadow=shadow, trust=trust)
+    meta, full = load_full_state_dict(model_dir, shadow=shadow, trust=trust, checked_manifest=checked_manifest)
     family = get_family(meta["family"])
     config = family.config_from_diffusers(meta["diffusers_config"])
     adapters = {k: v for k, v in full.items() if k.endswith(ADAPTER_SUFFIXES)}
@@ -198,7 +200,8 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     ``base_model`` (a hub id) or the base pipeline directory's name. An SD3 pipeline with a megaflow prompt length
     also gets ``encode_prompts.py`` (``ENCODER_FILE``: the engine's prompt encoding, torch only). Returns what was written
     (iteration, paths, tensor counts, which weights, seconds). The checkpoint is checked against its manifest
-    before anything in it is read; ``trust_checkpoint``: one without a manifest (older megaflow) is read unchecked."""
+    before anything in it is read, then read under the checkpoint trust rule (megaflow.trainer.dcp_metadata);
+    ``trust_checkpoint``: one without a manifest (older megaflow) is read, and its pickles unpickled, unchecked."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
@@ -210,12 +213,13 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     it, ckpt = find_checkpoint(run_dir, iteration)
     _check_out(out)
     verify_manifest(ckpt, trust=trust_checkpoint)  # model/ included: the loads below need not check it again
+    read = dict(trust=trust_checkpoint, checked_manifest=True)
     lora, shadow = _run_settings(run_dir, ema)
     pipeline_class = json.loads((pipeline / "model_index.json").read_text()).get("_class_name")
     result = {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
               "weights": shadow or "trained"}
     if lora_only:
-        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, trust=True)
+        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read)
         length = prompt_length(pipeline)
         card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"],
                           base_model=base_model or pipeline.resolve().name, prompt_length=length)
@@ -228,8 +232,8 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
 
         _write_into(out, write_lora)
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
-    family, state = _checked_state(pipeline, ckpt, shadow)
-    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, trust=True) if lora is not None else None
+    family, state = _checked_state(pipeline, ckpt, shadow, read)
+    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read) if lora is not None else None
     files: list[Path] = []
 
     def write(tmp: Path) -> None:
@@ -245,10 +249,11 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
             "transformer_files": [p.name for p in files], "seconds": round(time.perf_counter() - started, 3)}
 
 
-def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None):
-    """(family, diffusers state dict) of the checkpoint, checked against the pipeline's transformer."""
+def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None, read: dict):
+    """(family, diffusers state dict) of the checkpoint (``read``: checkpoint_transformer's trust arguments),
+    checked against the pipeline's transformer."""
     tconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
-    family, _, state = checkpoint_transformer(ckpt / MODEL_DIR, shadow=shadow, trust=True)
+    family, _, state = checkpoint_transformer(ckpt / MODEL_DIR, shadow=shadow, **read)
     if tconfig.get("_class_name") != family.diffusers_class:
         raise ValueError(f"{ckpt / MODEL_DIR} holds a {family.diffusers_class} ({family.name}) but "
                          f"{pipeline}/transformer is a {tconfig.get('_class_name')}")

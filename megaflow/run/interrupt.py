@@ -37,12 +37,23 @@ class Interrupted(RuntimeError):
         super().__init__(f"stopped by {signal.Signals(signum).name} after iteration {iteration} ({saved})")
 
 
-def kill_children(grace_s: float = KILL_GRACE_S) -> list[int]:
-    """SIGTERM every descendant of this process (by PID: only our own), SIGKILL those still alive after
-    ``grace_s``; the PIDs signalled."""
+def child_pids() -> set[int]:
+    """The PIDs of this process's descendants now."""
     import psutil
     try:
-        children = psutil.Process().children(recursive=True)
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_children(grace_s: float = KILL_GRACE_S, *, spare: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """SIGTERM every descendant of this process (by PID: only our own) but those in ``spare``, SIGKILL those still
+    alive after ``grace_s``; the PIDs signalled. The CLI calls it as a command that scores rewards ends, sparing
+    the processes that were there before it, so nothing a reward started (a helper process on an abandoned,
+    timed-out call) outlives the command."""
+    import psutil
+    try:
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in spare]
     except psutil.Error:
         return []
     for child in children:

@@ -98,8 +98,8 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
             batch = start_batch(run, it).finish()  # the first batch of an asynchronous run
         pending = start_batch(run, it + 1) if ahead and it < cfg.train.iterations else None
         metrics, images, captions, batch = iteration(run, it, watch, batch=batch, pending=pending)
-        signum, useless = stop.agreed(), watch.verdict(it)
         last = it == cfg.train.iterations
+        signum, useless = stop.agreed(), watch.verdict(it, last=last)
         run.history.append({"iteration": it, **metrics})
         if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
             with run.phases.resident():  # the optimizer states and weights are saved from the device

@@ -1,7 +1,9 @@
 """A run whose every sample is masked trains nothing: ``MaskedWatch`` counts the iterations in a row where the
-rewards masked every sample (a reward raised, returned the wrong length or a non-finite score) and, after
-``train.max_masked_iterations`` of them, says why in one line; the loop then checkpoints and stops with
-:class:`UselessRun`. Every trainer rank sees the same scores, so every rank stops at the same iteration.
+rewards masked every sample (a reward raised, timed out or returned a non-finite score) and, after
+``train.max_masked_iterations`` of them -- or at the last iteration when every iteration of this session was
+one -- says why in one line; the loop then checkpoints and stops with :class:`UselessRun`. Every trainer rank sees
+the same scores, so every rank stops at the same iteration. (A reward returning the wrong length stops the run
+at once: megaflow.rewards.base.RewardContractError.)
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ class MaskedWatch:
     row had every sample masked (0 = never)."""
 
     def __init__(self, limit: int):
-        self.limit, self.streak, self.culprits = limit, 0, {}
+        self.limit, self.streak, self.seen, self.culprits = limit, 0, 0, {}
 
     def see(self, scores: RewardScores) -> None:
+        self.seen += 1
         if bool(scores.valid.any()):
             self.streak, self.culprits = 0, {}
             return
@@ -32,9 +35,13 @@ class MaskedWatch:
         for label in everywhere or [label for label, c in masking.items() if not bool(torch.isfinite(c).all())]:
             self.culprits[label] = last_failure(label) or "masked every sample (see the reward warnings above)"
 
-    def verdict(self, it: int) -> str | None:
-        if not self.limit or self.streak < self.limit:
+    def verdict(self, it: int, *, last: bool = False) -> str | None:
+        """The stop message after iteration ``it`` (``last``: the run's last one), or None to go on."""
+        whole_run = last and self.streak and self.streak == self.seen
+        if not self.limit or (self.streak < self.limit and not whole_run):
             return None
         why = "; ".join(f"reward {label!r}: {reason}" for label, reason in self.culprits.items())
+        how = ("every iteration of this run was one" if self.streak < self.limit else
+               f"stopped after train.max_masked_iterations = {self.limit} such iterations")
         return (f"every sample of iterations {it - self.streak + 1}..{it} was masked ({why or 'no reward scored'}), "
-                f"so nothing trains: stopped after train.max_masked_iterations = {self.limit} such iterations")
+                f"so nothing trained: {how}")

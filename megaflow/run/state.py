@@ -69,16 +69,31 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
     else:
         rngs[0] = rng_state()
     tconf = trainer.config
-    save_checkpoint(trainer.chunks, stage / MODEL_DIR, family=family, diffusers_config=diffusers_config,
-                    optimizer=trainer.optimizer, shadows=shadows, checksum=checksum)
-    faults.check("checkpoint", iteration)
-    if rank() != 0:
-        barrier()
-        return time.perf_counter() - t0
-    state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
-             "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
-                                                 "pp": tconf.pipeline_model_parallel_size},
-             "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
+    try:
+        save_checkpoint(trainer.chunks, stage / MODEL_DIR, family=family, diffusers_config=diffusers_config,
+                        optimizer=trainer.optimizer, shadows=shadows, checksum=checksum)
+        faults.check("checkpoint", iteration)
+        if rank() == 0:
+            state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
+                     "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
+                                                         "pp": tconf.pipeline_model_parallel_size},
+                     "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
+            _finish(stage, checkpoint_dir(run_dir, iteration).absolute(), state, write_extra, checksum)
+    except BaseException as e:
+        failure = _not_saved(e, run_dir, stage, iteration)
+        if failure is e:
+            raise
+        raise failure from None
+    if rank() == 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return time.perf_counter() - t0
+
+
+def _finish(stage: Path, final: Path, state: dict, write_extra, checksum: str) -> None:
+    """Rank 0: the run's files into the staging dir (the batch collected ahead, state.json), the manifest last,
+    then the staging dir renamed to ``final``."""
     if write_extra is not None:
         write_extra(stage)
     with open(stage / STATE_FILE, "w") as fh:
@@ -86,24 +101,38 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         fh.flush()
         os.fsync(fh.fileno())
     write_manifest(stage, checksum)  # lists state.json and model/MANIFEST.json (which lists the model's files)
-    final = checkpoint_dir(run_dir, iteration).absolute()
     if final.exists():  # re-written after a resume from an older checkpoint
         shutil.rmtree(final)
     os.rename(stage, final)
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return time.perf_counter() - t0
+
+
+def _not_saved(error: BaseException, run_dir: Path, stage: Path, iteration: int) -> BaseException:
+    """After a failed save: rank 0 removes the staging dir; a full disk becomes one NoSpace line naming the
+    checkpoint, the bytes it needs and the checkpoint kept; any other error is returned as it is."""
+    from megaflow.trainer.disk_full import NoSpace, disk_full, tree_bytes
+
+    final = checkpoint_dir(run_dir, iteration).absolute()
+    written = tree_bytes(stage)
+    full = error if isinstance(error, NoSpace) else disk_full(error, final, written, written=written)
+    if rank() == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+    if full is None:
+        return error
+    kept = list_checkpoints(run_dir)
+    then = f"; nothing of it is left, {kept[-1][1]} is still the latest checkpoint" if kept else \
+        "; nothing of it is left (the run has no checkpoint yet)"
+    return NoSpace(final, full.needed, full.free, final.parent, then)
 
 
 def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = False) -> dict:
     """Collective: load model + optimizer (+ ``shadows``, as saved) from ``ckpt`` into ``trainer``, restore this
-    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics). Rank 0 first checks
-    ``ckpt`` against its manifest (megaflow.trainer.manifest; ``trust``: one without a manifest is loaded
-    unchecked); a refusal is raised on every rank."""
+    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics). Before anything else
+    rank 0 checks ``ckpt`` (its manifest, state.json, the model's DCP metadata: ``_checked_on_rank0``); a refusal
+    is raised on every rank. ``trust``: a checkpoint without a manifest is loaded, and its pickles unpickled,
+    unchecked (megaflow.trainer.dcp_metadata)."""
     from megaflow.trainer.checkpoint import load_checkpoint
 
-    _verified_on_rank0(ckpt, trust)
+    _checked_on_rank0(ckpt, trust)
     state = read_state(ckpt)
     tconf = trainer.config
     layout = {"tp": tconf.tensor_model_parallel_size, "pp": tconf.pipeline_model_parallel_size}
@@ -115,21 +144,30 @@ def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = Fals
         if name not in saved:
             raise ValueError(f"{ckpt} holds no {name!r} weights (the run that wrote it had them off)")
         shadow.num_updates = int(saved[name])
-    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer, shadows=shadows,
-                    trust=True)  # checked above, model/ included
     rngs = state["rng"]
     if len(rngs) != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"{ckpt}: saved by {len(rngs)} ranks; resume with the same number of processes")
-    set_rng_state(rngs[rank()])
+    load_checkpoint(trainer.chunks, ckpt / MODEL_DIR, optimizer=trainer.optimizer, shadows=shadows,
+                    trust=trust, checked_manifest=True)  # the manifest checked above, model/ included
+    try:
+        set_rng_state(rngs[rank()])
+    except (ValueError, TypeError, RuntimeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError(f"{ckpt / STATE_FILE}: rank {rank()}'s RNG state is unusable "
+                         f"({type(e).__name__}: {str(e)[:120]})") from None
     return state
 
 
-def _verified_on_rank0(ckpt: Path, trust: bool) -> None:
-    """Rank 0 checks ``ckpt`` against its manifest; its ValueError (one line) is raised on every rank."""
+def _checked_on_rank0(ckpt: Path, trust: bool) -> None:
+    """Rank 0 checks ``ckpt``: its manifest (corruption), its state.json (types, ranges) and, unless ``trust``, its
+    model's DCP metadata (megaflow.trainer.dcp_metadata); the ValueError (one line) is raised on every rank."""
     error = [None]
     if rank() == 0:
         try:
             verify_manifest(ckpt, trust=trust)
+            read_state(ckpt)
+            if not trust:
+                from megaflow.trainer.dcp_metadata import check_dcp_metadata
+                check_dcp_metadata(ckpt / MODEL_DIR)
         except ValueError as e:
             error[0] = str(e)
     if dist.is_initialized():

@@ -50,11 +50,15 @@ def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
         try:
             row = json.loads(line)
             path = images_dir / row["file"]
-            if not path.resolve().is_relative_to(images_dir.resolve()):
-                raise ValueError(f"{images_dir / MANIFEST} line {n}: {row['file']!r} is outside the folder")
-            items.append((path, str(row["prompt"])))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            inside = path.resolve().is_relative_to(images_dir.resolve())
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"{images_dir / MANIFEST} line {n}: want {{\"file\", \"prompt\"}} ({e!r})") from None
+        except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise ValueError(f"{images_dir / MANIFEST} line {n}: image {row['file']!r} cannot be opened "
+                             f"({e})") from None
+        if not inside:
+            raise ValueError(f"{images_dir / MANIFEST} line {n}: {row['file']!r} is outside the folder")
+        items.append((path, str(row["prompt"])))
     return items
 
 
@@ -87,12 +91,18 @@ def open_image(path: Path) -> Image.Image:
             im = Image.open(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ValueError(too_big) from None
-    except OSError as e:
-        raise ValueError(f"cannot read image {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - PIL's plugins raise OSError, ValueError (a huge text chunk), SyntaxError...
+        raise ValueError(f"cannot read image {path}: {type(e).__name__}: {str(e)[:200]}") from None
     if im.width * im.height > MAX_PIXELS:
         im.close()
         raise ValueError(f"{too_big} ({im.width} x {im.height})")
     return im
+
+
+def check_image_files(paths) -> None:
+    """Each file's header read (``open_image``): ValueError naming the first that is no image this reader takes."""
+    for path in paths:
+        open_image(path).close()
 
 
 def load_image(path: Path) -> np.ndarray:
@@ -112,8 +122,8 @@ def load_image(path: Path) -> np.ndarray:
                 scale = MAX_SIDE / max(im.size)
                 im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))), Image.BOX)
             return np.asarray(im, dtype=np.uint8).copy()
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read image {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a damaged file: one line naming it
+        raise ValueError(f"cannot read image {path}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def summarize(scores: list[SceneScore]) -> dict:

@@ -26,7 +26,8 @@ from megaflow.config.files import CKPT_META as META_FILE  # the one home of the 
 from megaflow.bridge.checksum import DEFAULT as DEFAULT_CHECKSUM
 from megaflow.models.common.finite import refuse_non_finite
 from megaflow.parallel.distributed import barrier, rank
-from megaflow.trainer.dcp_metadata import check_dcp_metadata
+from megaflow.trainer.dcp_metadata import reading
+from megaflow.trainer.disk_full import checkpoint_bytes, disk_full, tree_bytes, writer_failures_raised_not_logged
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
@@ -133,7 +134,17 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     if optimizer is not None:
         _init_adam_state(optimizer)  # an optimizer that never stepped (every update skipped) has no state yet
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_OPTIMIZER_METADATA)
-    dist_checkpointing.save(state, str(tmp))
+    needed = checkpoint_bytes(state)
+    try:
+        with writer_failures_raised_not_logged():
+            dist_checkpointing.save(state, str(tmp))
+    except BaseException as e:  # torch's CheckpointException (a BaseException) hides the OS error of a full disk
+        full = disk_full(e, dst, needed, written=tree_bytes(tmp))
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
     barrier()
     if rank() == 0:
         write_meta(tmp, family=family, diffusers_config=diffusers_config)
@@ -143,20 +154,23 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     return dst
 
 
-def _check_before_reading(path: str | Path, trust: bool) -> None:
-    """The manifest, then (unless ``trust``) the DCP metadata's pickle against its allow-list."""
-    verify_manifest(path, trust=trust)
-    if not trust:
-        check_dcp_metadata(path)
+def _model_shapes(state: dict) -> dict[str, tuple]:
+    """Global shape of every sharded tensor of a sharded state dict, by checkpoint key."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {t.key: tuple(t.global_shape) for t in nested_values(state) if isinstance(t, ShardedTensor)}
 
 
 def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None,
-                    shadows: dict | None = None, trust: bool = False) -> dict:
+                    shadows: dict | None = None, trust: bool = False, checked_manifest: bool = False) -> dict:
     """Collective: load model chunks (any TP/PP layout), optionally the optimizer and shadow weights (as saved by
-    ``save_checkpoint``); returns meta. First every rank checks the directory against its manifest and reads the
-    DCP metadata's pickle through an allow-list (``trust``: a directory without a manifest is loaded unchecked;
-    see megaflow.trainer.manifest, megaflow.trainer.dcp_metadata)."""
-    _check_before_reading(path, trust)
+    ``save_checkpoint``); returns meta. Every rank first checks the directory against its manifest (unless
+    ``checked_manifest``: the caller did), then reads it under megaflow.trainer.dcp_metadata's trust rule, the
+    tensors the model needs compared with its shapes (``trust``: a directory without a manifest is loaded
+    unchecked, and torch unpickles what it holds)."""
+    if not checked_manifest:
+        verify_manifest(path, trust=trust)
     meta = read_meta(path)
     state = _model_sharded_state_dict(chunks)
     shadow_names = {}
@@ -165,7 +179,8 @@ def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimize
     if optimizer is not None:
         _init_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIMIZER_METADATA)
-    loaded = dist_checkpointing.load(state, str(path))
+    with reading(path, trust=trust, shapes=_model_shapes(state)):
+        loaded = dist_checkpointing.load(state, str(path))
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         chunk.load_state_dict(loaded[key], strict=True)
@@ -249,15 +264,16 @@ SHADOW_NAMES = ("ema", "nft_old")
 """The shadow weights a run may checkpoint beside its model (megaflow.run.state)."""
 
 
-def load_full_state_dict(path: str | Path, *, shadow: str | None = None,
-                         trust: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: bool = False,
+                         checked_manifest: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one process, without
     building a model (optimizer and shadow tensors are skipped). ``shadow`` (e.g. "ema"): the shadow's tensors
     replace the model's of the same name (under LoRA the shadow holds only the adapters); ValueError when the
-    checkpoint has none. The directory is checked against its manifest first (``trust``: see ``load_checkpoint``)."""
-    _check_before_reading(path, trust)
+    checkpoint has none. Checked and read as ``load_checkpoint`` does (``trust``, ``checked_manifest``)."""
+    if not checked_manifest:
+        verify_manifest(path, trust=trust)
     meta = read_meta(path)
-    with _process_group_for_reading():
+    with reading(path, trust=trust), _process_group_for_reading():
         tensors = dist_checkpointing.load_plain_tensors(str(path))
     # Skipped: the optimizer's tensors ("optimizer.<...>") and common state ("optimizer"), the shadows'.
     skip = ("optimizer", *SHADOW_NAMES)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from megaflow.bridge.checksum import ALGORITHMS, DEFAULT, file_digest
 
@@ -49,10 +49,14 @@ def write_manifest(directory: str | Path, checksum: str = DEFAULT) -> Path:
     files = {rel: {"size": (directory / rel).stat().st_size, "digest": file_digest(directory / rel, checksum)}
              for rel in _files(directory)}
     tmp = directory / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"format": FORMAT, "checksum": checksum, "files": files}, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "w") as fh:
+            json.dump({"format": FORMAT, "checksum": checksum, "files": files}, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     final = directory / MANIFEST
     os.replace(tmp, final)
     return final
@@ -64,9 +68,15 @@ def _read(path: Path) -> tuple[str, dict]:
         checksum, files = manifest["checksum"], manifest["files"]
         if manifest.get("format") != FORMAT or checksum not in ALGORITHMS or not isinstance(files, dict):
             raise ValueError
-        return checksum, files
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         raise ValueError(f"{path}: unreadable or unsupported checkpoint manifest") from None
+    for rel, entry in files.items():
+        parts = PurePosixPath(rel)
+        if not rel or parts.is_absolute() or ".." in parts.parts or "\0" in rel:
+            raise ValueError(f"{path}: lists {rel[:80]!r}, which is not a file inside the checkpoint")
+        if not isinstance(entry, dict) or type(entry.get("size")) is not int or type(entry.get("digest")) is not str:
+            raise ValueError(f"{path}: the entry of {rel[:80]!r} is not {{size, digest}}")
+    return checksum, files
 
 
 def verify_manifest(directory: str | Path, *, trust: bool = False) -> None:

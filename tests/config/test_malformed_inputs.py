@@ -219,13 +219,66 @@ def _lost_config(runs: Path) -> None:
     ckpt = runs / "r" / "checkpoints" / "iter_000002"
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "model" / "megaflow_model.json").write_text(json.dumps({"format": 1, "family": "sd3"}))
-    (ckpt / "state.json").write_text(json.dumps({"iteration": 2, "layout": {"tp": 1, "pp": 1}}))
+    (ckpt / "state.json").write_text(json.dumps({**STATE, "iteration": 2}))
     (runs / "r" / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
 
 
 def _elsewhere(runs: Path) -> None:
     (runs.parent / "elsewhere").mkdir()
     _link(runs, "elsewhere")
+
+
+# A state.json as megaflow.run.state.save writes it (one rank's RNG states cut short: only their types are read).
+STATE = {"iteration": 2, "prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "torch": "",
+                                                         "numpy": ["MT19937", "", 0, 0, 0.0]}],
+         "metrics": [], "layout": {"tp": 1, "pp": 1}}
+
+
+def _resume_state(**changes):
+    """A run dir at iteration 2 (config lost) whose state.json has ``changes``."""
+    def make(runs: Path) -> None:
+        _lost_config(runs)
+        (runs / "r" / "checkpoints" / "iter_000002" / "state.json").write_text(json.dumps({**STATE, **changes}))
+    return make
+
+
+def _png_text_chunk(megabytes: int) -> bytes:
+    """A 1x1 PNG with a zTXt chunk that inflates to ``megabytes`` MB (compressed in pieces: little memory)."""
+    png = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415408d763"
+                        "f8ffff3f0005fe02fea7d6a4a00000000049454e44ae426082")
+    z = zlib.compressobj()
+    text = b"".join(z.compress(b"x" * (1 << 20)) for _ in range(megabytes)) + z.flush()
+    data = b"comment\x00\x00" + text
+    chunk = len(data).to_bytes(4, "big") + b"zTXt" + data + zlib.crc32(b"zTXt" + data).to_bytes(4, "big")
+    return png[:33] + chunk + png[33:]
+
+
+def _loop(directory: Path, name: str) -> None:
+    """``directory/name`` a symlink to itself (a loop)."""
+    directory.mkdir(exist_ok=True)
+    (directory / name).symlink_to(name)
+
+
+def _looped_images(tmp: Path, *, manifest: bool) -> list[str]:
+    _loop(tmp / "images", "a_red_circle.png")
+    if manifest:
+        (tmp / "images" / "manifest.jsonl").write_text('{"file": "a_red_circle.png", "prompt": "a red circle"}\n')
+    return ["eval", "shapes", "--images", str(tmp / "images")]
+
+
+def _text_chunk_reward_images(tmp: Path) -> list[str]:
+    argv = _reward_images(tmp, _A, reward="jpeg_compressibility")
+    (tmp / "images" / "a.png").write_bytes(_png_text_chunk(200))
+    return argv
+
+
+DEEP_JSON = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+
+
+def _looped_reward_images(tmp: Path) -> list[str]:
+    argv = _reward_images(tmp, _A + b'{"file": "loop.png", "prompt": "x"}\n', reward="jpeg_compressibility")
+    _loop(tmp / "images", "loop.png")
+    return argv
 
 
 _A = b'{"file": "a.png", "prompt": "say \\"A\\""}\n'
@@ -395,6 +448,46 @@ CASES = {
                                                        "has no ImageReward.pt (not an ImageReward download: "
                                                        "hf download THUDM/ImageReward"),
     "reward: kwargs not JSON": (lambda t: _reward_images(t, _A, kwargs="{threads: 2}"), "--kwargs: not JSON"),
+    # round 3 (issue 35): nesting and sizes, duplicate steps, long paths, loops, text chunks, old cases
+    "config nested 5000 deep": (lambda t: ["config", "show", "-c", str(_cfg(
+        t, "[reward]\nkwargs = { a = " + "[" * 5000 + "]" * 5000 + " }\n"))], "nested too deeply to read"),
+    "config nested 20 deep": (lambda t: ["config", "show", "-c", str(_cfg(
+        t, "[reward]\nkwargs = { a = " + "[" * 20 + "]" * 20 + " }\n"))],
+                              "reward.kwargs: nested more than 16 lists or tables deep"),
+    "config: sde_window of 1e6 steps": (lambda t: ["config", "show", "-c", str(_cfg(
+        t, "[rollout]\nsde_window = [" + "1, " * 1_000_000 + "]\n"))], "larger than the 1 MiB a run file may be"),
+    "sde_window of 5000 steps": (lambda t: [*SHOW, "--set", "rollout.sde_window=[" + "1," * 5000 + "]"],
+                                 "rollout.sde_window: 5000 entries in one list, more than the 4096"),
+    "sde_window duplicates": (lambda t: [*TRAIN, "--set", "rollout.sde_window=[1, 1, 1]"],
+                              "rollout.sde_window: step [1] listed more than once"),
+    "prompts: a 130 KB path": (lambda t: ["train", "-c", str(_cfg(t, f'[data]\nprompts = "/{"p" * 130_000}.txt"\n'))],
+                               "characters): File name too long"),
+    "unknown colour in reward kwargs": (lambda t: [*TRAIN, "--set",
+                                                   'reward.kwargs={color_target = {target = "purpleish"}}'],
+                                        "reward.kwargs.color_target.target: unknown colour 'purpleish'"),
+    "height beyond the tiny pipeline's position table": (lambda t: [*TRAIN, "--set", "rollout.height=512"],
+                                                         "rollout.height = 512: larger than 256"),
+    "tool: --tp 3 on 4 heads": (lambda t: [*_tool(t, "to-megatron", _transformer(t)), "--tp", "3"],
+                                "--tp = 3 does not divide the 4 attention heads"),
+    "run dir: resume, state.json iteration '4'": (lambda t: _runs(t, _resume_state(iteration="4"), "--resume"),
+                                                  "iteration = '4': want an integer >= 1"),
+    "run dir: resume, negative prompts_consumed": (lambda t: _runs(t, _resume_state(prompts_consumed=-3), "--resume"),
+                                                   "prompts_consumed = -3: want an integer >= 0"),
+    "images: a symlink loop": (lambda t: _looped_images(t, manifest=False), "Too many levels of symbolic links"),
+    "images: a symlink loop in the manifest": (lambda t: _looped_images(t, manifest=True),
+                                               "line 1: image 'a_red_circle.png' cannot be opened"),
+    "images: a PNG with a 200 MB text chunk": (lambda t: _images(t, {"a_red_circle.png": _png_text_chunk(200)}),
+                                               "a_red_circle.png: ValueError: Decompressed data too large"),
+    "reward: a symlink loop": (lambda t: _looped_reward_images(t), "line 2: image 'loop.png' cannot be opened"),
+    "reward: a PNG with a 200 MB text chunk": (lambda t: _text_chunk_reward_images(t),
+                                               "a.png: ValueError: Decompressed data too large"),
+    "reward: unknown colour": (lambda t: _reward_images(t, _A, reward="color_target",
+                                                        kwargs='{"target": "purpleish"}'),
+                               "--kwargs target: unknown colour 'purpleish'"),
+    "reward: kwargs nested 5000 deep": (lambda t: _reward_images(t, _A, kwargs=DEEP_JSON),
+                                        "--kwargs: nested too deeply to read"),
+    "reward: --timeout-s -1": (lambda t: [*_reward_images(t, _A, reward="jpeg_compressibility"), "--timeout-s", "-1"],
+                               "--timeout-s -1.0: want seconds >= 0"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")

@@ -59,6 +59,15 @@ def test_pixel_multiple_of_the_shipped_model_is_what_diffusers_computes():
     assert largest == tconf["pos_embed_max_size"] * multiple == 64
 
 
+def test_the_tiny_pipelines_constants_are_its_config(tiny_sd3_dir):
+    """preflight knows the tiny SD3 pipeline a run builds without building it: its side multiple and position
+    table are the ones of the pipeline megaflow.models.tiny_pipeline writes."""
+    configs = files.check_pipeline(tiny_sd3_dir, "k")
+    multiple, largest = pf._pixel_multiple(load_config(None, []), configs)
+    assert (multiple, largest) == (pf.DEFAULT_PIXEL_MULTIPLE, pf.TINY_SD3_POSITIONS * pf.DEFAULT_PIXEL_MULTIPLE)
+    assert configs["transformer"]["pos_embed_max_size"] == pf.TINY_SD3_POSITIONS
+
+
 def _library_accepts(path: Path) -> bool:
     try:
         with safe_open(str(path), "pt") as f:

@@ -192,3 +192,27 @@ def test_dropped_batches_are_said(tmp_path, capsys):
         reporter.iteration(it, {**_metrics(it), "adv/dropped_ratio": 1.0 if it == 2 else 0.25})
     reporter.close()
     assert [x for x in capsys.readouterr().out.splitlines() if "every batch" in x] == []
+
+
+def test_a_full_disk_leaves_no_half_curves_file_and_does_not_hide_the_runs_error(tmp_path, monkeypatch, caplog):
+    """A PNG write that fails midway (ENOSPC after some bytes) leaves no temp file; at close, a redraw that fails
+    so is a warning, not a second error on top of the one that stopped the run."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from megaflow.report import plots
+
+    def full_disk(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rep = RunReporter(tmp_path, _cfg(log_every=100), enabled=True, verbose=True, total_iterations=5)
+    rep.iteration(1, _metrics(1))
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError):
+        plots.save_figure(Figure(), tmp_path / "x.png")
+    rep.close()  # the curves of iteration 1 were not drawn yet: drawn now, and the disk is full
+    assert "curves.png not redrawn" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "curves.png").exists()

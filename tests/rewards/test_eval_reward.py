@@ -1,13 +1,15 @@
 """``megaflow eval reward``: the real CLI in a subprocess scores a folder of Pillow-rendered words with the
 ``ocr`` reward (correct text ~1, a blank image 0, a wrong word low; metadata overriding the prompt's quoted
-text), prints per-image lines and the mean, or one JSON object with ``--json``. Bad inputs are in
-tests/config/test_malformed_inputs.py. Needs: CPU, 1 process (RapidOCR on CPU, ~10 s)."""
+text), prints per-image lines and the mean, or one JSON object with ``--json``. A reward that fails on every image,
+or never returns (``--timeout-s``), is an error of one line, and the processes it started end with the command.
+Bad inputs are in tests/config/test_malformed_inputs.py. Needs: CPU, 1 process (RapidOCR on CPU, ~10 s)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -120,9 +122,9 @@ def test_eval_reward_huge_image_refused_from_its_header(tmp_path):
     assert len(lines) == 1 and "huge.png: more than 67108864 pixels" in lines[0], r.stderr[-2000:]
 
 
-def test_custom_reward_gets_the_training_tensor_and_nothing_scored_exits_1(tmp_path):
+def test_custom_reward_gets_the_training_tensor_and_nothing_scored_exits_2(tmp_path):
     """A custom reward gets what it gets in training, a float32 tensor [1, 3, H, W] in [0, 1] (here its mean is the
-    score, checked against the PNG's own pixels); a reward that scores no image exits 1 with one error line."""
+    score, checked against the PNG's own pixels); a reward that scores no image exits 2 with one error line."""
     (tmp_path / "tensorreward.py").write_text(
         "import torch\n"
         "def brightness(images, prompts, metadata):\n"
@@ -148,6 +150,58 @@ def test_custom_reward_gets_the_training_tensor_and_nothing_scored_exits_1(tmp_p
     assert scores == pytest.approx([sum(c) / 3 / 255 for c in colours], abs=1e-6)
     r = run("tensorreward:broken")
     errors = [x for x in r.stderr.splitlines() if x.startswith("megaflow: error")]
-    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1]) == {"scores": [None, None], "mean": None}
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert errors == ["megaflow: error: reward 'tensorreward:broken' scored none of the 2 images (RuntimeError: "
                       "weights not found)"], r.stderr[-2000:]
+
+
+def _custom(tmp_path: Path, code: str, n: int = 3) -> tuple[Path, dict]:
+    """A folder of ``n`` images and a reward module ``myreward`` (``code``) importable by the CLI."""
+    (tmp_path / "myreward.py").write_text(code)
+    d = tmp_path / "imgs"
+    d.mkdir()
+    with open(d / "manifest.jsonl", "w") as fh:
+        for i in range(n):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(d / f"{i}.png")
+            fh.write(json.dumps({"file": f"{i}.png", "prompt": "p"}) + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    return d, env
+
+
+def test_a_reward_that_fails_on_every_image_is_an_error(tmp_path):
+    d, env = _custom(tmp_path, "def score(images, prompts, metadata):\n    raise RuntimeError('model not loaded')\n")
+    r = subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", "myreward:score",
+                        "--images", str(d)], env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("megaflow:")]
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines == ["megaflow: error: reward 'myreward:score' scored none of the 3 images (RuntimeError: model not "
+                     "loaded)"], r.stderr[-2000:]
+
+
+HANGS = """
+import subprocess, time
+def score(images, prompts, metadata):
+    child = subprocess.Popen(["sleep", "1000"])  # a helper process it starts, then it never returns
+    with open({pids!r}, "a") as fh:
+        fh.write(f"{{child.pid}}\\n")
+    time.sleep(1000)
+"""
+
+
+def test_a_reward_that_never_returns_meets_the_timeout_and_its_children_end(tmp_path):
+    import psutil
+
+    pids = tmp_path / "pids.txt"
+    d, env = _custom(tmp_path, HANGS.format(pids=str(pids)))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", "myreward:score",
+                        "--images", str(d), "--timeout-s", "3"], env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("megaflow:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines == ["megaflow: error: reward 'myreward:score' scored none of the 3 images (timed out: the folder's "
+                     "--timeout-s 3 s ran out)"], r.stderr[-2000:]
+    assert time.perf_counter() - t0 < 120
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 1  # the first image's call; the others were never tried after the folder's time ran out
+    time.sleep(0.5)
+    assert not [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

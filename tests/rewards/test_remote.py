@@ -1,6 +1,7 @@
 """Remote rewards (megaflow.rewards.remote) against loopback servers this test starts: the pickle and JSON
-reward-server protocols, the VLM judge over an OpenAI-compatible chat API, timeouts, retries, wrong-length
-answers, and the config's one-line refusals. Needs: CPU, 1 process, 127.0.0.1."""
+reward-server protocols, the VLM judge over an OpenAI-compatible chat API, timeouts, retries, a request's total
+deadline (also while bytes trickle in), the answer-size cap (announced or not), the warning while a request waits,
+wrong-length answers, and the config's one-line refusals. Needs: CPU, 1 process, 127.0.0.1."""
 from __future__ import annotations
 
 import base64
@@ -161,6 +162,90 @@ def test_an_unreachable_server_masks_the_batch(caplog):
             scores = build_reward("remote_json", url=f"http://127.0.0.1:{port}", retries=1, backoff=0.01)(
                 _images(), PROMPTS)
     assert torch.isnan(scores).all() and "failed 2 time(s)" in caplog.text
+
+
+@contextlib.contextmanager
+def raw_server(answer):
+    """A loopback server that reads each request's head and then calls ``answer(connection)`` on its own
+    thread (to send headers and bytes as slowly, or as much, as it likes); yields (url, requests seen)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen, stop = [], threading.Event()
+
+    def handle(conn):
+        with conn:
+            conn.settimeout(10)
+            with contextlib.suppress(OSError):
+                conn.recv(1 << 20)
+                seen.append(1)
+                answer(conn, stop)
+
+    def accept():
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    listener.settimeout(0.1)
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_a_server_that_never_answers_meets_the_deadline_and_is_reported_while_waiting(caplog, monkeypatch):
+    """A request's total is bounded by ``deadline`` (not timeout x tries), and while it waits a warning says so."""
+    from megaflow.rewards import remote
+
+    monkeypatch.setattr(remote, "PROGRESS_S", 0.3)
+    with caplog.at_level(logging.WARNING, logger="megaflow.rewards"), \
+            raw_server(lambda conn, stop: stop.wait(30)) as (url, _):
+        t0 = time.perf_counter()
+        scores = build_reward("remote_json", url=url, timeout=60, retries=2, deadline=1.5)(_images(), PROMPTS)
+        elapsed = time.perf_counter() - t0
+    assert torch.isnan(scores).all() and 1.4 <= elapsed < 4.0, elapsed
+    assert "still waiting for " + url in caplog.text and "of the 1.5 s deadline" in caplog.text
+    assert "failed 1 time(s)" in caplog.text  # the one attempt the deadline allowed
+
+
+def _head(length: int | None) -> bytes:
+    return b"HTTP/1.1 200 OK\r\n" + (b"Content-Length: %d\r\n" % length if length is not None else b"") + \
+        b"Connection: close\r\n\r\n"
+
+
+def test_an_answer_announced_over_the_cap_is_refused_unread_and_not_retried(caplog):
+    def huge(conn, stop):
+        conn.sendall(_head(1 << 30))
+        while not stop.is_set():  # it would keep sending: the client must not wait for it
+            conn.sendall(b"x" * 65536)
+
+    with caplog.at_level(logging.WARNING, logger="megaflow.rewards"), raw_server(huge) as (url, seen):
+        t0 = time.perf_counter()
+        scores = build_reward("remote_json", url=url, retries=2, backoff=0.01)(_images(), PROMPTS)
+        assert time.perf_counter() - t0 < 5 and len(seen) == 1
+    assert torch.isnan(scores).all() and "announces 1073741824 bytes, more than max_answer_bytes" in caplog.text
+
+
+def test_an_unannounced_answer_is_cut_at_the_cap(caplog):
+    with caplog.at_level(logging.WARNING, logger="megaflow.rewards"), \
+            raw_server(lambda conn, stop: conn.sendall(_head(None) + b"[" + b"1," * 600_000)) as (url, _):
+        scores = build_reward("remote_json", url=url, max_answer_bytes=100_000, **FAST)(_images(), PROMPTS)
+    assert torch.isnan(scores).all() and "more than max_answer_bytes = 100000 bytes" in caplog.text
+
+
+def test_the_deadline_fires_while_bytes_keep_arriving(caplog):
+    def trickle(conn, stop):
+        conn.sendall(_head(10_000))
+        while not stop.wait(0.05):
+            conn.sendall(b" ")
+
+    with caplog.at_level(logging.WARNING, logger="megaflow.rewards"), raw_server(trickle) as (url, _):
+        t0 = time.perf_counter()
+        scores = build_reward("remote_json", url=url, timeout=5, retries=0, deadline=1.0)(_images(), PROMPTS)
+        elapsed = time.perf_counter() - t0
+    assert torch.isnan(scores).all() and 0.9 <= elapsed < 3.0, elapsed
+    assert "still going at the deadline" in caplog.text
 
 
 @pytest.mark.parametrize("answer", [{"scores": [1.0, 2.0]}, {"scores": [1.0, 2.0, 3.0, 4.0]}, {"nope": 1}, [1, 2, 3]])

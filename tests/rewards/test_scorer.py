@@ -54,14 +54,16 @@ def test_failures_mask_only_the_failing_sample_and_warn(name, mode, caplog):
     assert name in text and ("boom" if mode == "raise" else "non-finite") in text
 
 
-def test_natural_failures_and_bad_output_shapes_are_masked(caplog):
+def test_natural_failures_are_masked_and_a_bad_output_shape_is_an_error(caplog):
+    from megaflow.rewards.base import RewardContractError
+
     x = _batch()
     with caplog.at_level(logging.WARNING, logger="megaflow.rewards"):
         out = safe_score(build_reward("shapeeval"), x, ["a red circle", "a red dog", "a triangle", "hello"])
-        wrong_shape = safe_score(lambda im, p, m: torch.zeros(7), x, PROMPTS, name="bad_shape")
     assert torch.isnan(out[[1, 3]]).all() and torch.isfinite(out[[0, 2]]).all()
     assert "a red dog" in caplog.text and "not a ShapeEval prompt" in caplog.text
-    assert torch.isnan(wrong_shape).all() and "bad_shape" in caplog.text
+    with pytest.raises(RewardContractError, match="reward 'bad_shape' returned scores of shape \\(7,\\) for 4"):
+        safe_score(lambda im, p, m: torch.zeros(7), x, PROMPTS, name="bad_shape")  # the reward's bug: it stops
     with pytest.raises(ValueError, match="4 images but 3 prompts"):  # caller bug, not a reward failure
         safe_score(build_reward("shapeeval"), x, PROMPTS[:3])
 

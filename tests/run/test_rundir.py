@@ -18,6 +18,11 @@ from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
 from megaflow.run.rundir import RunDir, check_run_dir
 
 
+# A state.json as megaflow.run.state.save writes it (one rank's RNG states cut short: only their types are read here).
+STATE = {"prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "numpy": ["MT19937", "", 0, 0, 0.0],
+                                         "torch": ""}], "metrics": [], "layout": {"tp": 1, "pp": 1}}
+
+
 def _cfg(tmp_path, *overrides):
     return load_config(None, [f'run.output_dir="{tmp_path}"', 'run.name="r"', "train.iterations=4", *overrides])
 
@@ -28,7 +33,7 @@ def _checkpoint(cfg, run_dir, iteration, *, config=True):
     d = checkpoint_dir(run_dir, iteration)
     (d / MODEL_DIR).mkdir(parents=True)
     (d / MODEL_DIR / CKPT_META).write_text(json.dumps({"format": 1, "family": cfg.model.family}))
-    (d / STATE_FILE).write_text(json.dumps({"iteration": iteration, "layout": {"tp": 1, "pp": 1}}))
+    (d / STATE_FILE).write_text(json.dumps(STATE | {"iteration": iteration}))
     (run_dir / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(iteration + 1)))
     if config:
         save_config(cfg, run_dir)

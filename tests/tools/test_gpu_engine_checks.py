@@ -116,8 +116,8 @@ def test_loop_settings_are_a_config_with_two_phases(algo):
     sets = [*sd35m.LOOP_SETTINGS, *sd35m.ALGO_SETTINGS[algo]]
     cfg = load_config(REPO / "configs/cpu_demo.toml", [*sets, "model.pretrained=no-such-dir"])
     assert cfg.algo.name == algo and cfg.train.offload == "optimizer" and cfg.rollout.num_steps == sd35m.STEPS
-    preflight(load_config(REPO / "configs/cpu_demo.toml", sets), "show", files=False)  # megaflow train's checks,
-    # but those of the files it names (the pipeline is built on the GPU machine) and of this machine's devices
+    preflight(cfg, "show", files=False)  # megaflow train's checks, but those of the files it names (the
+    # pipeline is built on the GPU machine, as the loop check names it) and of this machine's devices
     (group,) = plan(cfg, gpus=1, gpu_mem_gib=80)["groups"]
     assert set(group.phases) == {"train", "rollout"} and group.phases["rollout"] < group.phases["train"]
 

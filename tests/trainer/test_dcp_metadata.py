@@ -1,10 +1,12 @@
 """The pickles of a distributed checkpoint are checked before torch unpickles them (megaflow.trainer.dcp_metadata):
 torch's own metadata and items pass; a crafted ``.metadata`` is refused in one line naming the global it asks for,
 a crafted non-tensor item in a ``.distcp`` file in one line naming the item, and nothing of either runs -- also
-through the load path ``megaflow export`` and ``to-diffusers`` use, and even when the manifest is intact.
-Needs: CPU, 1 process (< 5 s)."""
+through the load path ``megaflow export`` and ``to-diffusers`` use, and even when the manifest is intact. Inside
+``reading`` torch reads the metadata that was checked and loads byte items weights_only (a swap after the check
+runs nothing). Needs: CPU, 1 process (< 5 s)."""
 from __future__ import annotations
 
+import io
 import os
 import pickle
 
@@ -72,3 +74,52 @@ def test_garbage_metadata_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="unreadable checkpoint metadata") as e:
         check_dcp_metadata(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def _edit(directory, edit):
+    """Unpickle our own ``.metadata``, ``edit`` it, pickle it back."""
+    metadata = pickle.loads((directory / METADATA).read_bytes())  # noqa: S301 - the test's own file
+    edit(metadata)
+    (directory / METADATA).write_bytes(pickle.dumps(metadata))
+
+
+def test_chunks_that_cover_a_tensor_twice_or_a_missing_shape_are_refused(tmp_path):
+    dcp.save({"w": torch.randn(4, 3)}, checkpoint_id=str(tmp_path))
+    check_dcp_metadata(tmp_path, shapes={"w": (4, 3)})
+    with pytest.raises(ValueError, match="the model's is \\(4, 4\\)"):
+        check_dcp_metadata(tmp_path, shapes={"w": (4, 4)})
+    with pytest.raises(ValueError, match="holds no tensor 'b', which the model needs"):
+        check_dcp_metadata(tmp_path, shapes={"b": (3,)})
+    _edit(tmp_path, lambda m: m.state_dict_metadata["w"].chunks.append(m.state_dict_metadata["w"].chunks[0]))
+    with pytest.raises(ValueError, match="do not cover its size") as e:
+        check_dcp_metadata(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_inside_reading_torch_gets_the_checked_metadata_and_loads_bytes_weights_only(tmp_path):
+    """What torch reads inside ``reading`` is what was checked: a ``.metadata`` swapped for a payload after the
+    check is never unpickled (the load still gives the saved values), and a byte item is loaded with
+    weights_only first, so a payload in one raises before it runs."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megaflow.trainer.dcp_metadata import reading
+
+    marker = tmp_path / "ran"
+    saved = {"w": torch.randn(4, 3), "step": 7}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ckpt"))
+    original = FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes
+    with reading(tmp_path / "ckpt"):
+        (tmp_path / "ckpt" / METADATA).write_bytes(pickle.dumps(_RunsCode(marker)))
+        loaded = {"w": torch.zeros(4, 3), "step": 0}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        assert torch.equal(loaded["w"], saved["w"]) and loaded["step"] == 7
+        blob = io.BytesIO()
+        torch.save(_RunsCode(marker), blob)
+        with pytest.raises(pickle.UnpicklingError):
+            DefaultLoadPlanner().load_bytes(None, io.BytesIO(blob.getvalue()))
+    assert not marker.exists()
+    assert (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes) == original  # put back
+    with pytest.raises(ValueError, match="posix.system"):  # the next read is checked again
+        with reading(tmp_path / "ckpt"):
+            pass

@@ -1,0 +1,140 @@
+"""Crafted checkpoints for tests/run/test_checkpoint_trust.py: the cheapest real run checkpoint megaflow writes
+(:func:`save_run_checkpoint`, in this process, no engine), and the hostile or broken variants of one
+(``CRAFTS``), each written over a copy and sealed with megaflow's own manifest writer, as anyone who can write a
+checkpoint can do. A payload, if it ever ran, would create ``marker``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+ITERATION = 1
+
+
+class RunsCode:
+    """Unpickling this runs ``os.system`` (what a crafted checkpoint would do): it creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def save_run_checkpoint(root: Path):
+    """A run dir ``root/run`` (its tiny pipeline, config.toml and checkpoint ``ITERATION`` written by
+    megaflow.run.state.save from a Trainer with its optimizer, built in this process on a 1-rank gloo group) and
+    that trainer. The caller destroys the process group (megaflow.parallel.distributed.destroy_distributed)."""
+    from megaflow.config import load_config, save_config
+    from megaflow.models.tiny_pipeline import make_tiny_pipeline
+    from megaflow.parallel.dims import ParallelDims
+    from megaflow.parallel.distributed import init_distributed
+    from megaflow.run import state
+    from megaflow.run.build import build_trainer
+
+    run_dir = root / "run"
+    pipeline = make_tiny_pipeline("sd3", run_dir / "tiny-pipeline", seed=0)
+    cfg = load_config(None, [f'run.output_dir="{root}"', 'run.name="run"', "train.iterations=3"])
+    save_config(cfg, run_dir)
+    init_distributed(ParallelDims(), seed=0)
+    trainer, _ = build_trainer(cfg, pipeline)
+    dconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
+    state.save(trainer, run_dir, ITERATION, family="sd3", diffusers_config=dconfig, prompts_consumed=4,
+               metrics_rows=[{"iteration": ITERATION}], keep=2)
+    return run_dir, trainer
+
+
+def checkpoint_of(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"iter_{ITERATION:06d}"
+
+
+def reseal(ckpt: Path) -> None:
+    """Rewrite the manifests of ``ckpt`` (model/ first, then the checkpoint's) with megaflow's writer."""
+    from megaflow.trainer.manifest import write_manifest
+    write_manifest(ckpt / "model")
+    write_manifest(ckpt)
+
+
+def _edit_metadata(ckpt: Path, edit) -> None:
+    """Unpickle our own ``model/.metadata`` (written by the fixture), ``edit(metadata)``, pickle it back."""
+    path = ckpt / "model" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # noqa: S301 - the fixture's own file
+    edit(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def _storage(metadata, *, byte_item: bool):
+    """(index, storage info) of the first byte item (``byte_item``) or tensor chunk."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata) == byte_item:
+            return index, info
+    raise AssertionError("no such item")
+
+
+def _restore(metadata, *, byte_item: bool, **changes) -> None:
+    index, info = _storage(metadata, byte_item=byte_item)
+    metadata.storage_data[index] = dataclasses.replace(info, **changes)
+
+
+def _first_tensor(metadata):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    return next(v for v in metadata.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata))
+
+
+def _payload(ckpt: Path, marker: Path) -> None:
+    def edit(metadata):
+        metadata.storage_meta = RunsCode(marker)
+    _edit_metadata(ckpt, edit)
+
+
+def _truncate_distcp(ckpt: Path, marker: Path) -> None:
+    [distcp] = (ckpt / "model").glob("*.distcp")
+    with open(distcp, "r+b") as fh:
+        fh.truncate(distcp.stat().st_size // 2)
+
+
+def _state(**changes):
+    def craft(ckpt: Path, marker: Path) -> None:
+        path = ckpt / "state.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return craft
+
+
+def _metadata(edit):
+    def craft(ckpt: Path, marker: Path) -> None:
+        _edit_metadata(ckpt, edit)
+    return craft
+
+
+# name -> (craft(checkpoint dir, marker), what the one-line refusal names). The metadata crafts: megaflow's own
+# checkpoint with one field changed.
+CRAFTS = {
+    "__reduce__ payload in .metadata": (_payload, "posix.system, which checkpoint metadata never holds"),
+    "absolute storage path": (_metadata(lambda m: _restore(m, byte_item=False, relative_path="/etc/passwd")),
+                              "storage path '/etc/passwd'"),
+    "../ storage path": (_metadata(lambda m: _restore(m, byte_item=False, relative_path="../../../../etc/passwd")),
+                         "is not inside the checkpoint"),
+    "offset 10**18": (_metadata(lambda m: _restore(m, byte_item=False, offset=10**18)), "which has"),
+    "length 10**15": (_metadata(lambda m: _restore(m, byte_item=False, length=10**15)), "which has"),
+    "byte item on /dev/zero, 2**36": (_metadata(lambda m: _restore(m, byte_item=True, relative_path="/dev/zero",
+                                                                   length=2**36)), "storage path '/dev/zero'"),
+    'size="abc"': (_metadata(lambda m: setattr(_first_tensor(m), "size", "abc")), "has size 'abc'"),
+    "chunks=None": (_metadata(lambda m: setattr(_first_tensor(m), "chunks", None)), "has chunks None"),
+    "truncated .distcp": (_truncate_distcp, "(truncated or altered)"),
+    'state.json iteration="4"': (_state(iteration="4"), "iteration = '4': want an integer >= 1"),
+    "state.json prompts_consumed=-3": (_state(prompts_consumed=-3), "prompts_consumed = -3: want an integer >= 0"),
+}
+STATE_CRAFTS = tuple(name for name in CRAFTS if name.startswith("state.json"))
+
+
+def crafted_copy(run_dir: Path, dest: Path, name: str, marker: Path) -> Path:
+    """A copy of the run dir at ``dest`` whose checkpoint has the craft ``name``, resealed; its checkpoint dir."""
+    shutil.copytree(run_dir, dest, symlinks=True)
+    ckpt = checkpoint_of(dest)
+    CRAFTS[name][0](ckpt, marker)
+    reseal(ckpt)
+    return ckpt
