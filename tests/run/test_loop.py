@@ -4,6 +4,7 @@ Needs: CPU; starts a real SGLang engine (~40 s) per run; the TP=2 test launches 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,13 +45,30 @@ def _synchronous_run(tmp_path: Path, name: str) -> tuple[dict, list[dict], list[
     return m, rows, recorded["runs"][name]["rows"]
 
 
-def _assert_rows_equal(rows: list[dict], recorded: list[dict]) -> None:
-    """Every recorded key (all but times and memory) has exactly the recorded value, row by row: rewards,
-    advantages, losses, gradient norms, sync sizes. Keys added since may appear besides."""
+# The recorded rows came from a CPU with AVX2 only. torch's CPU kernels (ATen's vectorised loops, oneDNN, MKL)
+# pick their instruction set at run time and reduce in another order with AVX-512, so a metric that comes out of
+# the model's float math differs there in the last bits. Measured on an AVX-512 CPU over the 3 iterations of both
+# runs against these rows: relative <= 6.3e-6 (adv/adv_abs_mean, train/grad_norm, reward/total_std), absolute
+# <= 2.4e-7 on values that are 0 in exact arithmetic (train/logp_abs_diff_rollout, train/loss, train/approx_kl);
+# with only ATen forced to AVX2 (ATEN_CPU_CAPABILITY=avx2) the same bounds (relative <= 5.6e-6); with ATen, oneDNN
+# and MKL forced to AVX2 (also ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2) the recorded rows bit for bit.
+# Held to 16x and 4x those bounds; between two runs on one machine the rows are bit-identical.
+RECORDED_REL, RECORDED_ABS = 1e-4, 1e-6
+# Counts, sizes, flags and schedule values: no model float math behind them, so equal on every CPU.
+EXACT_KEYS = re.compile(r"iteration|sync/.+|rollout/host\d+/images|reward/masked_frac|adv/(adv_clip_frac|zero_std_groups"
+                        r"|\w+_ratio)|train/(num_\w+|update_ok|lr|old_decay|clip_frac)")
+
+
+def _assert_rows_match(rows: list[dict], recorded: list[dict]) -> None:
+    """Every recorded key (all but times and memory) has the recorded value, row by row: counts, sizes, flags and
+    the lr exactly; rewards, advantages, losses and gradient norms within RECORDED_REL / RECORDED_ABS (another
+    CPU's float path, see above). Keys added since may appear besides."""
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in recorded]
     for row, ref in zip(rows, recorded):
         assert len(ref) >= 6
-        differ = {k: (row.get(k), v) for k, v in ref.items() if row.get(k) != v}
+        differ = {k: (row.get(k), v) for k, v in ref.items()
+                  if row.get(k) is None or (row[k] != v if EXACT_KEYS.fullmatch(k)
+                                            else row[k] != pytest.approx(v, rel=RECORDED_REL, abs=RECORDED_ABS))}
         assert not differ, f"iteration {ref['iteration']}: (now, recorded) {differ}"
 
 
@@ -58,7 +76,7 @@ def _assert_rows_equal(rows: list[dict], recorded: list[dict]) -> None:
 @pytest.mark.engine
 def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
     """FlowGRPO, 3 iterations at train.max_staleness = 0: the recorded rows of the loop before the
-    asynchronous one, bit for bit."""
+    asynchronous one (within another CPU's float path, see RECORDED_REL)."""
     m, rows, recorded = _synchronous_run(tmp_path, "flowgrpo")
     assert m["sync/verified"] == 1.0 and m["sync/tensors"] > 0
     # The megatron trainer recomputes the engine's per-step log-probs from the returned trajectory.
@@ -67,16 +85,17 @@ def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
     assert m["reward/masked_frac"] == 0.0
     assert "rollout/staleness" not in m
     assert (tmp_path / "flowgrpo" / "config.toml").is_file()
-    _assert_rows_equal(rows, recorded)
+    _assert_rows_match(rows, recorded)
 
 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
-    """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows, bit for bit."""
+    """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows (within another
+    CPU's float path, see RECORDED_REL)."""
     m, rows, recorded = _synchronous_run(tmp_path, "nft")
     assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
-    _assert_rows_equal(rows, recorded)
+    _assert_rows_match(rows, recorded)
 
 
 @pytest.mark.slow
