@@ -1,6 +1,8 @@
 """End to end: `megaflow train` (SGLang engine + megatron trainer + bridge) on a tiny SD3 pipeline, and on a
 tiny FLUX.1 one (configs/cpu_demo_flux.toml, with a resume).
-Needs: CPU; starts a real SGLang engine (~40 s) per run; the TP=2 test launches 2 gloo ranks with torchrun."""
+Needs: CPU; starts a real SGLang engine (~20-40 s) per run; the TP=2 test launches 2 gloo ranks with torchrun.
+Runs are shared where the settings agree (module fixtures): the recorded FlowGRPO run is also the TP=2 test's
+TP=1 reference and the offload test's run without offload; the offload run also evaluates test prompts."""
 import json
 import math
 import os
@@ -33,16 +35,27 @@ def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str =
     return json.loads(last)
 
 
-def _synchronous_run(tmp_path: Path, name: str) -> tuple[dict, list[dict], list[dict]]:
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _synchronous_run(tmp_path: Path, name: str, *extra: str) -> tuple[Path, dict, list[dict], list[dict]]:
     """``train.max_staleness = 0`` with the settings of the recorded run ``name`` (tests/run/data/
     synchronous_rows.json, written by tools/record_loop_rows.py from the loop before train.max_staleness
-    existed): (the last metrics, this run's rows, the recorded rows)."""
+    existed) and ``extra``: (its run dir, the last metrics, its rows, the recorded rows)."""
     recorded = json.loads((REPO / "tests" / "run" / "data" / "synchronous_rows.json").read_text())
     assert recorded["config"] == "configs/cpu_demo.toml"
     settings = [arg for s in recorded["runs"][name]["settings"] for arg in ("--set", s)]
-    m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", base=())
-    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return m, rows, recorded["runs"][name]["rows"]
+    m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", *extra, base=())
+    return tmp_path / name, m, _rows(tmp_path / name), recorded["runs"][name]["rows"]
+
+
+@pytest.fixture(scope="module")
+def flowgrpo_run(tmp_path_factory) -> tuple[Path, dict, list[dict], list[dict]]:
+    """The recorded FlowGRPO run (TINY, 3 iterations), with a checkpoint every iteration (which changes no number:
+    the recorded rows hold it to that): the recorded-rows test's run, the TP=2 test's TP=1 reference (its
+    iteration 1) and the offload test's run without offload."""
+    return _synchronous_run(tmp_path_factory.mktemp("flowgrpo"), "flowgrpo", "--set", "train.save_every=1")
 
 
 # The recorded rows came from a CPU with AVX2 only. torch's CPU kernels (ATen's vectorised loops, oneDNN, MKL)
@@ -74,17 +87,17 @@ def _assert_rows_match(rows: list[dict], recorded: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
+def test_train_loop_colocated_reproduces_the_loop_before_async(flowgrpo_run):
     """FlowGRPO, 3 iterations at train.max_staleness = 0: the recorded rows of the loop before the
     asynchronous one (within another CPU's float path, see RECORDED_REL)."""
-    m, rows, recorded = _synchronous_run(tmp_path, "flowgrpo")
+    run_dir, m, rows, recorded = flowgrpo_run
     assert m["sync/verified"] == 1.0 and m["sync/tensors"] > 0
     # The megatron trainer recomputes the engine's per-step log-probs from the returned trajectory.
     assert m["train/logp_abs_diff_rollout"] <= 1e-5, m
     assert m["train/update_ok"] == 1.0 and m["train/grad_norm"] > 0
     assert m["reward/masked_frac"] == 0.0
     assert "rollout/staleness" not in m
-    assert (tmp_path / "flowgrpo" / "config.toml").is_file()
+    assert (run_dir / "config.toml").is_file()
     _assert_rows_match(rows, recorded)
 
 
@@ -93,7 +106,7 @@ def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
 def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
     """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows (within another
     CPU's float path, see RECORDED_REL)."""
-    m, rows, recorded = _synchronous_run(tmp_path, "nft")
+    _, m, rows, recorded = _synchronous_run(tmp_path, "nft")
     assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
     _assert_rows_match(rows, recorded)
 
@@ -121,10 +134,12 @@ def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.dist
-def test_tp2_iteration_matches_single_process(tmp_path):
+def test_tp2_iteration_matches_single_process(tmp_path, flowgrpo_run):
     """Iteration 1 sees identical rollouts at TP=1 and TP=2 (same seeds, same initial weights), so
-    rewards are equal and train statistics agree to fp32 reduction-order noise (rel 1e-4)."""
-    ref = _train(tmp_path, "tp1", "--set", "train.iterations=1")
+    rewards are equal and train statistics agree to fp32 reduction-order noise (rel 1e-4). TP=1: the shared
+    FlowGRPO run's iteration 1 (the same settings; what follows iteration 1 does not change it)."""
+    ref = flowgrpo_run[2][1]
+    assert ref["iteration"] == 1
     tp2 = _train(tmp_path, "tp2", "--set", "train.iterations=1", "--set", "parallel.tp=2", nproc=2)
     assert tp2["reward/total"] == ref["reward/total"]
     assert tp2["sync/verified"] == 1.0
@@ -157,36 +172,23 @@ def test_flux_train_loop_and_resume(tmp_path):
     assert 0 < lora["sync/mbytes"] < m["sync/mbytes"] / 4, (lora["sync/mbytes"], m["sync/mbytes"])
 
 
-@pytest.mark.slow
-@pytest.mark.engine
-def test_train_wandb_offline_images_and_resume(tmp_path, monkeypatch):
-    """logging.wandb with WANDB_MODE=offline (no network): metrics and captioned sample images reach the W&B
-    run's files; --resume continues the same W&B run (the id in <run dir>/wandb_id)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    w = ["--set", "logging.wandb=true", "--set", "logging.sample_every=1", "--set", "train.save_every=1",
-         "--set", 'logging.tags=["e2e"]']
-    _train(tmp_path, "wb", *w, "--set", "train.iterations=1")
-    run = tmp_path / "wb"
-    run_id = (run / "wandb_id").read_text().strip()
-    _train(tmp_path, "wb", *w, "--set", "train.iterations=2", "--resume")
-    assert (run / "wandb_id").read_text().strip() == run_id
-    offline = sorted(run.glob(f"wandb/offline-run-*-{run_id}"))
-    assert len(offline) == 2, offline  # two sessions of one W&B run
-    records = b"".join(p.read_bytes() for d in offline for p in d.glob("*.wandb"))
-    assert b"reward/total" in records and b"captions" in records and b"| reward " in records
-    assert len(list(run.glob("wandb/offline-run-*/files/media/images/samples_*.png"))) >= 2 * 6
-
-
-@pytest.mark.slow
-@pytest.mark.engine
-def test_train_evaluates_test_prompts_every_n(tmp_path):
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory) -> Path:
+    """FlowGRPO on the shared run's settings with train.offload = "optimizer", evaluating 4 test prompts every 2
+    iterations (an evaluation samples with the engines only: the trainer and the training batches are not touched)."""
+    tmp_path = tmp_path_factory.mktemp("offload")
     held = tmp_path / "held.txt"
     held.write_text("a red circle\na green square\na blue triangle\ntwo red circles\n")
-    _train(tmp_path, "evals", "--set", "train.iterations=3", "--set", "eval.every=2", "--set", "eval.num=4",
+    _train(tmp_path, "offload", "--set", "train.iterations=3", "--set", "train.save_every=1",
+           "--set", 'train.offload="optimizer"', "--set", "eval.every=2", "--set", "eval.num=4",
            "--set", f'data.test_prompts="{held}"')
-    run = tmp_path / "evals"
+    return tmp_path / "offload"
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_train_evaluates_test_prompts_every_n(offload_run):
+    run = offload_run
     rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["when"]) for r in rows] == [(0, "before"), (2, 2), (3, "after")]
     for r in rows:
@@ -199,14 +201,11 @@ def test_train_evaluates_test_prompts_every_n(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_offload_optimizer_is_the_same_run(tmp_path):
+def test_train_loop_offload_optimizer_is_the_same_run(offload_run, flowgrpo_run):
     """train.offload = "optimizer": the optimizer states and grad buffers leave the trainer during every rollout
     (offload/bytes > 0 each iteration; a checkpoint every iteration reloads them around the write) and the run
-    equals the one without offload."""
-    rows = {}
-    for name, extra in (("plain", ()), ("offload", ("--set", 'train.offload="optimizer"'))):
-        _train(tmp_path, name, "--set", "train.iterations=3", "--set", "train.save_every=1", *extra)
-        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    equals the one without offload (the shared FlowGRPO run: the same settings, no evaluation)."""
+    rows = {"plain": flowgrpo_run[2], "offload": _rows(offload_run)}
     assert [r["iteration"] for r in rows["offload"]] == [0, 1, 2, 3]
     for r in rows["offload"][1:]:
         assert r["offload/bytes"] > 0 and r["offload/seconds"] >= 0 and r["reload/seconds"] >= 0, r
