@@ -7,8 +7,9 @@ Runs ``megaflow train`` from ``CHECKOUT`` (any checkout of megaflow: its ``megaf
 DiffusionNFT on the tiny CPU demo, 3 iterations each, with the same prompts, seeds and initial weights. Keeps
 every row's keys that do not measure time or memory, and writes them with the settings and the checkout's
 commit. The shipped file was recorded from a checkout of the loop before ``train.max_staleness`` existed, so
-``tests/run/test_loop.py`` shows that ``max_staleness = 0`` still runs that loop, bit for bit. Re-record only
-for a change meant to alter the synchronous loop's numbers, and say so in the commit.
+``tests/run/test_loop.py`` shows that ``max_staleness = 0`` still runs that loop: counts, sizes and flags
+exactly, float metrics within the tolerance it states for another CPU's float path (on the recording CPU, bit for
+bit). Re-record only for a change meant to alter the synchronous loop's numbers, and say so in the commit.
 Refuses to overwrite ``--out`` (exit code 2).
 """
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """End to end: `megaflow train` (SGLang engine + megatron trainer + bridge) on a tiny SD3 pipeline, and on a
 tiny FLUX.1 one (configs/cpu_demo_flux.toml, with a resume).
-Needs: CPU; starts a real SGLang engine (~40 s) per run; the TP=2 test launches 2 gloo ranks with torchrun."""
+Needs: CPU; starts a real SGLang engine (~20-40 s) per run; the TP=2 test launches 2 gloo ranks with torchrun.
+Runs are shared where the settings agree (module fixtures): the recorded FlowGRPO run is also the TP=2 test's
+TP=1 reference and the offload test's run without offload; the offload run also evaluates test prompts."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,51 +35,81 @@ def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str =
     return json.loads(last)
 
 
-def _synchronous_run(tmp_path: Path, name: str) -> tuple[dict, list[dict], list[dict]]:
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _synchronous_run(tmp_path: Path, name: str, *extra: str) -> tuple[Path, dict, list[dict], list[dict]]:
     """``train.max_staleness = 0`` with the settings of the recorded run ``name`` (tests/run/data/
     synchronous_rows.json, written by tools/record_loop_rows.py from the loop before train.max_staleness
-    existed): (the last metrics, this run's rows, the recorded rows)."""
+    existed) and ``extra``: (its run dir, the last metrics, its rows, the recorded rows)."""
     recorded = json.loads((REPO / "tests" / "run" / "data" / "synchronous_rows.json").read_text())
     assert recorded["config"] == "configs/cpu_demo.toml"
     settings = [arg for s in recorded["runs"][name]["settings"] for arg in ("--set", s)]
-    m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", base=())
-    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return m, rows, recorded["runs"][name]["rows"]
+    m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", *extra, base=())
+    return tmp_path / name, m, _rows(tmp_path / name), recorded["runs"][name]["rows"]
 
 
-def _assert_rows_equal(rows: list[dict], recorded: list[dict]) -> None:
-    """Every recorded key (all but times and memory) has exactly the recorded value, row by row: rewards,
-    advantages, losses, gradient norms, sync sizes. Keys added since may appear besides."""
+@pytest.fixture(scope="module")
+def flowgrpo_run(tmp_path_factory) -> tuple[Path, dict, list[dict], list[dict]]:
+    """The recorded FlowGRPO run (TINY, 3 iterations), with a checkpoint every iteration (which changes no number:
+    the recorded rows hold it to that): the recorded-rows test's run, the TP=2 test's TP=1 reference (its
+    iteration 1) and the offload test's run without offload."""
+    return _synchronous_run(tmp_path_factory.mktemp("flowgrpo"), "flowgrpo", "--set", "train.save_every=1")
+
+
+# The recorded rows came from a CPU with AVX2 only. torch's CPU kernels (ATen's vectorised loops, oneDNN, MKL)
+# pick their instruction set at run time and reduce in another order with AVX-512, so a metric that comes out of
+# the model's float math differs there in the last bits. Measured on an AVX-512 CPU over the 3 iterations of both
+# runs against these rows: relative <= 6.3e-6 (adv/adv_abs_mean, train/grad_norm, reward/total_std), absolute
+# <= 2.4e-7 on values that are 0 in exact arithmetic (train/logp_abs_diff_rollout, train/loss, train/approx_kl);
+# with only ATen forced to AVX2 (ATEN_CPU_CAPABILITY=avx2) the same bounds (relative <= 5.6e-6); with ATen, oneDNN
+# and MKL forced to AVX2 (also ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2) the recorded rows bit for bit.
+# Held to 16x and 4x those bounds; between two runs on one machine the rows are bit-identical.
+RECORDED_REL, RECORDED_ABS = 1e-4, 1e-6
+# Counts, sizes, flags and schedule values: no model float math behind them, so equal on every CPU.
+EXACT_KEYS = re.compile(r"iteration|sync/.+|rollout/host\d+/images|reward/masked_frac"
+                        r"|adv/(adv_clip_frac|zero_std_groups|\w+_ratio)"
+                        r"|train/(num_\w+|update_ok|lr|old_decay|clip_frac)")
+
+
+def _assert_rows_match(rows: list[dict], recorded: list[dict]) -> None:
+    """Every recorded key (all but times and memory) has the recorded value, row by row: counts, sizes, flags and
+    the lr exactly; rewards, advantages, losses and gradient norms within RECORDED_REL / RECORDED_ABS (another
+    CPU's float path, see above). Keys added since may appear besides."""
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in recorded]
     for row, ref in zip(rows, recorded):
         assert len(ref) >= 6
-        differ = {k: (row.get(k), v) for k, v in ref.items() if row.get(k) != v}
+        differ = {k: (row.get(k), v) for k, v in ref.items()
+                  if row.get(k) is None or (row[k] != v if EXACT_KEYS.fullmatch(k)
+                                            else row[k] != pytest.approx(v, rel=RECORDED_REL, abs=RECORDED_ABS))}
         assert not differ, f"iteration {ref['iteration']}: (now, recorded) {differ}"
 
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
+def test_train_loop_colocated_reproduces_the_loop_before_async(flowgrpo_run):
     """FlowGRPO, 3 iterations at train.max_staleness = 0: the recorded rows of the loop before the
-    asynchronous one, bit for bit."""
-    m, rows, recorded = _synchronous_run(tmp_path, "flowgrpo")
+    asynchronous one (within another CPU's float path, see RECORDED_REL)."""
+    run_dir, m, rows, recorded = flowgrpo_run
     assert m["sync/verified"] == 1.0 and m["sync/tensors"] > 0
     # The megatron trainer recomputes the engine's per-step log-probs from the returned trajectory.
     assert m["train/logp_abs_diff_rollout"] <= 1e-5, m
     assert m["train/update_ok"] == 1.0 and m["train/grad_norm"] > 0
     assert m["reward/masked_frac"] == 0.0
     assert "rollout/staleness" not in m
-    assert (tmp_path / "flowgrpo" / "config.toml").is_file()
-    _assert_rows_equal(rows, recorded)
+    assert (run_dir / "config.toml").is_file()
+    _assert_rows_match(rows, recorded)
 
 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
-    """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows, bit for bit."""
-    m, rows, recorded = _synchronous_run(tmp_path, "nft")
+    """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows (within another
+    CPU's float path, see RECORDED_REL)."""
+    _, m, rows, recorded = _synchronous_run(tmp_path, "nft")
     assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
-    _assert_rows_equal(rows, recorded)
+    _assert_rows_match(rows, recorded)
 
 
 @pytest.mark.slow
@@ -102,10 +135,12 @@ def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.dist
-def test_tp2_iteration_matches_single_process(tmp_path):
+def test_tp2_iteration_matches_single_process(tmp_path, flowgrpo_run):
     """Iteration 1 sees identical rollouts at TP=1 and TP=2 (same seeds, same initial weights), so
-    rewards are equal and train statistics agree to fp32 reduction-order noise (rel 1e-4)."""
-    ref = _train(tmp_path, "tp1", "--set", "train.iterations=1")
+    rewards are equal and train statistics agree to fp32 reduction-order noise (rel 1e-4). TP=1: the shared
+    FlowGRPO run's iteration 1 (the same settings; what follows iteration 1 does not change it)."""
+    ref = flowgrpo_run[2][1]
+    assert ref["iteration"] == 1
     tp2 = _train(tmp_path, "tp2", "--set", "train.iterations=1", "--set", "parallel.tp=2", nproc=2)
     assert tp2["reward/total"] == ref["reward/total"]
     assert tp2["sync/verified"] == 1.0
@@ -138,36 +173,23 @@ def test_flux_train_loop_and_resume(tmp_path):
     assert 0 < lora["sync/mbytes"] < m["sync/mbytes"] / 4, (lora["sync/mbytes"], m["sync/mbytes"])
 
 
-@pytest.mark.slow
-@pytest.mark.engine
-def test_train_wandb_offline_images_and_resume(tmp_path, monkeypatch):
-    """logging.wandb with WANDB_MODE=offline (no network): metrics and captioned sample images reach the W&B
-    run's files; --resume continues the same W&B run (the id in <run dir>/wandb_id)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    w = ["--set", "logging.wandb=true", "--set", "logging.sample_every=1", "--set", "train.save_every=1",
-         "--set", 'logging.tags=["e2e"]']
-    _train(tmp_path, "wb", *w, "--set", "train.iterations=1")
-    run = tmp_path / "wb"
-    run_id = (run / "wandb_id").read_text().strip()
-    _train(tmp_path, "wb", *w, "--set", "train.iterations=2", "--resume")
-    assert (run / "wandb_id").read_text().strip() == run_id
-    offline = sorted(run.glob(f"wandb/offline-run-*-{run_id}"))
-    assert len(offline) == 2, offline  # two sessions of one W&B run
-    records = b"".join(p.read_bytes() for d in offline for p in d.glob("*.wandb"))
-    assert b"reward/total" in records and b"captions" in records and b"| reward " in records
-    assert len(list(run.glob("wandb/offline-run-*/files/media/images/samples_*.png"))) >= 2 * 6
-
-
-@pytest.mark.slow
-@pytest.mark.engine
-def test_train_evaluates_test_prompts_every_n(tmp_path):
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory) -> Path:
+    """FlowGRPO on the shared run's settings with train.offload = "optimizer", evaluating 4 test prompts every 2
+    iterations (an evaluation samples with the engines only: the trainer and the training batches are not touched)."""
+    tmp_path = tmp_path_factory.mktemp("offload")
     held = tmp_path / "held.txt"
     held.write_text("a red circle\na green square\na blue triangle\ntwo red circles\n")
-    _train(tmp_path, "evals", "--set", "train.iterations=3", "--set", "eval.every=2", "--set", "eval.num=4",
+    _train(tmp_path, "offload", "--set", "train.iterations=3", "--set", "train.save_every=1",
+           "--set", 'train.offload="optimizer"', "--set", "eval.every=2", "--set", "eval.num=4",
            "--set", f'data.test_prompts="{held}"')
-    run = tmp_path / "evals"
+    return tmp_path / "offload"
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_train_evaluates_test_prompts_every_n(offload_run):
+    run = offload_run
     rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [(r["iteration"], r["when"]) for r in rows] == [(0, "before"), (2, 2), (3, "after")]
     for r in rows:
@@ -180,14 +202,11 @@ def test_train_evaluates_test_prompts_every_n(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_offload_optimizer_is_the_same_run(tmp_path):
+def test_train_loop_offload_optimizer_is_the_same_run(offload_run, flowgrpo_run):
     """train.offload = "optimizer": the optimizer states and grad buffers leave the trainer during every rollout
     (offload/bytes > 0 each iteration; a checkpoint every iteration reloads them around the write) and the run
-    equals the one without offload."""
-    rows = {}
-    for name, extra in (("plain", ()), ("offload", ("--set", 'train.offload="optimizer"'))):
-        _train(tmp_path, name, "--set", "train.iterations=3", "--set", "train.save_every=1", *extra)
-        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    equals the one without offload (the shared FlowGRPO run: the same settings, no evaluation)."""
+    rows = {"plain": flowgrpo_run[2], "offload": _rows(offload_run)}
     assert [r["iteration"] for r in rows["offload"]] == [0, 1, 2, 3]
     for r in rows["offload"][1:]:
         assert r["offload/bytes"] > 0 and r["offload/seconds"] >= 0 and r["reload/seconds"] >= 0, r

@@ -8,8 +8,10 @@ iteration (TensorBoard: as float32; W&B: exactly), every eval.jsonl figure at it
 training), the samples and the eval images with their captions at their steps (a TensorBoard sample image equal
 to its cell of samples/iterNNNNN.png); after a resume from iteration 1's checkpoint (iteration 2's removed, as
 if the run died writing it) TensorBoard shows each step once, with the resumed session's values, and the resumed
-W&B session logs steps 2.. only, in order.
-Needs: CPU; starts a real SGLang engine per run (~1 min each; slow)."""
+W&B session logs steps 2.. only, in order; --resume continues the same W&B run (the id in <run dir>/wandb_id),
+whose offline files hold the metrics and the captioned sample images of both sessions.
+Needs: CPU; two `megaflow train` sessions of one run, shared by the tests here (a real SGLang engine each, ~1 min
+each; slow)."""
 from __future__ import annotations
 
 import io
@@ -91,12 +93,29 @@ def wandb_history(offline_dir: Path) -> list[tuple[int, dict]]:
     return out
 
 
-def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(tmp_path):
+SETS = ["logging.tensorboard=true", "logging.wandb=true", "logging.sample_every=1", "train.save_every=1",
+        "eval.every=1", "eval.num=3", 'logging.tags=["e2e"]']
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory) -> tuple[Path, Path]:
+    """(the run dir after its first session: a copy, the run dir after the resume). The first session runs 2
+    iterations; then iteration 2's checkpoint is removed (as if the run died writing it) and the run resumed
+    to 3 iterations."""
+    tmp_path = tmp_path_factory.mktemp("logged")
     (tmp_path / "held.txt").write_text("\n".join(PROMPTS) + "\n")
-    sets = ["logging.tensorboard=true", "logging.wandb=true", "logging.sample_every=1", "train.save_every=1",
-            "eval.every=1", "eval.num=3", f'data.test_prompts="{tmp_path / "held.txt"}"']
+    sets = [*SETS, f'data.test_prompts="{tmp_path / "held.txt"}"']
     _train(tmp_path, "tb", "train.iterations=2", *sets)
     run = tmp_path / "tb"
+    first = tmp_path / "first-session"
+    shutil.copytree(run, first)
+    shutil.rmtree(run / "checkpoints" / "iter_000002")
+    _train(tmp_path, "tb", "train.iterations=3", *sets, resume=True)
+    return first, run
+
+
+def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(sessions):
+    run, resumed_run = sessions
     rows, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1, 2] and [r["iteration"] for r in evals] == [0, 1, 2]
 
@@ -128,9 +147,8 @@ def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(tmp_path):
         assert len(items["eval/images/captions"]) == 3 and items["eval/images/captions"][0].startswith("a red circle | reward ")
         assert len(items.get("samples/captions", [])) == (6 if step else 0)
 
-    # resume from iteration 1's checkpoint: iteration 2 is logged again (new values), then 3
-    shutil.rmtree(run / "checkpoints" / "iter_000002")
-    _train(tmp_path, "tb", "train.iterations=3", *sets, resume=True)
+    # resumed from iteration 1's checkpoint: iteration 2 is logged again (new values), then 3
+    run = resumed_run
     resumed_rows, evals = _jsonl(run / "metrics.jsonl"), _jsonl(run / "eval.jsonl")
     assert [r["iteration"] for r in resumed_rows] == [0, 1, 2, 3]
     # metrics.jsonl restarts from the checkpoint's rows: those lack checkpoint/write_s (measured after the
@@ -142,5 +160,18 @@ def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(tmp_path):
                                   cast=lambda v: float(np.float32(v)))
     assert [e.step for e in acc.Images("samples/00")] == [1, 2, 3]
     assert [e.step for e in acc.Images("eval/images/00")] == [0, 1, 2, 3]
-    resumed = [d for d in (run / "wandb").glob("offline-run-*") if d != offline]
+    resumed = [d for d in (run / "wandb").glob("offline-run-*") if d.name != offline.name]
     assert [step for step, _ in wandb_history(resumed[0])] == [2, 3]
+
+
+def test_train_wandb_offline_images_and_resume(sessions):
+    """logging.wandb with WANDB_MODE=offline (no network): metrics and captioned sample images reach the W&B
+    run's files; --resume continues the same W&B run (the id in <run dir>/wandb_id)."""
+    first, run = sessions
+    run_id = (first / "wandb_id").read_text().strip()
+    assert (run / "wandb_id").read_text().strip() == run_id
+    offline = sorted(run.glob(f"wandb/offline-run-*-{run_id}"))
+    assert len(offline) == 2, offline  # two sessions of one W&B run
+    records = b"".join(p.read_bytes() for d in offline for p in d.glob("*.wandb"))
+    assert b"reward/total" in records and b"captions" in records and b"| reward " in records
+    assert len(list(run.glob("wandb/offline-run-*/files/media/images/samples_*.png"))) >= 2 * 6
