@@ -1,6 +1,8 @@
 """Run files that build on another: a top-level ``base = "other.toml"`` (a path relative to the file that names it)
 makes ``other.toml`` the starting point, and every table of this file then sets its keys over the base's, key by
-key (a key's value replaces the base's whole: ``reward.weights = {...}`` is the new table, not a merge).
+key (a key's value replaces the base's whole: ``reward.weights = {...}`` is the new table, not a merge; a file
+that sets ``reward.weights`` and not ``reward.kwargs`` starts from no reward arguments, since the base's belong to
+the base's rewards).
 A base may have a base of its own.
 
 ``config_layers(path)`` reads the chain, the farthest base first, and returns each file with its tables, so an
@@ -50,6 +52,9 @@ def config_layers(path: str | Path) -> list[tuple[Path, dict]]:
         chain.append((path, data))
         if base is None:
             return chain[::-1]
+        reward = data.get("reward")
+        if isinstance(reward, dict) and "weights" in reward and "kwargs" not in reward:
+            reward["kwargs"] = {}  # a file that names its own rewards does not keep its base's rewards' arguments
         if not isinstance(base, str) or not base:
             raise ConfigError(f"{path}: base must be the path of another run file (a string), got {base!r}")
         named_by = f" (the base of {path})"

@@ -109,6 +109,13 @@ def test_base_inheritance(tmp_path):
     cfg = load_config(tmp_path / "c.toml", ["train.iterations=9"])
     assert (cfg.train.lr, cfg.train.iterations) == (2e-3, 9)
     assert cfg.reward.weights == {"jpeg_compressibility": 2.0}  # a key's value replaces the base's whole
+    (tmp_path / "a.toml").write_text('[reward]\nweights = {color_target = 1.0}\nkwargs = {color_target = {target = '
+                                     '"red"}}\n')
+    assert load_config(tmp_path / "c.toml").reward.kwargs == {}  # c names its own rewards: a's arguments go with a's
+    assert load_config(tmp_path / "sub" / "b.toml").reward.kwargs == {"color_target": {"target": "red"}}
+    (tmp_path / "c.toml").write_text('base = "sub/b.toml"\n[reward]\nweights = {color_target = 2.0}\n'
+                                     'kwargs = {color_target = {target = "blue"}}\n')
+    assert load_config(tmp_path / "c.toml").reward.kwargs == {"color_target": {"target": "blue"}}
     (tmp_path / "a.toml").write_text('base = "c.toml"\n')
     with pytest.raises(ConfigError, match=r"makes a cycle \(c.toml -> b.toml -> a.toml -> c.toml\)"):
         load_config(tmp_path / "c.toml")
