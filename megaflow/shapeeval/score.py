@@ -49,7 +49,7 @@ def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
             continue
         try:
             row = json.loads(line)
-            path = images_dir / row["file"]
+            path, prompt = images_dir / row["file"], str(row["prompt"])
             inside = path.resolve().is_relative_to(images_dir.resolve())
         except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"{images_dir / MANIFEST} line {n}: want {{\"file\", \"prompt\"}} ({e!r})") from None
@@ -58,7 +58,7 @@ def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
                              f"({e})") from None
         if not inside:
             raise ValueError(f"{images_dir / MANIFEST} line {n}: {row['file']!r} is outside the folder")
-        items.append((path, str(row["prompt"])))
+        items.append((path, prompt))
     return items
 
 
