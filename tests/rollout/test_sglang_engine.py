@@ -22,7 +22,7 @@ import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.flow.step import config_for_step, sigma_max_of, transition_log_prob
-from megaflow.rollout.reference import ReferenceSampler, sde_step_indices, transition_config
+from megaflow.testing.reference import ReferenceSampler, sde_step_indices, transition_config
 from megaflow.rollout.types import RolloutRequest
 from megaflow.testing import sockets
 import megaflow.rollout.sglang as sglang_engine

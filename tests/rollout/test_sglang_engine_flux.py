@@ -10,7 +10,7 @@ import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
 from megaflow.flow.step import config_for_step, sigma_max_of, transition_log_prob
-from megaflow.rollout.reference import sde_step_indices, transition_config
+from megaflow.testing.reference import sde_step_indices, transition_config
 from megaflow.rollout.types import RolloutRequest
 import megaflow.rollout.sglang as sglang_engine
 

@@ -23,7 +23,7 @@ def _trainer(pipeline_dir: str, tp: int, sp: bool):
 
 def _max_log_prob_diff(eng, trajs, micro_batch_size: int) -> float:
     """max over every (sample, step) of |trainer log-prob - engine log-prob| (last pipeline stage)."""
-    from megaflow.rollout.reference import transition_config
+    from megaflow.testing.reference import transition_config
     from megaflow.trainer.grpo import _policy, batch_conditioning
     from megaflow.trainer.grpo_batches import microbatches_for
 

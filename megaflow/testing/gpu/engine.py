@@ -71,7 +71,7 @@ def flow_log_probs(t, velocities):
     import torch
 
     from megaflow.flow.step import config_for_step, sigma_max_of, transition_log_prob
-    from megaflow.rollout.reference import sde_step_indices, transition_config
+    from megaflow.testing.reference import sde_step_indices, transition_config
 
     config, window = transition_config(t), sde_step_indices(t)
     lat, v = t.latents.float(), velocities.float().to(t.latents.device)
@@ -171,7 +171,7 @@ def sync_body(dev, root: Path) -> dict:
     import torch
 
     from megaflow.bridge.colocated import ColocatedBridge
-    from megaflow.rollout.reference import ReferenceSampler
+    from megaflow.testing.reference import ReferenceSampler
     from megaflow.rollout.sglang import weights_checksum
 
     path = tiny_pipeline("sd3", root)
