@@ -191,7 +191,7 @@ def offload_run(tmp_path_factory) -> Path:
 def test_train_evaluates_test_prompts_every_n(offload_run):
     run = offload_run
     rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
-    assert [(r["iteration"], r["when"]) for r in rows] == [(0, "before"), (2, 2), (3, "after")]
+    assert [(r["iteration"], r["when"]) for r in rows] == [(0, "before"), (2, "iteration"), (3, "after")]
     for r in rows:
         assert r["eval/num"] == 4 and math.isfinite(r["eval/reward_total"])
         assert r["eval/color_target"] == pytest.approx(r["eval/reward_total"])  # weight 1, one reward
