@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.abc
-import os
 import sys
 
 _BLOCKED_WITHOUT_LIBCUDA = ("flash_mla",)
@@ -40,16 +39,3 @@ def install_import_guards() -> None:
         return
     if not any(isinstance(f, _BlockFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _BlockFinder(_BLOCKED_WITHOUT_LIBCUDA))
-
-
-def die_with_parent() -> None:
-    """In a helper process: have the kernel SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG), so
-    a SIGKILLed trainer leaves no orphan behind. A no-op where prctl is unavailable."""
-    import signal
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)

@@ -326,8 +326,21 @@ def _command_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _no_collection_at_exit() -> None:
+    """At exit, freeze the heap first (``gc.freeze``): the interpreter's last collections then skip the ~1M
+    objects torch, megatron, diffusers and SGLang leave (3.6 s of a tiny run's exit, measured; 0.35 s frozen).
+    Everything megaflow writes is closed before (run dir files, checkpoints, reporter; engines and children
+    stopped); atexit handlers still run and module teardown still frees by reference count. Only objects in
+    reference cycles are left to the OS, whose finalizers Python does not promise to run at exit anyway."""
+    import atexit
+    import gc
+    atexit.unregister(gc.freeze)  # once per process, however often main runs in it
+    atexit.register(gc.freeze)
+
+
 def main(argv: list[str] | None = None) -> int:
     _command_environment()
+    _no_collection_at_exit()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "verbose", False):

@@ -78,10 +78,12 @@ class Run:
 
 
 def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
-              resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False) -> Run:
+              resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False,
+              warm: dict | None = None) -> Run:
     """This trainer rank's :class:`Run` of ``cfg`` (pipeline defaults applied) on ``pipeline_dir``; resumed from
     the checkpoint ``resume_from`` (after iteration ``start``) when given (``trust_checkpoint``: one without a
-    manifest is loaded unchecked). ``verbose``: the engines' logs go to the terminal."""
+    manifest is loaded unchecked). ``verbose``: the engines' logs go to the terminal. ``warm``: this rank's
+    engine workers started ahead (:func:`start_engine_workers`), taken by the engines they belong to."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
     from megaflow.run.ahead import read_batch
@@ -96,7 +98,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema),
                                 trust=trust_checkpoint)
     next_batch = read_batch(resume_from) if resume_from is not None else None
-    rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose)
+    rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose, warm=warm)
     try:
         sampler = rollout.local
         if sampler is None and rollout.commands is not None:
@@ -225,33 +227,66 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     return trainer, ref
 
 
-def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False) -> list:
-    """The SGLang engines this rank hosts (``placement``: megaflow.parallel.placement.Placement; None = a 1-process
-    run's): ``rollout.num_engines`` on an engine host, pinned to its local GPU when CUDA is present, none
-    elsewhere (each starts its own worker processes); their logs go to <run dir>/logs/, or with ``verbose``
-    to the terminal."""
+def _engine_configs(cfg: MegaflowConfig, pipeline_dir: Path | None, placement, *, verbose: bool,
+                    announce: bool) -> list:
+    """The SGLangEngineConfig of every engine this rank hosts (``pipeline_dir`` None: not known yet, for
+    :func:`start_engine_workers`, which reads only what the workers are spawned with); ``announce``: the driver
+    says that they start."""
     from megaflow.parallel.placement import placement_from_env
-    from megaflow.rollout.sglang import SGLangEngine
     from megaflow.rollout.sglang.config import engine_config
 
     placement = placement or placement_from_env("rank0", cfg.rollout.num_engines, env={})
     device = placement.device_index if torch.cuda.is_available() else None
     ids = placement.engine_ids()
-    if ids and placement.is_driver:  # the ~20-30 s of a start (CPU) are no silence; each engine logs when it is up
+    if ids and placement.is_driver and announce:  # the ~20 s of a start (CPU) are no silence
         print(f"[megaflow] starting {len(ids)} SGLang engine(s) on this rank (logs: "
               f"{'the terminal' if verbose else run_dir_of(cfg) / 'logs'}) ...", flush=True)
-    return [SGLangEngine(engine_config(cfg, str(pipeline_dir), engine_id, device_index=device, verbose=verbose))
+    return [engine_config(cfg, str(pipeline_dir or ""), engine_id, device_index=device, verbose=verbose)
             for engine_id in ids]
 
 
-def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False):
+def start_engine_workers(cfg: MegaflowConfig, placement, *, verbose: bool = False) -> dict:
+    """Start the worker of every engine this rank hosts now, before its pipeline exists
+    (megaflow.rollout.sglang.warm: each imports SGLang while this process makes the pipeline and builds its
+    trainer); by engine id, for :func:`build_engines` ({} on a rank hosting none). The caller discards the
+    workers no engine took (``WarmWorker.discard``)."""
+    from megaflow.rollout.sglang.warm import WarmWorker
+
+    workers: dict = {}
+    try:
+        for c in _engine_configs(cfg, None, placement, verbose=verbose, announce=True):
+            log_file = Path(c.log_dir) / f"{c.engine_id}.log" if c.log_dir else None
+            workers[c.engine_id] = WarmWorker.start(log_file=log_file, device_index=c.device_index,
+                                                    num_threads=c.num_threads, checksum=c.checksum)
+    except BaseException:
+        for worker in workers.values():
+            worker.discard()
+        raise
+    return workers
+
+
+def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False,
+                  warm: dict | None = None) -> list:
+    """The SGLang engines this rank hosts (``placement``: megaflow.parallel.placement.Placement; None = a 1-process
+    run's): ``rollout.num_engines`` on an engine host, pinned to its local GPU when CUDA is present, none
+    elsewhere (each starts its own worker processes, or takes its worker from ``warm``: by engine id, from
+    :func:`start_engine_workers`); their logs go to <run dir>/logs/, or with ``verbose`` to the terminal."""
+    from megaflow.rollout.sglang import SGLangEngine
+
+    warm = warm if warm is not None else {}
+    configs = _engine_configs(cfg, pipeline_dir, placement, verbose=verbose, announce=not warm)
+    return [SGLangEngine(c, warm=warm.pop(c.engine_id, None)) for c in configs]
+
+
+def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False,
+                  warm: dict | None = None):
     """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, the gloo
     group over every launched rank, and on a disaggregated driver the commands to the engine ranks
-    (``groups``: megaflow.parallel.groups.RunGroups)."""
+    (``groups``: megaflow.parallel.groups.RunGroups; ``warm``: see :func:`build_engines`)."""
     from megaflow.rollout.balancer import Balancer
     from megaflow.rollout.engine_ranks import Commands
     from megaflow.rollout.hosted import HostedRollout
-    engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose)
+    engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose, warm=warm)
     local = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if engines else None
     scorer = build_scorer(cfg) if engines else None
     commands = Commands(groups.control) if groups.control is not None and placement.is_driver else None

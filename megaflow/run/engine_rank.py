@@ -17,14 +17,15 @@ from megaflow.run.roles import Roles
 
 
 def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, stop: StopRequests,
-                      verbose: bool = False) -> None:
+                      verbose: bool = False, warm: dict | None = None) -> None:
     """Build this rank's rollout and weight receiver, follow the driver until it stops the run; raises
     :class:`Interrupted` when a signal ended it (every rank exits as the trainer ranks do). ``stop``: this
-    rank's signal handlers, restored before the engines shut down."""
+    rank's signal handlers, restored before the engines shut down; ``warm``: its engine workers started ahead
+    (megaflow.run.build.build_engines)."""
     from megaflow.config import run_dir_of
     from megaflow.run.build import build_rollout, build_sync
 
-    hosted = build_rollout(cfg, roles.placement, pipeline_dir, roles.groups, verbose=verbose)
+    hosted = build_rollout(cfg, roles.placement, pipeline_dir, roles.groups, verbose=verbose, warm=warm)
     try:
         sync = build_sync(cfg, hosted, roles.groups, run_dir_of(cfg), pipeline_dir)
         end = follow(hosted, sync, Commands(roles.groups.control))

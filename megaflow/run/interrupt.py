@@ -46,12 +46,21 @@ def child_pids() -> set[int]:
         return set()
 
 
+def resource_tracker_pid() -> int | None:
+    """The PID of this process's multiprocessing resource tracker (None: none started). It ignores SIGTERM by
+    design and ends by itself when this process does (end of file on its pipe), after unlinking the shared
+    memory it still tracks: stopping it first would leak that memory (and SIGTERM would only wait out a grace)."""
+    from multiprocessing import resource_tracker
+    return getattr(resource_tracker._resource_tracker, "_pid", None)  # CPython's one tracker per process
+
+
 def kill_children(grace_s: float = KILL_GRACE_S, *, spare: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """SIGTERM every descendant of this process (by PID: only our own) but those in ``spare``, SIGKILL those still
-    alive after ``grace_s``; the PIDs signalled. The CLI calls it as a command that scores rewards ends, sparing
-    the processes that were there before it, so nothing a reward started (a helper process on an abandoned,
-    timed-out call) outlives the command."""
+    """SIGTERM every descendant of this process (by PID: only our own) but those in ``spare`` and the resource
+    tracker (:func:`resource_tracker_pid`), SIGKILL those still alive after ``grace_s``; the PIDs signalled. The
+    CLI calls it as a command that scores rewards ends, sparing the processes that were there before it, so
+    nothing a reward started (a helper process on an abandoned, timed-out call) outlives the command."""
     import psutil
+    spare = {*spare, resource_tracker_pid()}
     try:
         children = [c for c in psutil.Process().children(recursive=True) if c.pid not in spare]
     except psutil.Error:

@@ -23,7 +23,7 @@ import torch
 from megaflow.config import MegaflowConfig, run_dir_of
 from megaflow.run import faults
 from megaflow.run.ahead import Batch, PendingBatch, start_batch
-from megaflow.run.build import Run, build_run, with_pipeline_defaults
+from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
 from megaflow.run.evaluation import Evaluate, iteration_of
 from megaflow.run.flowgrpo import batch_advantages
@@ -51,17 +51,19 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
     roles = start_roles(cfg)
     stop = StopRequests()  # on an engine rank a signal waits for the driver's stop
     claim = claim_run_dir(cfg, roles, resume=resume)
-    done = False
+    done, warm = False, {}
     try:
+        warm = start_engine_workers(cfg, roles.placement, verbose=verbose)  # they import SGLang meanwhile
         pipeline_dir = share_pipeline(cfg, run_dir, roles)
         cfg = with_pipeline_defaults(cfg, pipeline_dir)
         if not roles.placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
             from megaflow.run.engine_rank import serve_engine_rank
-            serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose)
+            serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose, warm=warm)
             done = True
             return {}
         the_run = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
-                            resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint)
+                            resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint,
+                            warm=warm)
         try:
             metrics = loop(the_run, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
         finally:
@@ -70,6 +72,8 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
         done = True
     finally:
         stop.restore()
+        for worker in warm.values():  # started for an engine that never started (a failure before)
+            worker.discard()
         if claim.owned is not None:
             claim.owned.release(failed=not done)
     return metrics

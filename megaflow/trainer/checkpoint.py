@@ -5,8 +5,7 @@ TP/PP/VPP layout loads at any other. Next to megatron's files, ``megaflow_model.
 model family and its diffusers config (enough to rebuild the architecture or convert back).
 
 Writes are atomic: every rank writes into ``<dst>.tmp-<id>``, rank 0 renames it to ``<dst>`` after
-a barrier. ``dist_checkpointing.save`` starts a helper process, so scripts that save must guard
-their entry point with ``if __name__ == "__main__":``.
+a barrier. Saves are synchronous and start no process (see ``_results_queue_in_process``).
 """
 from __future__ import annotations
 
@@ -103,21 +102,17 @@ def publish(tmp: Path, dst: Path) -> None:
         os.rename(tmp, dst)
 
 
-def _results_queue_dies_with_us() -> None:
-    """megatron's async file writer collects write results through one multiprocessing Manager per process,
-    started on the first save and kept: started by megatron it outlives a SIGKILLed trainer (an orphan
-    server process). Start it here instead, once, as a process the kernel kills with its parent."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
+def _results_queue_in_process() -> None:
+    """megatron's file writer hands its write results to the saving process through a queue it makes the first
+    time, ``ctx.Manager().Queue()``: a spawned server process (seconds of start, and an orphan after a SIGKILLed
+    trainer). megaflow's saves are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``): the
+    writer puts and the finalizer gets in this process, so a plain ``queue.Queue`` carries the same results and
+    no process starts."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megaflow._env import die_with_parent
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: str, diffusers_config: dict,
@@ -125,7 +120,7 @@ def save_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, family: 
     """Collective: save this rank's model chunks (unwrapped), optionally the optimizer state and shadow weights
     (``shadows``: name -> megaflow.trainer.shadow.ShadowWeights, e.g. the EMA, stored as ``<name>.<tensor>``);
     a ``MANIFEST.json`` of every file (``checksum`` digests, megaflow.trainer.manifest) is written last."""
-    _results_queue_dies_with_us()
+    _results_queue_in_process()
     dst = Path(path).absolute()
     tmp = _agree_on_tmp_dir(dst)
     state = _model_sharded_state_dict(chunks)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-import megaflow.rollout.sglang  # noqa: F401  (the adapter the bench drives: an import error fails here)
+import megaflow.rollout.sglang.engine  # noqa: F401  (the adapter the bench drives: an import error fails here)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

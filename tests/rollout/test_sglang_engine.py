@@ -71,7 +71,7 @@ def _thread_cpu_seconds(engine) -> dict[tuple[int, int], float]:
 
 
 def test_worker_threads_env_is_set_while_spawning_and_restored(monkeypatch):
-    from megaflow.rollout.sglang.server import _worker_threads
+    from megaflow.rollout.sglang.spawning import _worker_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     with _worker_threads(3):

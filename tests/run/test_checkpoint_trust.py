@@ -103,6 +103,21 @@ def test_the_untouched_checkpoint_reads_back_the_trainers_weights(saved, tmp_pat
     assert all(torch.equal(v, weights[k]) for k, v in engine_named_params(trainer))
 
 
+def test_a_save_starts_no_process_and_reads_back(saved, tmp_path):
+    """megatron's writer hands its results over in this process (megaflow.trainer.checkpoint): a save starts no
+    helper process, and what it wrote loads back."""
+    import psutil
+
+    from megaflow.run import state
+
+    run_dir, trainer, weights = saved
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    state.save(trainer, tmp_path, 2, family="sd3", diffusers_config={}, prompts_consumed=0,
+               metrics_rows=[{"iteration": 2}], keep=1)
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
+    assert state.load(trainer, tmp_path / "checkpoints" / "iter_000002")["iteration"] == 2
+
+
 READERS = ("export", "convert", "resume")
 ROWS = [(name, reader) for name in CRAFTS for reader in READERS if reader == "resume" or name not in STATE_CRAFTS]
 

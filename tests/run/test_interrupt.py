@@ -71,6 +71,28 @@ def test_abort_kills_our_children_and_exits_with_the_signal_code():
     assert not _alive(child)
 
 
+def test_kill_children_spares_the_resource_tracker_which_ends_with_us():
+    """The command's last kill_children (a process that used shared memory has a resource tracker, which ignores
+    SIGTERM): the other child is stopped at once, with no grace waited out; the tracker lives until its process
+    ends, then ends by itself."""
+    code = ("import subprocess, sys, time\n"
+            "from multiprocessing import resource_tracker\n"
+            "from megaflow.run import interrupt\n"
+            "resource_tracker.ensure_running()\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "t0 = time.monotonic()\n"
+            "killed = interrupt.kill_children(grace_s=30)\n"
+            "print(time.monotonic() - t0, child.pid, interrupt.resource_tracker_pid(), killed, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seconds, child, tracker, killed = proc.stdout.split(" ", 3)
+    assert killed.strip() == f"[{child}]" and float(seconds) < 10  # the tracker spared, no grace waited out
+    deadline = time.monotonic() + 30
+    while _alive(int(tracker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(tracker))
+
+
 def test_a_main_thread_blocked_in_c_is_still_aborted_by_the_second_signal():
     """The main thread waits on a lock with SIGTERM blocked, so the signals go to another thread and the Python
     handlers never run (as when it waits inside a collective): the wakeup-fd watch arms the watchdog."""

@@ -1,14 +1,16 @@
 """scripts/gpu_check.sh and megaflow.testing.gpu on a machine without CUDA.
 
 Needs: CPU; subprocesses (the script: ~10 s, mostly importing torch; the wheelhouse install: ~10 s, only where
-scripts/gpu_wheels.sh has built gpu_wheels/; the slow ones ~20-40 s each). Checks:
+scripts/gpu_wheels.sh has built gpu_wheels/; slow: the model check bodies in one interpreter, ~1 min, and the
+pretrain parity's two small pretraining runs). Checks:
 - the script exits 0 and writes an env record plus one record per check, every check ``skipped`` with a reason
   (CUDA hidden), and a summary table;
 - the driver's failure, skip and need logic in-process;
 - the SD3.5-M memory prediction of the step check equals ``megaflow plan``'s trainer items for that setting;
 - (slow) the bodies of the NCCL and CUDA IPC checks on CPU (gloo; shared memory to a spawned child), of the
-  parity check (megatron local spec vs diffusers), of the step check (a tiny model of the same input shapes) and
-  of the pretrain parity check (two seeded CPU runs of ``megaflow pretrain``: bit-identical updates).
+  parity check (megatron local spec vs diffusers), of the step and offload checks (a tiny model of the same input
+  shapes) and of the pretrain parity check (two seeded, small CPU runs of ``megaflow pretrain``: bit-identical
+  updates).
 """
 from __future__ import annotations
 
@@ -104,34 +106,65 @@ def _body(code: str, timeout: int = 240) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # ~20 s: a spawned child imports torch and megaflow
-def test_comm_bodies_on_cpu():
-    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import comm\n"
-                "if __name__ == '__main__':\n"
-                "    a = comm.collectives_and_bridge(torch.device('cpu'), 'gloo')\n"
-                "    b = comm.colocated_to_child(torch.device('cpu'))\n"
-                "    print(json.dumps({'a': a, 'b': b}))")
+# The check bodies the slow tests below run on CPU (``tiny_sd3``: a 2-block, hidden-16 DiT of SD3.5-M's input
+# widths), one after another in one interpreter: they share its imports (torch, megatron, diffusers; ~10 s a
+# process), and each sets up and tears down its own world.
+BODIES = """import json, traceback, torch, megaflow
+from megaflow.models.flux.tiny import tiny_config
+from megaflow.plan.dit import BUILTIN
+from megaflow.testing.gpu import comm, model, offload
+cpu = torch.device('cpu')
+tiny_sd3 = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                caption_projection_dim=16, dual_attention_layers=[0])
+bodies = {
+    'comm': lambda: {'a': comm.collectives_and_bridge(cpu, 'gloo'), 'b': comm.colocated_to_child(cpu)},
+    'parity': lambda: model.velocity_parity('local', cpu),
+    'step': lambda: {r: model.measure_step(r, cpu, tiny_sd3, steps=1) for r in ('none', 'full')},
+    'flux_lora': lambda: model.measure_step('none', cpu, tiny_config(), steps=2, family='flux'),
+    'offload': lambda: offload.measure_offload(cpu, tiny_sd3),
+}
+
+def record(body):
+    try:
+        return body()
+    except Exception:
+        return {'error': traceback.format_exc()}
+
+if __name__ == '__main__':
+    print(json.dumps({name: record(body) for name, body in bodies.items()}, default=str))
+"""
+
+
+@pytest.fixture(scope="module")
+def bodies() -> dict:
+    """Each body's record by name (a body that raised: {"error": its traceback}); ~1 min."""
+    return _body(BODIES, timeout=900)
+
+
+def _record(bodies: dict, name: str) -> dict:
+    rec = bodies[name]
+    assert "error" not in rec, rec["error"]
+    return rec
+
+
+@pytest.mark.slow  # a spawned child imports torch and megaflow
+def test_comm_bodies_on_cpu(bodies):
+    rec = _record(bodies, "comm")
     assert rec["a"]["status"] == "pass" and rec["a"]["distributed_bridge"]["buckets"] > 1, rec["a"]
     assert rec["b"]["status"] == "pass" and rec["b"]["colocated_bridge"]["verified"], rec["b"]
 
 
 @pytest.mark.slow
-def test_parity_body_on_cpu():
-    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
-                "print(json.dumps(model.velocity_parity('local', torch.device('cpu')), default=str))")
+def test_parity_body_on_cpu(bodies):
+    rec = _record(bodies, "parity")
     assert rec["status"] == "pass" and rec["fp32"]["rel"] <= 1e-5 and rec["bf16"]["rel"] <= 2e-2, rec
 
 
 @pytest.mark.slow
-def test_step_body_on_cpu():
+def test_step_body_on_cpu(bodies):
     """The SD3.5-M step's path (bf16, distributed Adam, recompute none / full) with a 2-block, hidden-16 model of
     the same input shapes; CPU has no CUDA memory figures, so only the run itself is checked."""
-    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
-                "from megaflow.plan.dit import BUILTIN\n"
-                "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
-                "            caption_projection_dim=16, dual_attention_layers=[0])\n"
-                "out = {r: model.measure_step(r, torch.device('cpu'), conf, steps=1) for r in ('none', 'full')}\n"
-                "print(json.dumps(out, default=str))")
+    rec = _record(bodies, "step")
     for recompute, r in rec.items():
         assert r["recompute"] == recompute and r["spec"] == "local" and r["losses_finite"], r
         assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0], r
@@ -141,14 +174,11 @@ def test_step_body_on_cpu():
 
 
 @pytest.mark.slow
-def test_flux_lora_step_body_on_cpu():
+def test_flux_lora_step_body_on_cpu(bodies):
     """The FLUX LoRA step's path (packed tokens, ids, guidance; rank-32 adapters on a frozen bf16 base) with
     megaflow's tiny FLUX config: only the adapters train, and they do (the loss moves; at the default lr and
     B = 0 four steps move it little)."""
-    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import model\n"
-                "from megaflow.models.flux.tiny import tiny_config\n"
-                "r = model.measure_step('none', torch.device('cpu'), tiny_config(), steps=2, family='flux')\n"
-                "print(json.dumps(r, default=str))")
+    rec = _record(bodies, "flux_lora")
     assert rec["status"] == "fail" and rec["losses_finite"], rec  # no CUDA memory: the ratio is 0, out of bounds
     assert rec["tokens"] == {"image": 1024, "text": 512, "batch": 1}, rec
     assert 0 < rec["trained_params"] < rec["params"] / 2 and rec["losses"][-1] != rec["losses"][0], rec
@@ -156,14 +186,10 @@ def test_flux_lora_step_body_on_cpu():
 
 
 @pytest.mark.slow
-def test_offload_body_on_cpu():
+def test_offload_body_on_cpu(bodies):
     """The offload check's path with the step test's tiny model: every moved storage comes back with the same
     checksum, the bytes moved are the plan's items of the tiny model's kind, and training goes on."""
-    rec = _body("import json, torch, megaflow\nfrom megaflow.testing.gpu import offload\n"
-                "from megaflow.plan.dit import BUILTIN\n"
-                "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
-                "            caption_projection_dim=16, dual_attention_layers=[0])\n"
-                "print(json.dumps(offload.measure_offload(torch.device('cpu'), conf), default=str))")
+    rec = _record(bodies, "offload")
     assert rec["status"] == "pass" and rec["exact_round_trip"] and rec["losses_finite"], rec
     assert len(rec["rounds"]) == 2 and len(rec["losses"]) == 4, rec
     for r in rec["rounds"]:
@@ -184,11 +210,19 @@ def test_checksums_see_one_changed_bit():
     assert checksums([a]) != before
 
 
+# The check's pretraining shrunk to the smallest the config allows that still evaluates and saves (64 renders,
+# 2 steps of batch 8, one evaluation of 2 prompts), on one thread: the same path, ~1/10 of the check's work.
+PRETRAIN_SMALL = ("pretrain.num_images=64", "pretrain.batch_size=8", "pretrain.max_steps=2", "pretrain.warmup_steps=1",
+                  "pretrain.lr=5e-4", "pretrain.eval_every=2", "pretrain.eval_prompts=2", "pretrain.minutes=10",
+                  "run.seed=3", "run.num_threads=1", 'model.spec="local"')
+
+
 @pytest.mark.slow
 def test_pretrain_parity_body_on_cpu():
     """The pretrain parity check's body with two CPU runs: seeded, the two DiT updates are bit-identical (the GPU
     check compares a CPU run with a CUDA run the same way), and the update is not empty."""
     rec = _body("import json\nfrom pathlib import Path\nfrom megaflow.testing.gpu import pretrain\n"
-                f"print(json.dumps(pretrain.compare_devices(('cpu', 'cpu'), Path({str(REPO)!r}))))", timeout=480)
+                f"print(json.dumps(pretrain.compare_devices(('cpu', 'cpu'), Path({str(REPO)!r}), "
+                f"settings={PRETRAIN_SMALL!r})))", timeout=480)
     assert rec["status"] == "pass" and rec["update_rel_diff"] == 0.0 and rec["update_norm"] > 0, rec
     assert rec["loss"]["cpu_0"] == rec["loss"]["cpu_1"], rec

@@ -201,22 +201,57 @@ def test_mirror_record_names_wheels_without_paths(tmp_path):
                    "installed": ["megaflow", "sglang", "pyzmq"]}
 
 
+# The engine checks' bodies (fp32 engines on CPU) and the SD3.5-M train step's (a 2-block, hidden-16 DiT of its
+# input widths), one after another in one interpreter: they share its imports (torch, megatron, diffusers, SGLang;
+# ~15 s a process), and each starts and stops its own engines and megatron world.
+BODIES = """import json, sys, traceback, torch, megaflow
+from pathlib import Path
+from megaflow.plan.dit import BUILTIN
+from megaflow.testing.gpu import engine, sd35m
+root, cpu = Path(sys.argv[1]), torch.device('cpu')
+conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            caption_projection_dim=16, dual_attention_layers=[0])
+bodies = {
+    'sd3': lambda: {**engine.sd3_logprobs_body(cpu, root / 'a', precisions=('fp32',)),
+                    'sync': engine.sync_body(cpu, root / 'b')},
+    'flux': lambda: engine.flux_body(root / 'c', 'fp32'),
+    'train_step': lambda: sd35m.train_step_body(cpu, conf, 2, 'full', 'cpu'),
+}
+
+def record(body):
+    try:
+        return body()
+    except Exception:
+        return {'error': traceback.format_exc()}
+
+if __name__ == '__main__':
+    print(json.dumps({name: record(body) for name, body in bodies.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def bodies(tmp_path_factory) -> dict:
+    """Each body's record by name (a body that raised: {"error": its traceback}); ~2 min."""
+    proc = subprocess.run([sys.executable, "-c", BODIES, str(tmp_path_factory.mktemp("bodies"))], cwd=REPO,
+                          capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _record(bodies: dict, name: str) -> dict:
+    rec = bodies[name]
+    assert "error" not in rec, rec["error"]
+    return rec
+
+
 @pytest.mark.slow
 @pytest.mark.engine
-def test_sd3_logprob_and_sync_check_bodies_on_cpu(tmp_path):
+def test_sd3_logprob_and_sync_check_bodies_on_cpu(bodies):
     """``engine_sd3``'s body with a CPU engine (fp32): the trainer's recompute (megatron DiT + flow math) matches the
     engine's rollout log-probs within the GPU check's tolerance, and its velocities the engine's; ``engine_sync``'s
     body: the pushed weights verified, the engine's checksum theirs, the images changed."""
-    code = ("import json, torch, megaflow\nfrom pathlib import Path\nfrom megaflow.testing.gpu import engine\n"
-            f"root, cpu = Path({str(tmp_path)!r}), torch.device('cpu')\n"
-            "if __name__ == '__main__':\n"
-            "    r = engine.sd3_logprobs_body(cpu, root / 'a', precisions=('fp32',))\n"
-            "    s = engine.sync_body(cpu, root / 'b')\n"
-            "    print(json.dumps({**r, 'sync': s}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec = _record(bodies, "sd3")
     assert rec["status"] == "pass" and rec["fp32"]["rel"] <= engine.TOLERANCE["fp32"], rec
     assert rec["fp32"]["velocity_max_abs"] < 1e-4 and rec["fp32"]["samples"] == 4, rec
     sync = rec["sync"]  # engine_sync's body: the colocated bridge through shared memory on CPU
@@ -297,31 +332,18 @@ def test_sd35m_pipeline_builder_makes_a_pipeline_diffusers_samples(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_flux_check_body_on_cpu(tmp_path):
+def test_flux_check_body_on_cpu(bodies):
     """``engine_flux``'s body in fp32 on CPU: finite FLUX trajectories, log-probs equal to the flow math on the
     engine's velocities."""
-    code = ("import json, megaflow\nfrom pathlib import Path\nfrom megaflow.testing.gpu import engine\n"
-            "if __name__ == '__main__':\n"
-            f"    print(json.dumps(engine.flux_body(Path({str(tmp_path)!r}), 'fp32')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec = _record(bodies, "flux")
     assert rec["status"] == "pass" and rec["finite"] and rec["rel"] <= 1e-5 and rec["samples"] == 4, rec
 
 
-@pytest.mark.slow  # ~20-40 s: a megatron world of one
-def test_train_step_check_body_on_cpu():
+@pytest.mark.slow  # a megatron world of one (the shared interpreter also starts the engine bodies' engines)
+@pytest.mark.engine
+def test_train_step_check_body_on_cpu(bodies):
     """``sd35m_train_step``'s path (bf16, distributed Adam, a batch of 1024 + 333 tokens; 2 here) with a 2-block,
     hidden-16 DiT of SD3.5-M's input widths: the losses are finite and fall; no MFU without a known device."""
-    code = ("import json, torch, megaflow\nfrom megaflow.testing.gpu import sd35m\n"
-            "from megaflow.plan.dit import BUILTIN\n"
-            "conf = dict(BUILTIN['sd3'][1], num_layers=2, attention_head_dim=8, num_attention_heads=2,\n"
-            "            caption_projection_dim=16, dual_attention_layers=[0])\n"
-            "print(json.dumps(sd35m.train_step_body(torch.device('cpu'), conf, 2, 'full', 'cpu')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec = _record(bodies, "train_step")
     assert rec["status"] == "pass" and len(rec["losses"]) == 1 + sd35m.TIMED and rec["mfu"] is None, rec
     assert rec["losses"][-1] < rec["losses"][0] and rec["batch"] == 2 and rec["model_tflops_per_step"] > 0, rec

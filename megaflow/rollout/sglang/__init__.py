@@ -2,13 +2,26 @@
 
 - ``engine``: ``SGLangEngine`` (request merging and dispatch, crash supervision, weights, lifecycle);
 - ``server``: SGLang's worker processes (start, control requests, stop) and where their output goes;
+- ``warm``: a worker started before its engine is configured, importing SGLang while the run builds the rest;
+- ``spawning``: the environment and output workers are spawned with;
 - ``wire``: ``RolloutRequest`` -> SGLang request and SGLang's answer -> ``Trajectory``;
 - ``config``: ``SGLangEngineConfig`` and ``engine_config`` (its one mapping from megaflow's config).
-"""
-from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, SGLangEngineConfig
-from megaflow.rollout.sglang.engine import EngineCrashed, SGLangEngine
-from megaflow.rollout.sglang.server import free_port, weights_checksum, worker_processes_alive
-from megaflow.rollout.sglang.wire import EngineCallFailed
 
-__all__ = ["FAMILY_MODEL_IDS", "EngineCallFailed", "EngineCrashed", "SGLangEngine", "SGLangEngineConfig",
-           "free_port", "weights_checksum", "worker_processes_alive"]
+The names below are imported when first used, so importing a module that needs no sglang (``warm``,
+``spawning``, ``config``, the workers' ``plugin``) imports none.
+"""
+import importlib
+
+_HOMES = {"FAMILY_MODEL_IDS": "config", "SGLangEngineConfig": "config", "EngineCrashed": "engine",
+          "SGLangEngine": "engine", "free_port": "server", "weights_checksum": "server",
+          "worker_processes_alive": "server", "EngineCallFailed": "wire"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

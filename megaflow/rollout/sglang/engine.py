@@ -82,7 +82,9 @@ def _sampling_signature(r: RolloutRequest) -> tuple:
 class SGLangEngine:
     """One SGLang diffusion engine (its own worker processes), implementing ``RolloutEngine``."""
 
-    def __init__(self, config: SGLangEngineConfig):
+    def __init__(self, config: SGLangEngineConfig, *, warm=None):
+        """Start the engine (``warm``: its worker, started ahead by megaflow.rollout.sglang.warm.WarmWorker with
+        this config's spawn settings; used once: a restart starts afresh)."""
         self.config = config
         self.engine_id = config.engine_id
         self._lock = threading.RLock()  # guards client/processes/epoch across restarts
@@ -95,7 +97,7 @@ class SGLangEngine:
         self._slots = threading.Semaphore(config.num_inflight_calls)
         self._pool = ThreadPoolExecutor(config.num_inflight_calls, thread_name_prefix=f"{self.engine_id}-call")
         t0 = time.perf_counter()
-        self._server = self._start_server()
+        self._server = self._start_server(warm)
         self.start_seconds = time.perf_counter() - t0
         log.info("engine %s started in %.1f s (worker pids %s)", self.engine_id, self.start_seconds,
                  self._server.pids)
@@ -110,10 +112,10 @@ class SGLangEngine:
         """Where the worker processes' output goes (None: this process's terminal)."""
         return Path(self.config.log_dir) / f"{self.engine_id}.log" if self.config.log_dir else None
 
-    def _start_server(self) -> EngineServer:
+    def _start_server(self, warm=None) -> EngineServer:
         return EngineServer.start(self._server_kwargs(), family=self.config.family, log_file=self.log_file,
                                   device_index=self.config.device_index, num_threads=self.config.num_threads,
-                                  checksum=self.config.checksum)
+                                  checksum=self.config.checksum, warm=warm)
 
     def _server_kwargs(self) -> dict:
         c = self.config

@@ -24,15 +24,15 @@ SHA-256 of a copy), and checks an update that carries its tensors' digests in th
 ``megaflow.rollout.sglang.weight_checks``.
 
 Sockets. A single-node engine's workers rendezvous through a file in the engine's private directory (a
-``tempfile.mkdtemp``, mode 0700, made by ``EngineServer.start`` and named to the workers by ``SOCKET_DIR_VAR``)
+``tempfile.mkdtemp``, mode 0700, made where the workers are spawned and named to them by ``SOCKET_DIR_VAR``)
 instead of SGLang's TCP store, which listens on every interface; their gloo transport stays on loopback
 (``GLOO_SOCKET_IFNAME=lo`` unless set); and the scheduler's ZMQ socket, which unpickles what it receives, is an ipc
 socket in that directory instead of a 127.0.0.1 port that any local user could reach. Multi-node engines
 (SGLang's ``dist_init_addr``) keep their TCP endpoints: those must be reachable from the other nodes.
 
 The plugin acts only in processes started with ``MEGAFLOW_SGLANG_GC_FREEZE=1`` in their environment
-(``EngineServer.start`` sets it while it spawns workers), so other SGLang uses of the same environment are
-left alone.
+(``spawning.spawn_settings`` sets it while workers are spawned), so other SGLang uses of the same environment
+are left alone.
 """
 from __future__ import annotations
 

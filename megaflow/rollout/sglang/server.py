@@ -1,19 +1,18 @@
 """SGLang's worker processes: start them, talk to them (generation and control requests), stop exactly them.
 
-``EngineServer.start`` runs ``launch_server`` without HTTP in this process; the workers are spawned
-processes that inherit this process's stdout/stderr file descriptors at spawn time. With a ``log_file``
-those descriptors point at the file while the workers are spawned, so everything the workers print
-(their python logging, progress bars, C++ warnings) goes there; the descriptors are restored
-afterwards. Output of this process's other threads during a start lands in the file too.
+``EngineServer.start`` runs ``launch_server`` without HTTP in this process, or hands a warm worker
+(megaflow.rollout.sglang.warm, spawned earlier) its server args; the workers are spawned processes that
+inherit this process's environment and stdout/stderr file descriptors at spawn time
+(megaflow.rollout.sglang.spawning). With a ``log_file`` those descriptors point at the file while the workers
+are spawned, so everything the workers print (their python logging, progress bars, C++ warnings) goes there;
+the descriptors are restored afterwards. Output of this process's other threads during a start lands in the
+file too.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -29,15 +28,14 @@ from sglang.multimodal_gen.runtime.entrypoints.post_training.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromTensorCheckerReqInput,
 )
-from sglang.multimodal_gen.runtime.launch_server import launch_server
 from sglang.multimodal_gen.runtime.loader.weight_utils import compute_weights_checksum
 from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
 
 from megaflow.bridge.checksum import DEFAULT
-from megaflow.parallel.placement import worker_visible_devices
-from megaflow.rollout.sglang import plugin, weight_checks
+from megaflow.rollout.sglang import plugin
+from megaflow.rollout.sglang.spawning import spawn_settings
 from megaflow.rollout.sglang.weights import flatten, update_request
 from megaflow.rollout.sglang.wire import EngineCallFailed, build_request, to_trajectories
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -48,89 +46,6 @@ log = logging.getLogger(__name__)
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """The digest ``checksum()`` reports for a DiT holding exactly these tensors (sglang's algorithm)."""
     return compute_weights_checksum(list(named_tensors))
-
-
-# Set by torchrun / torch elastic for the TRAINER's process group. Engine workers inherit the
-# environment and would otherwise join (and wait forever for) that world instead of their own.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-
-
-@contextlib.contextmanager
-def _without_launcher_env(quiet: bool = True):
-    """Hide the launcher's distributed env vars while engine worker processes are spawned and switch on
-    megaflow's SGLang plugin in them (``plugin``: a frozen heap makes SGLang's per-update ``gc.collect``
-    cheap); with ``quiet`` the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ)
-             if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
-    added = {k: v for k, v in {plugin.ENV_VAR: "1", **({"TQDM_DISABLE": "1"} if quiet else {})}.items()
-             if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
-
-
-
-@contextlib.contextmanager
-def _env_var(name: str, value: str | None):
-    """While workers are spawned, environment variable ``name`` is ``value`` (then restored, or removed if it
-    was unset); None: leave it alone."""
-    if value is None:
-        yield
-        return
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
-def _worker_threads(num_threads: int | None):
-    """While workers are spawned, OMP_NUM_THREADS is ``num_threads``: each worker's torch intra-op pool
-    (SGLang's worker keeps an explicit OMP_NUM_THREADS instead of its ``cpu_count // num_gpus`` default);
-    None: leave the environment alone. This process's own thread pool is already sized and stays as is."""
-    return _env_var("OMP_NUM_THREADS", None if num_threads is None else str(num_threads))
-
-
-def _pinned_device(device_index: int | None):
-    """While workers are spawned, CUDA_VISIBLE_DEVICES names only local device ``device_index``
-    (:func:`megaflow.parallel.placement.worker_visible_devices`); None: leave the environment alone."""
-    visible = None if device_index is None else worker_visible_devices(device_index,
-                                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return _env_var("CUDA_VISIBLE_DEVICES", visible)
-
-
-@contextlib.contextmanager
-def _worker_output(log_file: Path | None):
-    """Point this process's stdout/stderr descriptors at ``log_file`` (appending) while workers are spawned
-    (they inherit the descriptors); None: leave them alone."""
-    if log_file is None:
-        yield
-        return
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    saved = (os.dup(1), os.dup(2))
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
 
 
 def _own_sockets(server_args, socket_dir: str) -> None:
@@ -148,6 +63,13 @@ def _disown_sockets(server_args, socket_dir: str | None) -> None:
         plugin.disown_sockets(server_args.scheduler_port)
     if socket_dir is not None:
         shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _launch(server_args) -> list:
+    """SGLang's own start of the workers, without HTTP (imported here: a run whose workers started warm never
+    needs the module, its HTTP server and its orchestrator: ~1 s of imports)."""
+    from sglang.multimodal_gen.runtime.launch_server import launch_server
+    return launch_server(server_args, launch_http_server=False)
 
 
 def free_port() -> int:
@@ -183,27 +105,33 @@ class EngineServer:
 
     @classmethod
     def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None, device_index: int | None = None,
-              num_threads: int | None = None, checksum: str = DEFAULT) -> EngineServer:
+              num_threads: int | None = None, checksum: str = DEFAULT, warm=None) -> EngineServer:
         """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
-        pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``_worker_threads``);
+        pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``spawning._worker_threads``);
         ``checksum``: how they hash tensors for ``verify`` (megaflow's plugin, ``weight_checks.CHECKSUM_VAR``);
         their output goes to ``log_file`` if given, as does what sglang logs in this process while they start
-        (server args, start messages)."""
+        (server args, start messages). ``warm``: a WarmWorker started with the same arguments
+        (megaflow.rollout.sglang.warm) becomes the worker, for a one-rank engine; None: ``launch_server``."""
+        if warm is not None and int(kwargs.get("num_gpus", 1)) != 1:
+            warm.discard()
+            raise ValueError("a warm worker serves a one-rank engine only (num_gpus = 1)")
         # launch_server replaces the root logger's handlers (sglang configure_logger); an embedded engine
         # must not wipe the host's logging setup, so it is restored afterwards.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
-        socket_dir = tempfile.mkdtemp(prefix="megaflow-engine-")  # 0700: the workers' rendezvous and ipc sockets
+        # 0700: the workers' rendezvous and ipc sockets (a warm worker was told its own when it was spawned)
+        socket_dir = warm.socket_dir if warm is not None else tempfile.mkdtemp(prefix="megaflow-engine-")
         server_args = None
         try:
-            with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
-                  _env_var(weight_checks.CHECKSUM_VAR, checksum), _env_var(plugin.SOCKET_DIR_VAR, socket_dir),
-                  _worker_output(log_file)):
+            with spawn_settings(log_file=log_file, device_index=device_index, num_threads=num_threads,
+                                checksum=checksum, socket_dir=socket_dir):
                 apply_plugin_hooks()
                 server_args = ServerArgs.from_kwargs(**kwargs)
                 _own_sockets(server_args, socket_dir)
-                processes = launch_server(server_args, launch_http_server=False)
+                processes = _launch(server_args) if warm is None else warm.launch(server_args)
         except BaseException:
+            if warm is not None:
+                warm.discard()
             _disown_sockets(server_args, socket_dir)
             raise
         finally:

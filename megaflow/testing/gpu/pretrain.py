@@ -35,9 +35,10 @@ def pretrain_parity() -> dict:
     return compare_devices(("cpu", "cuda"), Path.cwd())
 
 
-def _run(device: str, repo: Path, out: Path, timeout_s: float) -> float:
-    """One ``megaflow pretrain`` process on ``device`` into ``out``; its seconds. RuntimeError with its last line."""
-    sets = [*SETTINGS, f'run.device="{device}"', f'run.output_dir="{out}"', 'run.name="parity"',
+def _run(device: str, repo: Path, out: Path, timeout_s: float, settings: tuple[str, ...] = SETTINGS) -> float:
+    """One ``megaflow pretrain`` process on ``device`` into ``out`` with ``settings``; its seconds. RuntimeError with
+    its last line."""
+    sets = [*settings, f'run.device="{device}"', f'run.output_dir="{out}"', 'run.name="parity"',
             f'pretrain.init_from="{repo / START}"']
     cmd = [sys.executable, "-m", "megaflow.cli", "pretrain", "-c", str(repo / "configs" / "shapes_pretrain.toml")]
     for s in sets:
@@ -50,9 +51,10 @@ def _run(device: str, repo: Path, out: Path, timeout_s: float) -> float:
     return time.perf_counter() - t0
 
 
-def compare_devices(devices: tuple[str, str], repo: Path, timeout_s: float = 240.0) -> dict:
+def compare_devices(devices: tuple[str, str], repo: Path, timeout_s: float = 240.0,
+                    settings: tuple[str, ...] = SETTINGS) -> dict:
     """The check's body: the two runs' DiT updates and their relative difference (the CPU test runs it with
-    ("cpu", "cpu"), where the runs are bit-identical)."""
+    ("cpu", "cpu"), where the runs are bit-identical, and smaller ``settings``)."""
     from safetensors.torch import load_file
 
     if not (repo / START / "model_index.json").is_file():
@@ -63,7 +65,7 @@ def compare_devices(devices: tuple[str, str], repo: Path, timeout_s: float = 240
     with tempfile.TemporaryDirectory() as tmp:
         for k, device in enumerate(devices):
             out = Path(tmp) / f"run{k}"
-            seconds[f"{device}_{k}"] = round(_run(device, repo, out, timeout_s), 1)
+            seconds[f"{device}_{k}"] = round(_run(device, repo, out, timeout_s, settings), 1)
             saved = load_file(str(out / "parity" / "pipeline" / weights))
             updates.append({n: saved[n].double() - start[n].double() for n in start})
             rows[f"{device}_{k}"] = json.loads((out / "parity" / "pretrain.jsonl").read_text().splitlines()[-1])
