@@ -15,7 +15,6 @@ SEED_MAX = 2**32 - 1  # seeds reach torch.Generator.manual_seed as seed * 1_000_
 MAX_STEPS = 1000  # denoising steps: the sigma grid and the per-step trajectories are built in memory
 MAX_SIDE = 8192  # image side in pixels
 MAX_ITERS = 100_000_000  # iteration and optimizer-step counts
-MAX_BATCH_WINDOW_MS = 10_000.0  # engine batching: the longest wait for more requests (a batch never waits longer)
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
@@ -137,10 +136,6 @@ class RolloutConfig:
                                    ge=0, le=4096)
     max_batch_outputs: int = opt(16, "Engine batching: most samples merged into one denoising call (a group "
                                  "larger than this still runs whole).", ge=1, le=4096)
-    batch_window_ms: float = opt(5.0, "Engine batching: after a request arrives, wait at most this long (counted "
-                                 "from that first request, not restarted by later ones) for more requests to "
-                                 "merge; a call starts sooner once max_batch_outputs samples are queued.",
-                                 ge=0.0, le=MAX_BATCH_WINDOW_MS)
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
     engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
