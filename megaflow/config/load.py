@@ -60,7 +60,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
-def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) -> None:
+def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str, explicit: set[str]) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise ConfigError(f"{where}unknown section {section!r} (known: {', '.join(sections)})")
@@ -72,6 +72,7 @@ def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) 
         if key not in fields:
             raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}")
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
+        explicit.add(f"{section}.{key}")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -108,8 +109,10 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MegaflowConfig:
-    """Build a validated config from defaults, an optional TOML file, and ``--set`` overrides."""
-    cfg = MegaflowConfig()
+    """Build a validated config from defaults, an optional TOML file, and ``--set`` overrides; a field neither
+    names takes its algorithm's default where it has one (megaflow.config.algo_defaults)."""
+    from megaflow.config.algo_defaults import apply_algorithm_defaults
+    cfg, explicit = MegaflowConfig(), set()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -121,11 +124,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for section, values in data.items():
-            _apply_section(cfg, section, values, f"{path.name}: ")
+            _apply_section(cfg, section, values, f"{path.name}: ", explicit)
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply_section(cfg, section, {key: value}, "--set ")
-    return validate(cfg)
+        _apply_section(cfg, section, {key: value}, "--set ", explicit)
+    return validate(apply_algorithm_defaults(cfg, explicit))
 
 
 def _toml_value(v: Any) -> str:

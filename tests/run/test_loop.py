@@ -32,13 +32,14 @@ def _train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, config: str =
     return json.loads(last)
 
 
-def _synchronous_run(tmp_path: Path, name: str) -> tuple[dict, list[dict], list[dict]]:
+def _synchronous_run(tmp_path: Path, name: str, *pins: str) -> tuple[dict, list[dict], list[dict]]:
     """``train.max_staleness = 0`` with the settings of the recorded run ``name`` (tests/run/data/
     synchronous_rows.json, written by tools/record_loop_rows.py from the loop before train.max_staleness
-    existed): (the last metrics, this run's rows, the recorded rows)."""
+    existed) and ``pins`` (defaults that changed since, set to the recorded run's values): (the last metrics,
+    this run's rows, the recorded rows)."""
     recorded = json.loads((REPO / "tests" / "run" / "data" / "synchronous_rows.json").read_text())
     assert recorded["config"] == "configs/cpu_demo.toml"
-    settings = [arg for s in recorded["runs"][name]["settings"] for arg in ("--set", s)]
+    settings = [arg for s in [*recorded["runs"][name]["settings"], *pins] for arg in ("--set", s)]
     m = _train(tmp_path, name, *settings, "--set", "train.max_staleness=0", base=())
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return m, rows, recorded["runs"][name]["rows"]
@@ -74,7 +75,7 @@ def test_train_loop_colocated_reproduces_the_loop_before_async(tmp_path):
 @pytest.mark.engine
 def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
     """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows, bit for bit."""
-    m, rows, recorded = _synchronous_run(tmp_path, "nft")
+    m, rows, recorded = _synchronous_run(tmp_path, "nft", "algo.old_decay_rate=0.0")  # on-policy, as recorded
     assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
     _assert_rows_equal(rows, recorded)
 
