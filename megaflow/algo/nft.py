@@ -24,6 +24,11 @@ At θ = θ_old both predictions coincide and the gradient of ℓ is that of adva
 matching, clip(A, −c, c)·‖x_t − t·v_θ − x0‖² / w (``tests/algo/test_nft.py`` checks it): positive samples
 are fitted, negative ones pushed away. Away from θ_old the negative branch bounds how far θ moves.
 
+θ_old follows θ after every iteration, θ_old ← d·θ_old + (1 − d)·θ, with d read on the optimizer-step clock
+(``old_policy_decay``: n = the optimizer steps taken so far, this iteration's included), in the paper's two
+forms: d = min(rate·n, max) (its default: rate 0.001, max 0.5) and, with a flat start, d = 0 for the first
+``flat`` steps, then min(rate·(n − flat), max) (its OCR run: 75 steps, rate 0.0075, max 0.999).
+
 Reduction and masking follow ``megaflow.algo.loss``: the mean over the masked-in items, or with
 ``normalizer=N`` their sum / N (the trainer's equal weighting over one optimizer step); masked-out items
 never enter the arithmetic.
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NFTConfig", "nft_loss", "optimality", "noised"]
+__all__ = ["NFTConfig", "nft_loss", "noised", "old_policy_decay", "optimality"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +61,14 @@ class NFTConfig:
             raise ValueError(f"adv_clip must be a positive finite number, got {self.adv_clip!r}")
         if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
             raise ValueError(f"kl_beta must be a finite number >= 0, got {self.kl_beta!r}")
+
+
+def old_policy_decay(steps: int, *, rate: float, max_decay: float, flat_steps: int = 0) -> float:
+    """θ_old's decay d after ``steps`` optimizer steps: 0 while steps < ``flat_steps``, then
+    min(rate · (steps − flat_steps), max_decay)."""
+    if steps < flat_steps:
+        return 0.0
+    return min(rate * (steps - flat_steps), max_decay)
 
 
 def optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:

@@ -133,8 +133,8 @@ class _PlainEMA:
 
     def step(self, dit) -> None:
         from megaflow.trainer.shadow import ema_decay_at
-        _blend(self.module, dit, ema_decay_at(self.decay, self.num_updates))
         self.num_updates += 1
+        _blend(self.module, dit, ema_decay_at(self.decay, self.num_updates))
 
 
 class PlainFlowGRPO:
@@ -187,6 +187,7 @@ class PlainNFT:
         self.opt = plain_optimizer(self.dit, cfg.train)
         self.ema = _PlainEMA(self.dit, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.ntt = engine.pipe.scheduler.config.num_train_timesteps
+        self.steps = 0  # optimizer steps so far: θ_old's schedule reads them
 
     def requests(self, prompts, iteration: int):
         from megaflow.run.flowgrpo import make_requests
@@ -197,7 +198,7 @@ class PlainNFT:
                    pooled_projections=cond["pooled_projections"], return_dict=False)[0].float()
 
     def update(self, trajs, adv, keep, iteration: int) -> dict:
-        from megaflow.algo.nft import nft_loss, noised
+        from megaflow.algo.nft import nft_loss, noised, old_policy_decay
         from megaflow.trainer.nft import plan_items
         _set_lr(self.opt, self.cfg, iteration)
         g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
@@ -228,7 +229,9 @@ class PlainNFT:
             self.opt.step()
             if self.ema is not None:
                 self.ema.step(self.dit)
-        _blend(self.old, self.dit, min(self.cfg.algo.old_decay_rate * iteration, self.cfg.algo.old_decay_max))
+        a, self.steps = self.cfg.algo, self.steps + len(plan)
+        _blend(self.old, self.dit, old_policy_decay(self.steps, rate=a.old_decay_rate, max_decay=a.old_decay_max,
+                                                    flat_steps=a.old_decay_flat_steps))
         return {"loss": sum(losses), "grad_norm": sum(norms) / max(1, len(norms)), "num_updates": len(plan)}
 
     def evaluated(self):

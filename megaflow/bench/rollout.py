@@ -105,7 +105,7 @@ def _start_engine(factory: EngineFactory, pipeline_dir: str, engine_id: str) -> 
 
 def sglang_factory(**engine_kwargs) -> EngineFactory:
     """Factory for ``SGLangEngine``; ``engine_kwargs`` are ``SGLangEngineConfig`` fields (max_batch_outputs,
-    num_inflight_calls, batch_window_ms, server_kwargs, ...).
+    num_inflight_calls, server_kwargs, ...).
 
     ``server_kwargs`` defaults to ``{"sleep_on_idle": True}``: without it an idle SGLang scheduler
     busy-polls (measured: 4.4 CPU-seconds per 5 s idle), which would steal a core from whatever runs

@@ -26,7 +26,9 @@ TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust check
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
+    from megaflow.config.algo_defaults import describe
     cfg = preflight(load_config(args.config, args.overrides), "show", files=not args.no_files)
+    print("\n".join(describe(cfg.algo.name)))
     print(dump_config(cfg), end="")
     return 0
 

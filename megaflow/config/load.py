@@ -94,7 +94,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
-def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) -> None:
+def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str, explicit: set[str]) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise ConfigError(f"{where}unknown section {section!r}{suggest_section(cfg, section)} (known: "
@@ -107,6 +107,7 @@ def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str) 
         if key not in fields:
             raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}{suggest_key(cfg, section, key)}")
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
+        explicit.add(f"{section}.{key}")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -151,16 +152,18 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MegaflowConfig:
     """Build a validated config from defaults, an optional TOML file (over its ``base`` files:
-    megaflow.config.inherit), and ``--set`` overrides."""
+    megaflow.config.inherit), and ``--set`` overrides; a field none of them names takes its algorithm's default
+    where it has one (megaflow.config.algo_defaults)."""
+    from megaflow.config.algo_defaults import apply_algorithm_defaults
     from megaflow.config.inherit import config_layers  # it raises this module's ConfigError
-    cfg = MegaflowConfig()
+    cfg, explicit = MegaflowConfig(), set()
     for file, data in config_layers(path) if path is not None else []:  # a file's bases first (base = "...")
         for section, values in data.items():
-            _apply_section(cfg, section, values, f"{file.name}: ")
+            _apply_section(cfg, section, values, f"{file.name}: ", explicit)
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply_section(cfg, section, {key: value}, "--set ")
-    return validate(cfg)
+        _apply_section(cfg, section, {key: value}, "--set ", explicit)
+    return validate(apply_algorithm_defaults(cfg, explicit))
 
 
 def _toml_value(v: Any) -> str:

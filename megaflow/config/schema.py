@@ -15,7 +15,6 @@ SEED_MAX = 2**32 - 1  # seeds reach torch.Generator.manual_seed as seed * 1_000_
 MAX_STEPS = 1000  # denoising steps: the sigma grid and the per-step trajectories are built in memory
 MAX_SIDE = 8192  # image side in pixels
 MAX_ITERS = 100_000_000  # iteration and optimizer-step counts
-MAX_BATCH_WINDOW_MS = 10_000.0  # engine batching: the longest wait for more requests (a batch never waits longer)
 
 
 def opt(default: Any, help: str, **checks: Any) -> Any:
@@ -143,10 +142,6 @@ class RolloutConfig:
                                    ge=0, le=4096)
     max_batch_outputs: int = opt(16, "Engine batching: most samples merged into one denoising call (a group "
                                  "larger than this still runs whole).", ge=1, le=4096)
-    batch_window_ms: float = opt(5.0, "Engine batching: after a request arrives, wait at most this long (counted "
-                                 "from that first request, not restarted by later ones) for more requests to "
-                                 "merge; a call starts sooner once max_batch_outputs samples are queued.",
-                                 ge=0.0, le=MAX_BATCH_WINDOW_MS)
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
     engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
@@ -163,20 +158,28 @@ class AlgoConfig:
                     "samples with implicit positive / negative policies.", choices=("flowgrpo", "nft"))
     nft_beta: float = opt(1.0, "nft: beta, how far the implicit policies b*v + (1-b)*v_old and (1+b)*v_old - b*v "
                           "reach from the sampling policy.", gt=0.0)
-    nft_num_timesteps: int = opt(4, "nft: timesteps of the sampler's grid trained per sample (drawn without "
-                                 "replacement, fresh noise each).", ge=1, le=MAX_STEPS)
-    old_decay_rate: float = opt(0.0, "nft: the sampling policy theta_old <- d*theta_old + (1-d)*theta after every "
-                                "iteration, with d = min(old_decay_rate * iteration, old_decay_max); 0 keeps "
-                                "theta_old = theta (on-policy).", ge=0.0)
+    nft_num_timesteps: int = opt(9, "nft: timesteps of the sampler's grid trained per sample (drawn without "
+                                 "replacement, fresh noise each). Left out: int(rollout.num_steps * "
+                                 "algo.timestep_fraction), the published 9 of 10 (megaflow.config.algo_defaults).",
+                                 ge=1, le=MAX_STEPS)
+    old_decay_rate: float = opt(0.001, "nft: the sampling policy theta_old <- d*theta_old + (1-d)*theta after every "
+                                "iteration, with d = min(old_decay_rate * (n - old_decay_flat_steps), old_decay_max), "
+                                "n = optimizer steps so far (this iteration's included), d = 0 while n < "
+                                "old_decay_flat_steps; 0 keeps theta_old = theta (on-policy). The paper's: 0.001 "
+                                "(max 0.5), and 0.0075 (max 0.999, 75 flat steps) for OCR.", ge=0.0)
     old_decay_max: float = opt(0.5, "nft: the largest decay d of theta_old (see old_decay_rate).", ge=0.0, lt=1.0)
+    old_decay_flat_steps: int = opt(0, "nft: optimizer steps during which theta_old = theta (d = 0) before "
+                                    "old_decay_rate's ramp starts (see old_decay_rate).", ge=0, le=MAX_ITERS)
     clip_range: float = opt(0.0, "PPO clip epsilon on the per-step ratio; 0 = auto as flow_grpo: 1e-4 for SDE, "
                             "1e-5 for CPS or with an SDE window (rollout.sde_window / sde_window_size).",
                             ge=0.0, lt=1.0)
-    timestep_fraction: float = opt(0.99, "Without an SDE window, train steps t < int(num_steps * fraction) "
-                                   "(flow_grpo: 0.99 leaves the last step out); not used with a window.",
-                                   gt=0.0, le=1.0)
+    timestep_fraction: float = opt(0.99, "flowgrpo without an SDE window: train steps t < int(num_steps * "
+                                   "fraction) (flow_grpo: 0.99 leaves the last step out); not used with a window. "
+                                   "nft: sets the default of nft_num_timesteps.", gt=0.0, le=1.0)
     kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off). flowgrpo: the KL of "
-                         "the step Gaussians; nft: mean((v - v_ref)^2) of the velocities.", ge=0.0)
+                         "the step Gaussians; nft: mean((v - v_ref)^2) of the velocities. Left out: flowgrpo "
+                         "0.04; nft 1e-4 (the paper's) with LoRA, where the reference is the model with the "
+                         "adapters off, else 0 (no second model is built for it).", ge=0.0)
     adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip]. nft: also the optimality "
                           "probability r = clip(0.5 + A / (2 adv_clip), 0, 1) and the loss scale; a smaller value puts "
                           "the loss optimum further from theta_old (toward good samples, away from bad ones).", gt=0.0)
@@ -233,8 +236,9 @@ class TrainConfig:
     lr_schedule: str = opt("constant", "Learning rate after the warm-up: constant, or cosine (down to 0 at the last "
                            "iteration).", choices=("constant", "cosine"))
     ema_decay: float = opt(0.0, "EMA of the trained weights, blended after every optimizer step with decay "
-                           "min(ema_decay, (1 + n) / (10 + n)) (n = steps so far); evaluation (megaflow demo's after), "
-                           "and megaflow export use it. It lives in checkpoints. 0 = off.", ge=0.0, lt=1.0)
+                           "min(ema_decay, (1 + n) / (10 + n)) (n = steps so far, this one included); evaluation "
+                           "(megaflow demo's after) and megaflow export use it. It lives in checkpoints. 0 = off.",
+                           ge=0.0, lt=1.0)
     save_every: int = opt(0, "Checkpoint (model, optimizer, RNGs, prompt position, metrics) every N iterations, "
                           "into <run dir>/checkpoints; 0 = only at the end. The last iteration is always saved.",
                           ge=0, le=MAX_ITERS)

@@ -2,20 +2,20 @@
 process of the clean samples (megaflow.trainer.nft, the loss in megaflow.algo.nft).
 
 θ_old is a shadow of θ (megaflow.trainer.shadow.ShadowWeights) the engines hold: after every iteration's
-update it is blended toward θ with decay d = min(algo.old_decay_rate · iteration, algo.old_decay_max)
-(d = 0: θ_old = θ, on-policy), and the weight sync pushes it. It lives in checkpoints, so a resumed run
-continues exactly.
+update it is blended toward θ with the decay of megaflow.algo.nft.old_policy_decay read on the optimizer-step
+clock (``algo.old_decay_rate``, ``old_decay_max``, ``old_decay_flat_steps``; d = 0: θ_old = θ, on-policy), and
+the weight sync pushes it. It lives in checkpoints (with its clock), so a resumed run continues exactly.
 
-Staleness: the samples of iteration k come from θ_old as it was after iteration k − 1, and the loss
-measures θ against that same θ_old, so the implicit policies are always anchored to the policy that
-sampled; an asynchronous loop that trains on samples one version older only needs the θ_old they were
-drawn with, which is why θ_old is blended after (not before) each update.
+Staleness: in the synchronous loop the samples of iteration k come from θ_old as it was after iteration k − 1,
+and the loss measures θ against that same θ_old (it is blended after, not before, each update), so the implicit
+policies are anchored to the policy that sampled. In the asynchronous loop a batch was sampled one blend
+earlier, and the loss anchors to the θ_old one blend newer than the one that sampled.
 """
 from __future__ import annotations
 
 import torch
 
-from megaflow.algo.nft import NFTConfig
+from megaflow.algo.nft import NFTConfig, old_policy_decay
 from megaflow.config import MegaflowConfig
 from megaflow.rollout.types import RolloutRequest
 from megaflow.run.flowgrpo import make_requests
@@ -51,17 +51,15 @@ class DiffusionNFT:
     def requests(self, prompts, iteration: int) -> list[RolloutRequest]:
         return make_requests(self.cfg, prompts, iteration)
 
-    def old_decay(self, iteration: int) -> float:
-        a = self.cfg.algo
-        return min(a.old_decay_rate * iteration, a.old_decay_max)
-
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
         from megaflow.trainer.nft import nft_update
         g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
         metrics = nft_update(self.trainer, trajs, advantages, keep, self.settings, generator=g, old=self.old,
                              ref=self.reference, ema=self.ema)
-        decay = self.old_decay(iteration)
-        self.old.blend(decay)
+        a, steps = self.cfg.algo, int(metrics.get("num_updates", 0))
+        decay = old_policy_decay(self.old.num_updates + steps, rate=a.old_decay_rate, max_decay=a.old_decay_max,
+                                 flat_steps=a.old_decay_flat_steps)
+        self.old.blend(decay, steps)
         return {**metrics, "old_decay": decay}
 
     def engine_weights(self):

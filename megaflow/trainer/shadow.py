@@ -2,10 +2,13 @@
 
 Two uses, one mechanism:
 - the EMA of θ (``train.ema_decay``, both algorithms): evaluation, the demo's "after" and ``megaflow export``
-  read it; blended after every optimizer step with decay min(ema_decay, (1 + n) / (10 + n)) (n = updates
-  so far, the usual warm-up so early averages are not dominated by the initial weights);
+  read it; blended after every optimizer step with decay min(ema_decay, (1 + n) / (10 + n)), n counting this
+  step from 1 (flow_grpo's and DiffusionNFT's warm-up, so early averages are not dominated by the initial weights);
 - DiffusionNFT's sampling policy θ_old: blended from θ once per iteration with the algorithm's decay
-  schedule; the engines sample with it.
+  schedule, read on the optimizer-step clock; the engines sample with it.
+
+``num_updates`` is that clock for both: the optimizer steps the shadow has followed (one per EMA blend; a
+θ_old blend counts the steps of its iteration), kept in checkpoints.
 
 A shadow holds one tensor per trainable parameter of this rank's model chunks (every parameter in
 full-parameter training, the LoRA adapters under LoRA), shaped like the local TP/PP shard, so blending
@@ -28,9 +31,10 @@ def trainable_parameters(chunks: list[torch.nn.Module]) -> dict[str, torch.nn.Pa
             if p.requires_grad}
 
 
-def ema_decay_at(decay: float, num_updates: int) -> float:
-    """The EMA decay after ``num_updates`` blends: min(decay, (1 + n) / (10 + n))."""
-    return min(decay, (1 + num_updates) / (10 + num_updates))
+def ema_decay_at(decay: float, step: int) -> float:
+    """The EMA decay of the blend after optimizer step ``step`` (counted from 1, this step included):
+    min(decay, (1 + step) / (10 + step))."""
+    return min(decay, (1 + step) / (10 + step))
 
 
 class ShadowWeights:
@@ -42,15 +46,16 @@ class ShadowWeights:
         self._params = params
         self.tensors = {name: p.detach().float().clone() for name, p in params.items()}
         self.num_updates = 0
-        """Blends so far (the EMA warm-up reads it; checkpoints keep it)."""
+        """Optimizer steps followed so far (the EMA warm-up and θ_old's schedule read it; checkpoints keep it)."""
 
     @classmethod
     def of(cls, chunks: list[torch.nn.Module]) -> ShadowWeights:
         return cls(trainable_parameters(chunks))
 
     @torch.no_grad()
-    def blend(self, decay: float) -> None:
-        """shadow ← decay·shadow + (1 − decay)·live; decay 0 copies the live weights exactly."""
+    def blend(self, decay: float, steps: int = 1) -> None:
+        """shadow ← decay·shadow + (1 − decay)·live; decay 0 copies the live weights exactly; ``steps``: the
+        optimizer steps this blend follows (added to ``num_updates``)."""
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay!r}")
         names = list(self.tensors)
@@ -60,7 +65,7 @@ class ShadowWeights:
             torch._foreach_copy_(shadow, live)
         elif decay < 1.0:
             torch._foreach_lerp_(shadow, live, 1.0 - decay)
-        self.num_updates += 1
+        self.num_updates += steps
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -94,7 +99,7 @@ class ShadowWeights:
 
 
 class EMA(ShadowWeights):
-    """The EMA of θ: ``step()`` after every optimizer step blends with ``ema_decay_at(decay, num_updates)``."""
+    """The EMA of θ: ``step()`` after every optimizer step blends with ``ema_decay_at(decay, num_updates + 1)``."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
         if not 0.0 < decay < 1.0:
@@ -107,4 +112,4 @@ class EMA(ShadowWeights):
         return cls(trainable_parameters(chunks), decay)
 
     def step(self) -> None:
-        self.blend(ema_decay_at(self.decay, self.num_updates))
+        self.blend(ema_decay_at(self.decay, self.num_updates + 1))

@@ -311,8 +311,6 @@ CASES = {
                            f"rollout.num_steps: value {10**20} out of range (must be <= 1000)"),
     "num_steps = 1e8": (lambda t: [*TRAIN, "--set", "rollout.num_steps=100000000"], "rollout.num_steps: value 100000000"),
     "seed = 10**20": (lambda t: [*TRAIN, "--set", f"run.seed={10**20}"], "run.seed: value 100000000000000000000 out"),
-    "batch window 1e9 ms": (lambda t: [*TRAIN, "--set", "rollout.batch_window_ms=1e9", "--set",
-                                       "rollout.max_batch_outputs=64"], "rollout.batch_window_ms: value 1000000000"),
     "height 16384": (lambda t: [*SHOW, "--set", "rollout.height=16384"], "rollout.height: value 16384 out of range"),
     "plan --gpus -4": (lambda t: ["plan", "-c", SHOW[3], "--gpus", "-4"], "--gpus -4: must be a GPU count"),
     "plan --gpu-mem-gb nan": (lambda t: ["plan", "-c", SHOW[3], "--gpu-mem-gb", "nan"], "--gpu-mem-gb nan: must be"),

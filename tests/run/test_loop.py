@@ -106,8 +106,8 @@ def test_train_loop_colocated_reproduces_the_loop_before_async(flowgrpo_run):
 @pytest.mark.engine
 def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
     """DiffusionNFT (ODE rollouts), 3 iterations at train.max_staleness = 0: the recorded rows (within another
-    CPU's float path, see RECORDED_REL)."""
-    _, m, rows, recorded = _synchronous_run(tmp_path, "nft")
+    CPU's float path, see RECORDED_REL); theta_old pinned on-policy (old_decay_rate 0), as the recorded run was."""
+    _, m, rows, recorded = _synchronous_run(tmp_path, "nft", "--set", "algo.old_decay_rate=0.0")
     assert m["train/update_ok"] == 1.0 and m["sync/verified"] == 1.0
     _assert_rows_match(rows, recorded)
 

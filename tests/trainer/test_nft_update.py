@@ -8,7 +8,7 @@ perturbed θ_old, one not kept; 2 grid timesteps per sample (12 items) in 2 opti
 Tolerances (relative L2 of the weight change over all parameters): TP=1 vs the reference <= 2e-5
 (megatron vs diffusers forward rounding, compounded over 2 steps); TP=2 and DP=2 vs TP=1 <= 1e-5; the EMA
 after the phase equals the reference's blend of the per-step weights, (1 − d_n) steps with
-d_n = min(0.9, (1 + n)/(10 + n)), to the same tolerance.
+d_n = min(0.9, (1 + n)/(10 + n)) (n = 1, 2: the step the blend follows), to the same tolerance.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_nft_phase_matches_the_plain_reference(tp1, reference):
 
 def test_ema_follows_every_optimizer_step(tp1, reference):
     ema = {k: v.clone() for k, v in reference["before"].items()}
-    for n, state in enumerate(reference["states"]):
+    for n, state in enumerate(reference["states"], start=1):
         d = min(0.9, (1 + n) / (10 + n))
         ema = {k: d * ema[k] + (1 - d) * state[k] for k in ema}
     assert tp1["ema_updates"] == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megaflow.bridge.checksum import ALGORITHMS, DEFAULT
-from megaflow.config.schema import MAX_BATCH_WINDOW_MS, MegaflowConfig
+from megaflow.config.schema import MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
 NUM_TEXT_ENCODERS = {"sd3": 3, "flux": 2}
@@ -27,13 +27,11 @@ class SGLangEngineConfig:
     precision: str = "fp32"
     """Precision of DiT, VAE and text encoders ('fp32' | 'bf16' | 'fp16'); fp32 on CPU."""
     merge_requests: bool = True
-    """Merge queued compatible CFG-free requests into one batched engine call."""
+    """Merge the compatible CFG-free requests of one ``submit`` into batched engine calls."""
     max_batch_outputs: int = 16
     """Most samples per merged call (a single request larger than this still runs whole)."""
     num_inflight_calls: int = 2
     """Engine calls submitted concurrently (the worker runs one; the next is queued behind it)."""
-    batch_window_ms: float = 5.0
-    """How long the dispatcher waits for more requests to merge once one arrived."""
     log_level: str = "warning"
     """SGLang's log level in the engine processes ('info' shows per-stage timings of every call)."""
     log_dir: str | None = None
@@ -76,8 +74,6 @@ class SGLangEngineConfig:
         if self.max_batch_outputs < 1 or self.num_inflight_calls < 1:
             raise ValueError(f"max_batch_outputs and num_inflight_calls must be >= 1, got "
                              f"{self.max_batch_outputs}, {self.num_inflight_calls}")
-        if not 0.0 <= self.batch_window_ms <= MAX_BATCH_WINDOW_MS:  # also refuses NaN: a window never ends
-            raise ValueError(f"batch_window_ms must be in [0, {MAX_BATCH_WINDOW_MS:g}], got {self.batch_window_ms}")
 
 
 def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, device_index: int | None = None,
@@ -90,6 +86,6 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
     log_dir = None if verbose else str(Path(cfg.run.output_dir) / cfg.run.name / "logs")
     return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,
                               device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
-                              batch_window_ms=r.batch_window_ms, log_level="info", log_dir=log_dir,
+                              log_level="info", log_dir=log_dir,
                               checksum=cfg.bridge.checksum,
                               num_threads=r.engine_threads or cfg.run.num_threads)

@@ -4,16 +4,19 @@
 sglang 0.5.23 ``sglang.multimodal_gen``) and talks to them with its own ``SchedulerClient`` (not the
 module-global one ``DiffGenerator`` uses), so several engines can live in one process.
 
-Batching. SGLang denoises a request with ``num_outputs_per_prompt=k`` and a seed list as ONE batch of k,
-with rollout data. Its scheduler-side dynamic batching (``batching_max_size``) merges concurrent requests
-but drops ``rollout_trajectory_data`` when it splits the result, so it stays off. Instead a dispatcher
-thread merges queued compatible CFG-free requests (from one or many concurrent ``generate`` callers) into
-one engine call: a prompt list with one entry per sample and one seed per sample
-(``extra["dynamic_batch_seeds"]``, the scheduler's own merge format), up to ``max_batch_outputs``
-samples; CFG requests go one per call (SGLang's SD3 CFG path does not expand a negative prompt over a
-prompt list). ``num_inflight_calls`` calls are in flight so the worker always has the next one queued.
-Note: SGLang draws each step's noise as a full-batch-shaped tensor from each sample's generator, so the
-sample for a seed depends on the batch it ran in (identical batches reproduce exactly).
+Batching follows the request stream, never the clock. SGLang denoises a request with
+``num_outputs_per_prompt=k`` and a seed list as ONE batch of k, with rollout data. Its scheduler-side dynamic
+batching (``batching_max_size``) merges concurrent requests but drops ``rollout_trajectory_data`` when it
+splits the result, so it stays off. Instead ``submit`` merges the compatible CFG-free requests of ONE call
+(in their order, up to ``max_batch_outputs`` samples a call) into engine calls: a prompt list with one entry
+per sample and one seed per sample (``extra["dynamic_batch_seeds"]``, the scheduler's own merge format); CFG
+requests go one per call (SGLang's SD3 CFG path does not expand a negative prompt over a prompt list).
+Requests of different ``submit`` calls never share a call. A dispatcher thread runs the planned calls in
+order, ``num_inflight_calls`` at once so the worker always has the next one queued. The invariant: a
+sample's floats depend on the batch it ran in (the DiT's kernels round by batch shape, and SGLang draws each
+step's noise as a full-batch-shaped tensor from each sample's generator), and the batches are a function of
+the submitted request lists alone, so the same requests give the same samples on any machine load (they
+once were merged inside a time window, and a busy machine split them otherwise).
 
 Lifecycle. ``shutdown`` stops exactly the worker processes this engine started (PIDs and their children
 recorded at start). A monitor thread polls the workers; when one dies the engine restarts them, re-applies
@@ -65,7 +68,7 @@ class EngineCrashed(RuntimeError):
 
 @dataclass
 class _Item:
-    """One queued request and the future its caller waits on."""
+    """One request and the future its caller waits on."""
 
     request: RolloutRequest
     future: Future
@@ -77,6 +80,27 @@ def _sampling_signature(r: RolloutRequest) -> tuple:
     return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
             tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
             r.max_sequence_length, r.return_model_outputs)
+
+
+def plan_calls(requests: Sequence[RolloutRequest], *, max_outputs: int, merge: bool = True) -> list[list[int]]:
+    """The engine calls of one ``submit``, as request indices: in request order, each compatible CFG-free
+    request joins the open call of its signature while that stays within ``max_outputs`` samples, else opens a
+    new one; CFG requests (and every request with ``merge`` off) run alone. A function of the list alone."""
+    calls: list[list[int]] = []
+    sizes: list[int] = []  # samples of each call
+    open_call: dict[tuple, int] = {}  # signature -> the index of its open call
+    for j, r in enumerate(requests):
+        key = None if r.do_cfg or not merge else _sampling_signature(r)
+        c = open_call.get(key) if key is not None else None
+        if c is not None and sizes[c] + r.num_outputs <= max_outputs:
+            calls[c].append(j)
+            sizes[c] += r.num_outputs
+            continue
+        calls.append([j])
+        sizes.append(r.num_outputs)
+        if key is not None:
+            open_call[key] = len(calls) - 1
+    return calls
 
 
 class SGLangEngine:
@@ -93,7 +117,7 @@ class SGLangEngine:
         self._released = False
         self._closed = False
         self._replay = ReplayStore()
-        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._queue: queue.Queue[list[_Item] | None] = queue.Queue()
         self._slots = threading.Semaphore(config.num_inflight_calls)
         self._pool = ThreadPoolExecutor(config.num_inflight_calls, thread_name_prefix=f"{self.engine_id}-call")
         t0 = time.perf_counter()
@@ -138,7 +162,8 @@ class SGLangEngine:
 
     def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
         """Queue every request (thread-safe); one future per request, resolved when the engine call that
-        carries it returns (requests merged into one call resolve together)."""
+        carries it returns (requests merged into one call resolve together). The calls are planned from
+        ``requests`` alone (``plan_calls``), so the same list always runs in the same batches."""
         if self._closed:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         if self._released:
@@ -148,50 +173,19 @@ class SGLangEngine:
                 raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for FLUX; "
                                  "guidance_scale is FLUX's embedded guidance")
         items = [_Item(r, Future(), time.perf_counter()) for r in requests]
-        for item in items:
-            self._queue.put(item)
+        for call in plan_calls([i.request for i in items], max_outputs=self.config.max_batch_outputs,
+                               merge=self.config.merge_requests):
+            self._queue.put([items[j] for j in call])
         return [item.future for item in items]
 
     def _dispatch_loop(self) -> None:
-        """Collect queued requests, merge compatible ones into calls, keep num_inflight_calls running."""
-        window = self.config.batch_window_ms / 1000
+        """Run the planned calls in the order they were queued, num_inflight_calls at once."""
         while True:
-            first = self._queue.get()
-            if first is None:
+            call = self._queue.get()
+            if call is None:
                 return
-            items, deadline = [first], time.perf_counter() + window
-            while sum(i.request.num_outputs for i in items) < self.config.max_batch_outputs:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)
-                    break
-                items.append(item)
-            for call in self._plan_calls(items):
-                self._slots.acquire()
-                self._pool.submit(self._run_call, call)
-
-    def _plan_calls(self, items: list[_Item]) -> list[list[_Item]]:
-        """Group items: compatible CFG-free requests share a call up to max_batch_outputs samples."""
-        calls: list[list[_Item]] = []
-        open_calls: dict[tuple, list[_Item]] = {}
-        for item in items:
-            r = item.request
-            if r.do_cfg or not self.config.merge_requests:
-                calls.append([item])
-                continue
-            key = _sampling_signature(r)
-            call = open_calls.get(key)
-            if call is not None and sum(i.request.num_outputs for i in call) + r.num_outputs <= \
-                    self.config.max_batch_outputs:
-                call.append(item)
-            else:
-                call = [item]
-                open_calls[key] = call
-                calls.append(call)
-        return calls
+            self._slots.acquire()
+            self._pool.submit(self._run_call, call)
 
     def _run_call(self, call: list[_Item]) -> None:
         try:
