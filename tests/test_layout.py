@@ -4,7 +4,10 @@
   ``megaflow/`` (``megaflow/run/...`` is the room ``run``); a loose module at the top is a room of its own;
 - at most 4 loose modules at the top of ``megaflow/``;
 - no file over 400 lines;
-- every directory of modules is a package (an ``__init__.py``: what setuptools installs).
+- every directory of modules is a package (an ``__init__.py``: what setuptools installs);
+- no algorithm's module imports another algorithm's. An algorithm X owns ``algo/X.py`` (math), ``trainer/X.py``
+  (update) and ``run/X.py`` (requests, settings, shadows), plus any ``<room>/X_*.py``; what algorithms share lives
+  in the shared modules below (``ALGORITHM_SHARED``).
 
 Needs: CPU, 1 process, no torch (< 1 s)."""
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megaflow"
 MAX_LOOSE_MODULES = 4
 MAX_LINES = 400
+ALGORITHMS = ("flowgrpo", "nft", "awm", "dgpo")
+ALGORITHM_ROOMS = ("algo", "trainer", "run")
+ALGORITHM_SHARED = ("megaflow.algo.advantages", "megaflow.run.requests", "megaflow.trainer.batch")
 
 
 def module_name(path: Path) -> str:
@@ -121,3 +127,53 @@ def test_every_directory_of_modules_is_a_package():
     missing = sorted(str(d.relative_to(PACKAGE.parent)) for d in {p.parent for p in PACKAGE.rglob("*.py")}
                      if not (d / "__init__.py").is_file())
     assert not missing, missing
+
+
+def algorithm_of(module: str) -> str | None:
+    """The algorithm owning a ``megaflow.*`` module name: ``megaflow.<room>.X`` or ``megaflow.<room>.X_*`` for an
+    algorithm X in one of ALGORITHM_ROOMS (a name imported from it, ``megaflow.<room>.X.f``, counts as X's too)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[0] != "megaflow" or parts[1] not in ALGORITHM_ROOMS:
+        return None
+    return next((a for a in ALGORITHMS if parts[2] == a or parts[2].startswith(f"{a}_")), None)
+
+
+def algorithm_modules() -> dict[str, Path]:
+    return {name: path for path in sorted(PACKAGE.rglob("*.py"))
+            if algorithm_of(name := module_name(path)) is not None}
+
+
+def test_algorithm_modules_are_known():
+    found = {algorithm_of(m) for m in algorithm_modules()}
+    assert found == set(ALGORITHMS), found  # every algorithm has its modules (a renamed file fails here)
+    math = {module_name(p) for p in (PACKAGE / "algo").glob("*.py") if p.name != "__init__.py"}
+    unowned = sorted(m for m in math if algorithm_of(m) is None and m not in ALGORITHM_SHARED)
+    assert not unowned, f"algo/ modules that are neither an algorithm's nor shared: {unowned}"
+    registry = {m.split(".")[2] for m in imported_modules(PACKAGE / "run" / "algorithm.py")
+                if m.startswith("megaflow.run.") and len(m.split(".")) == 3}
+    assert registry <= set(ALGORITHMS) | {"requests"}, registry  # build_algorithm's classes are known algorithms
+
+
+def test_no_algorithm_imports_another():
+    crossing = {}
+    for name, path in algorithm_modules().items():
+        own = algorithm_of(name)
+        others = sorted(m for m in imported_modules(path) if algorithm_of(m) not in (None, own))
+        if others:
+            crossing[name] = others
+    assert not crossing, f"an algorithm imports another's modules (move what they share to {ALGORITHM_SHARED}): " \
+                         f"{crossing}"
+
+
+def test_shared_modules_import_no_algorithm():
+    for name in ALGORITHM_SHARED:
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        used = sorted(m for m in imported_modules(path) if algorithm_of(m) is not None)
+        assert not used, f"{name} is shared by every algorithm but imports {used}"
+
+
+def test_algorithm_imports_are_read():
+    assert algorithm_of("megaflow.trainer.flowgrpo_batches.dp_slice") == "flowgrpo"
+    assert algorithm_of("megaflow.run.nft") == "nft" and algorithm_of("megaflow.run.loop") is None
+    nft = imported_modules(PACKAGE / "trainer" / "nft.py")
+    assert "megaflow.algo.nft" in nft and "megaflow.trainer.batch" in nft, sorted(nft)

@@ -29,7 +29,7 @@ are fitted, negative ones pushed away. Away from θ_old the negative branch boun
 forms: d = min(rate·n, max) (its default: rate 0.001, max 0.5) and, with a flat start, d = 0 for the first
 ``flat`` steps, then min(rate·(n − flat), max) (its OCR run: 75 steps, rate 0.0075, max 0.999).
 
-Reduction and masking follow ``megaflow.algo.loss``: the mean over the masked-in items, or with
+Reduction and masking follow ``megaflow.algo.flowgrpo``: the mean over the masked-in items, or with
 ``normalizer=N`` their sum / N (the trainer's equal weighting over one optimizer step); masked-out items
 never enter the arithmetic.
 """

@@ -1,8 +1,8 @@
 """``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow.
 
 Both sides start from the same pipeline and run the same iterations of ``algo.name`` on the same prompts
-(``run.build.prompt_stream``), request seeds (``run.flowgrpo.make_requests``), reward and group advantages
-(``run.flowgrpo.generate_and_score``), item plans and learning-rate schedule:
+(``run.build.prompt_stream``), request seeds (``run.requests.make_requests``), reward and group advantages
+(``run.requests.generate_and_score``), item plans and learning-rate schedule:
 
 - baseline: ``DiffusersEngine`` rollouts (one batched diffusers loop) and the algorithm's update in plain torch on
   its ``SD3Transformer2DModel`` (megaflow.bench.plain: FlowGRPO or DiffusionNFT, AdamW, the EMA when on); no
@@ -104,7 +104,7 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     from megaflow.bench.plain import plain_algorithm
     from megaflow.rollout.baseline import DiffusersEngine, DiffusersEngineConfig
     from megaflow.run.build import build_scorer, prompt_stream, resolve_pipeline, with_pipeline_defaults
-    from megaflow.run.flowgrpo import generate_and_score
+    from megaflow.run.requests import generate_and_score
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.run.num_threads)

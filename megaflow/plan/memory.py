@@ -127,7 +127,7 @@ def trained_steps(cfg: MegaflowConfig) -> int:
 
 
 def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, text: int) -> float:
-    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.grpo_batches.microbatches_for):
+    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.flowgrpo_batches.microbatches_for):
     this DP rank's share of the step's (sample, step) items, padded to whole micro-batches, each holding x_t
     (twice under CFG) and x_{t+1} in fp32 and the text conditioning in rollout.precision (negative and positive
     under CFG). Every sample counted as kept (filtered groups only lower it)."""

@@ -26,9 +26,9 @@ from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
 from megaflow.run.evaluation import Evaluate, iteration_of
-from megaflow.run.flowgrpo import batch_advantages
 from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.masked import MaskedWatch, UselessRun
+from megaflow.run.requests import batch_advantages
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
 from megaflow.trainer.settings import scheduled_lr, set_lr
 

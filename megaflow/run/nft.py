@@ -18,7 +18,7 @@ import torch
 from megaflow.algo.nft import NFTConfig, old_policy_decay
 from megaflow.config import MegaflowConfig
 from megaflow.rollout.types import RolloutRequest
-from megaflow.run.flowgrpo import make_requests
+from megaflow.run.requests import make_requests
 from megaflow.seeds import MINIBATCHES, iteration_seed
 
 OLD = "nft_old"

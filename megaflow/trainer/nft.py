@@ -10,7 +10,7 @@ layout trains on the same items and noise.
 Before the first update one forward-only pass computes every item's v_old with the sampling policy θ_old
 applied (``old``: a megaflow.trainer.shadow.ShadowWeights; None = the trainer's current weights, the
 on-policy case) and, with a KL, v_ref with the reference model; each microbatch carries them. Equal
-weighting as in megaflow.trainer.grpo: every real item of an optimizer step weighs 1/N in the gradient.
+weighting as in megaflow.trainer.flowgrpo: every real item of an optimizer step weighs 1/N in the gradient.
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.nft import NFTConfig, nft_loss, noised
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.grpo import aggregate_stats, batch_conditioning, share_from_last_stage
-from megaflow.trainer.grpo_batches import dp_slice
+from megaflow.trainer.batch import aggregate_stats, batch_conditioning, dp_slice, share_from_last_stage
 
 Item = tuple[int, int]
 _PRECOMPUTED = ("old_velocity", "ref_velocity")

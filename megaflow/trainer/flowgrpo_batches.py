@@ -14,7 +14,7 @@ With one epoch and one minibatch nothing is drawn: items are sample-major ``(i, 
 
 ``microbatches_for`` turns one optimizer step's items into THIS data-parallel rank's microbatches:
 rank r takes items r, r + dp, ... and pads with copies of item 0 marked ``real=False`` so every rank
-runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.grpo).
+runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.flowgrpo).
 
 The model's conditioning keys come from the model family (``conditioning`` = the family's
 ``batch_conditioning`` bound to the model config, megaflow.models.registry): SD3's
@@ -29,18 +29,15 @@ GRPO keys stay ``[B]``.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-from megatron.core import parallel_state as ps
 
 from megaflow.flow.step import sigma_max_of
 from megaflow.rollout.types import Trajectory
+from megaflow.trainer.batch import Conditioning, dp_slice
 
 Item = tuple[int, int]
-Conditioning = Callable[[Sequence[Trajectory], bool], dict]
-"""(trajectories of one microbatch, cfg) -> the model's conditioning keys, batched (a family's
-``batch_conditioning`` with its model config bound)."""
 
 
 def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs: int = 1,
@@ -65,20 +62,6 @@ def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs:
     return plan
 
 
-def dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
-    """This DP rank's items (strided), padded so that every rank runs the same number of microbatches
-    (``micro_batch_size`` items each, the last one possibly fewer). Under pipeline parallelism every
-    microbatch is full: the stages exchange activations of one fixed shape. Padding items (``real`` False)
-    are computed and weigh nothing, so without pipelining a rank pads at most one item."""
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = -(-len(items) // dp)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
-    mine = items[rank::dp]
-    real = [True] * len(mine) + [False] * (per_rank - len(mine))
-    return mine + [items[0]] * (per_rank - len(mine)), real
-
-
 def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                 real: Sequence[bool], device: torch.device,
                 mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
@@ -86,7 +69,7 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
     """One microbatch (Trainer protocol + GRPO keys) of ``items``; see the module doc for the
     conditioning and CFG.
     ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
-    (megaflow.trainer.grpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
+    (megaflow.trainer.flowgrpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
     tr = [trajs[i] for i, _ in items]
     ts = [t for _, t in items]
     cfg = {bool(x.do_cfg) for x in tr}
