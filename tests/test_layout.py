@@ -1,7 +1,10 @@
 """The house rules of megaflow's layout, read from the source with ``ast`` (nothing is imported):
 
-- no import cycle between rooms, counting imports inside functions too. A room is the first package under
-  ``megaflow/`` (``megaflow/run/...`` is the room ``run``); a loose module at the top is a room of its own;
+- a room is the first package under ``megaflow/`` (``megaflow/run/...`` is the room ``run``); a loose module at
+  the top is a room of its own;
+- no import cycle between rooms (imports inside functions count too), and no room imports one listed above it
+  in ``docs/architecture.md``'s rooms table (top down), which lists every room;
+- every module path ``docs/architecture.md`` names exists;
 - at most 4 loose modules at the top of ``megaflow/``;
 - no file over 400 lines;
 - every directory of modules is a package (an ``__init__.py``: what setuptools installs);
@@ -13,6 +16,7 @@ Needs: CPU, 1 process, no torch (< 1 s)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megaflow"
@@ -177,3 +181,53 @@ def test_algorithm_imports_are_read():
     assert algorithm_of("megaflow.run.nft") == "nft" and algorithm_of("megaflow.run.loop") is None
     nft = imported_modules(PACKAGE / "trainer" / "nft.py")
     assert "megaflow.algo.nft" in nft and "megaflow.trainer.batch" in nft, sorted(nft)
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+REPO_DIRS = ("megaflow", "tests", "configs", "docs", "tools", "scripts", "assets")
+
+
+def architecture_paths() -> list[tuple[str, str | None]]:
+    """Every module or package path ``docs/architecture.md`` names in backticks, with the room of the table row
+    it stands in (a bare ``x.py`` in a room's row is that room's)."""
+    found = []
+    for line in ARCHITECTURE.read_text().splitlines():
+        row = re.match(r"\| `([a-z_]+)(?:/|\.py)` \|", line)
+        for token in re.findall(r"`([^`\s]+)`", line):
+            path = token.split(" ")[0]
+            if re.fullmatch(r"[\w./]+\.py|\w+(?:/\w+)*/", path) or re.fullmatch(r"\w+/[\w/]*\w\.\w+", path):
+                found.append((path, row.group(1) if row else None))
+    return found
+
+
+def architecture_path_exists(path: str, room: str | None) -> bool:
+    root, pkg = PACKAGE.parent, PACKAGE
+    if not path.endswith((".py", "/")):  # room/module.name: the module's file
+        path = path.rsplit(".", 1)[0] + ".py"
+    if path.split("/")[0] in REPO_DIRS:
+        return (root / path).exists()
+    if "/" in path.rstrip("/"):
+        return (pkg / path).exists()
+    if room is not None and (pkg / room / path).exists():
+        return True
+    return (pkg / path).exists() or any(pkg.rglob(path.rstrip("/")))
+
+
+def architecture_rooms() -> list[str]:
+    """The rooms of the page's rooms table, top down."""
+    return re.findall(r"^\| `([a-z_]+)(?:/|\.py)` \|", ARCHITECTURE.read_text(), re.M)
+
+
+def test_rooms_import_only_rooms_below_them_in_the_architecture_page():
+    graph, order = room_graph(), architecture_rooms()
+    assert set(graph) <= set(order), f"rooms missing from docs/architecture.md's table: {sorted(set(graph) - set(order))}"
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if order.index(b) < order.index(a))
+    assert not upward, f"rooms import rooms listed above them in docs/architecture.md: {upward}"
+
+
+def test_every_module_the_architecture_page_names_exists():
+    paths = architecture_paths()
+    assert len(paths) > 50 and ("loop.py", "run") in paths, paths[:10]  # the page was read
+    missing = sorted({f"{room + '/' if room else ''}{path}" for path, room in paths
+                      if not architecture_path_exists(path, room)})
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"

@@ -5,7 +5,7 @@ the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_pa
 packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
 (same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
 engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
-(``megaflow.bridge.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
+(``megaflow.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
 by each engine: colocated, each engine gets a bucket's digests with the bucket and checks it in the same call,
 pipelined with the packing and hashing of the next one; distributed and disk load without them and ask every
 engine to re-hash once at the end of the sync (``verify_engines``). Without ``verify`` nothing is hashed. The
@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from megaflow.bridge.buckets import Bucket
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 
 
 @dataclass(kw_only=True)
@@ -54,7 +54,7 @@ class SyncReport:
     """Every tensor was re-hashed by the engine and matched (False when verification was off)."""
     message: str = ""
     checksum: str = DEFAULT
-    """The algorithm of ``expected_digests`` (``megaflow.bridge.checksum``)."""
+    """The algorithm of ``expected_digests`` (``megaflow.checksum``)."""
     expected_digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     def as_metrics(self) -> dict[str, float]:

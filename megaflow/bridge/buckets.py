@@ -20,7 +20,7 @@ the next sync overwrites them in place with the same tensors' new values, so an 
 and the next bucket can be packed while engines still load this one.
 
 ``Bucket.digests`` hashes every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA
-bucket, none on CPU) with ``megaflow.bridge.checksum`` (dtype, shape and raw bytes; xxh3 or sha256), the
+bucket, none on CPU) with ``megaflow.checksum`` (dtype, shape and raw bytes; xxh3 or sha256), the
 function every engine re-hashes its tensors with, so expected digests computed here can be verified engine-side.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaflow.bridge.checksum import raw_digest
+from megaflow.checksum import raw_digest
 
 ALIGN = 16
 """Byte alignment of every tensor's start in a bucket (a uint8 slice viewed as fp32/fp64 needs it)."""
@@ -69,7 +69,7 @@ class Bucket:
         return _views(self.flat, self.metadata)
 
     def digests(self, checksum: str) -> dict[str, str]:
-        """The ``checksum`` digest (``megaflow.bridge.checksum``) of every tensor in the bucket, by name (read
+        """The ``checksum`` digest (``megaflow.checksum``) of every tensor in the bucket, by name (read
         from the packed bytes)."""
         host = self.flat.cpu().numpy()
         return {m.name: raw_digest(m.dtype, m.shape, host[m.start_idx:m.end_idx], checksum) for m in self.metadata}

@@ -25,7 +25,7 @@ import torch
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream
 from megaflow.bridge.buckets import StagingSlots, iter_buckets
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 
 
 class ColocatedBridge:

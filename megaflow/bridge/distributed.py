@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.parallel.groups import as_group
 
 

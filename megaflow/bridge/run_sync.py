@@ -12,7 +12,7 @@ rank does with the stream depends on ``bridge.mode`` and the placement (megaflow
   host receives in a thread while its main thread takes part in the gather, and verifies.
 
 Engine ranks (rollout.placement = disaggregated) take part as receivers: the driver's ``commands``
-tell them a sync begins (megaflow.rollout.engine_ranks), and the stream they push is empty.
+tell them a sync begins (megaflow.rollout.engine_commands), and the stream they push is empty.
 
 Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
 result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
@@ -46,7 +46,7 @@ class RunSync:
         if bridge is not None and receiver is not None:
             raise ValueError("a rank either pushes or receives weights, not both")
         self.placement, self.group, self.bridge, self.receiver = placement, as_group(group), bridge, receiver
-        self.commands = commands  # the driver's channel to engine ranks (megaflow.rollout.engine_ranks)
+        self.commands = commands  # the driver's channel to engine ranks (megaflow.rollout.engine_commands)
 
     def _local(self, named_tensors: Iterable) -> tuple[bool, str, float, float, bool]:
         """(ok, message, bytes, tensors, verified) of this rank's part."""

@@ -12,7 +12,7 @@ of them also start engines:
 * ``rank``: every rank hosts engines.
 
 ``rollout.placement = "disaggregated"``: the last ``rollout.engine_ranks`` launched ranks, the engine ranks,
-only sample (e.g. the whole last node; their entry is megaflow.run.engine_rank); ranks ``0 .. trainers-1``
+only sample (e.g. the whole last node; their entry is megaflow.run.engine_service); ranks ``0 .. trainers-1``
 train and are megatron's whole world (megaflow.parallel.groups). Every engine rank is an engine host.
 
 A host starts ``rollout.num_engines`` engines pinned to its own local device (the GPU of its local

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth, RolloutEngine
 from megaflow.rollout.types import RolloutRequest, Trajectory
 

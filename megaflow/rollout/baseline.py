@@ -29,7 +29,7 @@ from megaflow.bridge.target import ModuleTarget
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, config_for_step, sigma_max_of, step
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -257,7 +257,7 @@ class DiffusersEngine:
         return result
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named DiT tensors (``megaflow.bridge.checksum.tensor_digest``, the bridge's function)."""
+        """Re-hash the named DiT tensors (``megaflow.checksum.tensor_digest``, the bridge's function)."""
         with self._lock:
             return ModuleTarget(self.transformer, self.engine_id).verify_weights(expected_digests, checksum=checksum)
 

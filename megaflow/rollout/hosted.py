@@ -82,7 +82,7 @@ class PendingCollect:
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
-    disaggregated run, ``commands`` (megaflow.rollout.engine_ranks.Commands) reach the engine ranks."""
+    disaggregated run, ``commands`` (megaflow.rollout.engine_commands.Commands) reach the engine ranks."""
 
     def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
                  commands=None):

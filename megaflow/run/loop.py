@@ -2,7 +2,7 @@
 (``algo.name``, megaflow.run.algorithm) says what to sample, how to update and what the engines hold.
 
 :func:`run` is a run's entry on every launched rank: its role (megaflow.run.roles), the run dir, then either an
-engine rank's service (megaflow.run.engine_rank) or the pieces of a trainer rank (megaflow.run.build) and
+engine rank's service (megaflow.run.engine_service) or the pieces of a trainer rank (megaflow.run.build) and
 :func:`loop`. The engine hosts (megaflow.parallel.placement) sample and score their share of the groups;
 every trainer rank receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages,
 takes part in the megatron step and in the weight sync to every host (megaflow.bridge.run_sync). Rank 0 (the
@@ -57,7 +57,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
         pipeline_dir = share_pipeline(cfg, run_dir, roles)
         cfg = with_pipeline_defaults(cfg, pipeline_dir)
         if not roles.placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
-            from megaflow.run.engine_rank import serve_engine_rank
+            from megaflow.run.engine_service import serve_engine_rank
             serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose, warm=warm)
             done = True
             return {}

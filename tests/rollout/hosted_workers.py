@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
-from megaflow.bridge.checksum import tensor_digest
+from megaflow.checksum import tensor_digest
 from megaflow.rollout.types import RewardScores
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory

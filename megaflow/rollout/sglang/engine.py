@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT, tensor_digest
+from megaflow.checksum import DEFAULT, tensor_digest
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port

@@ -3,7 +3,7 @@
 Hashing. SGLang's update-weights checker hashes each tensor's ``.numpy().tobytes()`` with SHA-256: a full copy
 of every tensor before SHA-256 reads it (measured: 0.45 s vs 0.24 s for 491 MB hashed from the tensor's own
 memory). megaflow's plugin (``megaflow.rollout.sglang.plugin``) replaces its ``compute_tensor_sha256`` with
-``tensor_digest`` here: ``megaflow.bridge.checksum.tensor_digest``, the function the bridge hashes with on the
+``tensor_digest`` here: ``megaflow.checksum.tensor_digest``, the function the bridge hashes with on the
 trainer's side (dtype string, shape tuple repr, raw bytes; with sha256 the same digests as SGLang's), hashing the
 bytes in place with the algorithm named by ``CHECKSUM_VAR`` in the worker's environment (``EngineServer.start``
 sets it from the engine's ``checksum``; default xxh3).
@@ -56,7 +56,7 @@ def tensor_digest(tensor) -> str:
     xxh3), hashed from the tensor's own bytes."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
 
-    from megaflow.bridge.checksum import DEFAULT, tensor_digest as digest
+    from megaflow.checksum import DEFAULT, tensor_digest as digest
 
     return digest(_materialize_local_tensor(tensor), os.environ.get(CHECKSUM_VAR) or DEFAULT)
 

@@ -1,8 +1,8 @@
-"""The engine ranks of a disaggregated run (``rollout.placement = "disaggregated"``): the driver's commands to them.
+"""The driver's commands to the engine ranks of a disaggregated run (``rollout.placement = "disaggregated"``).
 
 An engine rank trains nothing, so it cannot follow the loop by itself: the driver (launch rank 0) tells it,
 over the gloo ``control`` group (the driver and the engine ranks, megaflow.parallel.groups), what the
-trainer ranks are about to do (what an engine rank does with each command: megaflow.run.engine_rank):
+trainer ranks are about to do (what an engine rank does with each command: megaflow.run.engine_service):
 
 * ``sync``: receive the weights (the distributed bridge) and report, as a trainer rank would;
 * ``collect``: sample and score this host's share of the iteration's groups (megaflow.rollout.hosted), the
