@@ -4,7 +4,7 @@
   the top is a room of its own;
 - no import cycle between rooms (imports inside functions count too), and no room imports one listed above it
   in ``docs/architecture.md``'s rooms table (top down), which lists every room;
-- every module path ``docs/architecture.md`` names exists;
+- every module path ``docs/architecture.md`` names exists, and every ``docs/`` page a module docstring names;
 - at most 4 loose modules at the top of ``megaflow/``;
 - no file over 400 lines;
 - every directory of modules is a package (an ``__init__.py``: what setuptools installs);
@@ -231,3 +231,14 @@ def test_every_module_the_architecture_page_names_exists():
     missing = sorted({f"{room + '/' if room else ''}{path}" for path, room in paths
                       if not architecture_path_exists(path, room)})
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_every_docs_page_a_module_docstring_names_exists():
+    named = {}
+    for path in PACKAGE.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+        for page in re.findall(r"\bdocs/[\w/.-]*\w\.md", doc):
+            named.setdefault(page, str(path.relative_to(PACKAGE.parent)))
+    assert "docs/algorithms/flowgrpo.md" in named, sorted(named)  # the docstrings were read
+    missing = {page: module for page, module in named.items() if not (PACKAGE.parent / page).is_file()}
+    assert not missing, f"module docstrings name docs pages that do not exist: {missing}"

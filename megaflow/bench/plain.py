@@ -2,13 +2,7 @@
 diffusers DiT (no megatron, no engine, no weight sync), sharing only the loss functions and the item plans with
 megaflow (the math the trainer is tested against elsewhere).
 
-- FlowGRPO (``PlainFlowGRPO``): log-probs from ``flow.step.transition_log_prob``, loss ``algo.flowgrpo.flow_grpo_loss``
-  with every (sample, step) item of an optimizer step weighted 1/N; the engine samples with the trained module.
-- DiffusionNFT (``PlainNFT``): the engine samples with a copy θ_old, blended toward θ after every iteration; loss
-  ``algo.nft.nft_loss`` over ``trainer.nft.plan_items``'s items with the same noise; the EMA in a third copy.
-
-Both use ``torch.optim.AdamW`` with megatron's weight-decay groups (none on biases and 1-D params) and
-``clip_grad_norm_``, and the run's learning-rate schedule.
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

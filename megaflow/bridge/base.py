@@ -1,15 +1,6 @@
 """The weight-update bridge interface: ``push(named_tensors) -> SyncReport``.
 
-The trainer streams ``(engine_name, full_tensor)`` pairs (already gathered over TP/PP and renamed to
-the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_params`). A bridge
-packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
-(same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
-engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
-(``megaflow.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
-by each engine: colocated, each engine gets a bucket's digests with the bucket and checks it in the same call,
-pipelined with the packing and hashing of the next one; distributed and disk load without them and ask every
-engine to re-hash once at the end of the sync (``verify_engines``). Without ``verify`` nothing is hashed. The
-three paths are three implementations of this one interface, chosen by ``bridge.mode``.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
 """Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
 
 Every rank calls ``RunSync.push(engine_named_params(trainer))`` (the gather is collective). What a
-rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement):
-
-* colocated / disk: each engine host pushes the full tensors it gathered itself into its own engines
-  (the TP/PP gather gives every rank full tensors) through its local bridge; engines of one host are
-  updated in parallel when the host runs several (they sit behind one Balancer, whose control calls fan
-  out concurrently). Other ranks only take part in the gather.
-* distributed: global rank 0 broadcasts buckets to the engine hosts over a dedicated group
-  (:class:`~megaflow.bridge.distributed.DistributedBridge`), loading its own engines too; each other
-  host receives in a thread while its main thread takes part in the gather, and verifies.
-
-Engine ranks (rollout.placement = disaggregated) take part as receivers: the driver's ``commands``
-tell them a sync begins (megaflow.rollout.engine_commands), and the stream they push is empty.
-
-Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
-result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
-``sync/hosts_verified``) and every rank raises the same :class:`SyncError` if any host failed, so no
-rank is left waiting in a collective.
+rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement)
+(design notes: docs/design/bridge.md).
 """
 from __future__ import annotations
 

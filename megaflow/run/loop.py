@@ -1,18 +1,7 @@
 """The RL loop: generate -> reward -> advantages -> train -> sync, every phase a named call; the algorithm
 (``algo.name``, megaflow.run.algorithm) says what to sample, how to update and what the engines hold.
 
-:func:`run` is a run's entry on every launched rank: its role (megaflow.run.roles), the run dir, then either an
-engine rank's service (megaflow.run.engine_service) or the pieces of a trainer rank (megaflow.run.build) and
-:func:`loop`. The engine hosts (megaflow.parallel.placement) sample and score their share of the groups;
-every trainer rank receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages,
-takes part in the megatron step and in the weight sync to every host (megaflow.bridge.run_sync). Rank 0 (the
-driver) owns the run dir, the metrics and evaluation. Launch:
-
-    megaflow train -c configs/cpu_demo.toml                       # 1 process
-    torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
-    NNODES=2 NODE_RANK=<0|1> bash scripts/launch.sh -c ... --set rollout.engine_hosts='"node"'
-    NPROC=2 bash scripts/launch.sh -c ... --set rollout.placement='"disaggregated"' --set rollout.engine_ranks=1 \
-        --set bridge.mode='"distributed"'
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

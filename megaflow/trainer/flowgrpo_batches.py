@@ -1,31 +1,9 @@
-"""FlowGRPO training data: (sample, step) items -> optimizer steps -> this rank's microbatches.
+"""FlowGRPO's training data: (sample, step) items -> optimizer steps (``plan_updates``, flow_grpo's inner
+loop) -> this DP rank's microbatches (``microbatches_for``), with both CFG branches when the rollout used CFG.
 
-An item is one denoising step ``t`` of one kept sample ``i``. ``plan_updates`` is flow_grpo's inner
-loop (``scripts/train_sd3.py``): for each of ``num_inner_epochs`` epochs the kept samples are permuted
-(``torch.randperm(num_kept, generator=g)``), split into ``num_minibatches`` minibatches of near-equal
-size (``torch.tensor_split``; flow_grpo needs equal sizes and pads with zero-advantage samples, here
-every item simply has weight 1/N of its own step), and the trained steps are visited in a per-epoch
-order (``torch.randperm(num_steps, generator=g)``, drawn right after the sample permutation), so a
-minibatch's items are timestep-major like flow_grpo's ``for j in timesteps: batch of samples``. Each
-minibatch is ONE optimizer step, so from the second step on the PPO ratio compares the updated policy
-with the sampling policy (the clip acts on a stale policy). ``g = torch.Generator().manual_seed(seed)``.
-With one epoch and one minibatch nothing is drawn: items are sample-major ``(i, t)`` in sample order
-(the order inside one optimizer step changes only rounding).
-
-``microbatches_for`` turns one optimizer step's items into THIS data-parallel rank's microbatches:
-rank r takes items r, r + dp, ... and pads with copies of item 0 marked ``real=False`` so every rank
-runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.flowgrpo).
-
-The model's conditioning keys come from the model family (``conditioning`` = the family's
-``batch_conditioning`` bound to the model config, megaflow.models.registry): SD3's
-``encoder_hidden_states`` / ``pooled_projections``; FLUX.1's adds ``txt_ids``, ``img_ids`` and the
-embedded ``guidance``. The rest of a microbatch is the same for every family.
-
-Classifier-free guidance (trajectories with ``do_cfg``): the microbatch carries both branches in one
-batch of 2B, ``[unconditional; conditional]`` (flow_grpo's order): ``latents`` and ``sigma`` repeated,
-the conditioning negative then positive, plus ``guidance_scale [B]``; ``guided_velocity`` combines the
-DiT output as the engine does, v = v_u + g·(v_c − v_u) (sglang ``CFGPolicy.combine``). The per-item
-GRPO keys stay ``[B]``.
+Invariant: the plan is a function of the kept samples, the trained steps and the seed alone, so every rank builds
+the same; each rank's microbatches are its strided, padded share (megaflow.trainer.batch.dp_slice). The order of
+items, the CFG layout and the sources: docs/algorithms/flowgrpo.md ("In the trainer").
 """
 from __future__ import annotations
 
@@ -42,7 +20,7 @@ Item = tuple[int, int]
 
 def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs: int = 1,
                  num_minibatches: int = 1, seed: int = 0) -> list[list[Item]]:
-    """The items of every optimizer step, in order (see the module doc); empty minibatches are dropped."""
+    """The items of every optimizer step, in order (docs/algorithms/flowgrpo.md); empty minibatches are dropped."""
     if num_inner_epochs < 1 or num_minibatches < 1:
         raise ValueError(f"num_inner_epochs={num_inner_epochs!r} and num_minibatches={num_minibatches!r} must be >= 1")
     kept, steps = list(kept), list(steps)
@@ -66,7 +44,7 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
                 real: Sequence[bool], device: torch.device,
                 mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
                 conditioning: Conditioning) -> dict:
-    """One microbatch (Trainer protocol + GRPO keys) of ``items``; see the module doc for the
+    """One microbatch (Trainer protocol + GRPO keys) of ``items``; docs/algorithms/flowgrpo.md has the
     conditioning and CFG.
     ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
     (megaflow.trainer.flowgrpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""

@@ -6,10 +6,7 @@ manifest is listed as that manifest only (its digest chains to the files it list
 every file is hashed once when written and once when checked. Digests: ``megaflow.checksum`` (xxh3 by
 default, sha256 on request; the manifest names its algorithm).
 
-A missing, truncated, grown, modified or unlisted file, or no manifest at all, is refused with a ValueError of
-one line naming the file (the CLI prints it as ``megaflow: error: ...``). ``trust=True`` accepts a directory
-WITHOUT a manifest (a checkpoint written by a megaflow before manifests) unchecked; a manifest that is there is
-always checked.
+Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 
