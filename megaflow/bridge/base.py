@@ -37,6 +37,7 @@ class SyncReport:
     """What one sync moved and whether it verified."""
 
     mode: str
+    """The bridge's ``bridge.mode``; "run" for ``RunSync.push``'s report merged over every engine host."""
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0
@@ -47,10 +48,18 @@ class SyncReport:
     checksum: str = DEFAULT
     """The algorithm of ``expected_digests`` (``megaflow.checksum``)."""
     expected_digests: dict[str, str] = field(default_factory=dict, repr=False)
+    hosts: int | None = None
+    """The engine hosts merged into this report (``RunSync.push``); None for one bridge's own push."""
+    hosts_verified: int | None = None
+    """Of ``hosts``, those whose engines verified every tensor."""
 
     def as_metrics(self) -> dict[str, float]:
-        return {"sync/seconds": self.seconds, "sync/mbytes": self.num_bytes / 2**20,
-                "sync/tensors": float(self.num_tensors), "sync/verified": float(self.verified)}
+        """The sync's metrics row: the one place the ``sync/*`` keys are made."""
+        metrics = {"sync/seconds": self.seconds, "sync/mbytes": self.num_bytes / 2**20,
+                   "sync/tensors": float(self.num_tensors), "sync/verified": float(self.verified)}
+        if self.hosts is not None:
+            metrics.update({"sync/hosts": float(self.hosts), "sync/hosts_verified": float(self.hosts_verified)})
+        return metrics
 
 
 class WeightBridge(Protocol):

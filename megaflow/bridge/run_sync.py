@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.base import SyncError
+from megaflow.bridge.base import SyncError, SyncReport
 from megaflow.parallel.groups import as_group
 from megaflow.parallel.placement import Placement
 
@@ -50,9 +50,10 @@ class RunSync:
             return False, str(e), 0.0, 0.0, False
         return True, report.message, float(report.num_bytes), float(report.num_tensors), report.verified
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Sync every engine host; the merged metrics (the same on every rank). SyncError on every rank if a
-        host's engines rejected or did not verify the weights."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Sync every engine host; the report merged over them (the same on every rank; ``mode`` "run"): the
+        slowest host's seconds, the driver's bytes and tensors, verified when every host verified. SyncError on
+        every rank if a host's engines rejected or did not verify the weights."""
         t0 = time.perf_counter()
         if self.commands is not None:
             self.commands.send("sync")
@@ -68,6 +69,6 @@ class RunSync:
             raise SyncError(f"weight sync failed on rank(s) {failed}" + (f": {msg}" if not ok else ""))
         hosts = table[table[:, 0] > 0]
         driver = table[0]
-        return {"sync/seconds": float(hosts[:, 2].max()), "sync/mbytes": float(driver[3]) / 2**20,
-                "sync/tensors": float(driver[4]), "sync/verified": float(bool(hosts[:, 5].all())),
-                "sync/hosts": float(hosts.shape[0]), "sync/hosts_verified": float(hosts[:, 5].sum())}
+        return SyncReport(mode="run", num_tensors=int(driver[4]), num_bytes=int(driver[3]),
+                          seconds=float(hosts[:, 2].max()), verified=bool(hosts[:, 5].all()),
+                          hosts=int(hosts.shape[0]), hosts_verified=int(hosts[:, 5].sum()))
