@@ -202,6 +202,8 @@ def architecture_paths() -> list[tuple[str, str | None]]:
 
 def architecture_path_exists(path: str, room: str | None) -> bool:
     root, pkg = PACKAGE.parent, PACKAGE
+    if path.split("/")[0] in REPO_DIRS and (root / path).exists():  # a file of the repository, as named
+        return True
     if not path.endswith((".py", "/")):  # room/module.name: the module's file
         path = path.rsplit(".", 1)[0] + ".py"
     if path.split("/")[0] in REPO_DIRS:
