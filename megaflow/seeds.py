@@ -2,7 +2,7 @@
 iteration, a stream number), so every rank draws the same without communication and a resumed run draws
 what the uninterrupted one did.
 
-Streams: 0 the rollout noise (each group's first sample seed, megaflow.run.flowgrpo.make_requests), 1 the
+Streams: 0 the rollout noise (each group's first sample seed, megaflow.run.requests.make_requests), 1 the
 SDE window (FlowGRPO-Fast), 2 the trainer's minibatch shuffle, 3 the groups' assignment to engine hosts
 (megaflow.rollout.hosted).
 """

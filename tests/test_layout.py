@@ -1,20 +1,30 @@
 """The house rules of megaflow's layout, read from the source with ``ast`` (nothing is imported):
 
-- no import cycle between rooms, counting imports inside functions too. A room is the first package under
-  ``megaflow/`` (``megaflow/run/...`` is the room ``run``); a loose module at the top is a room of its own;
+- a room is the first package under ``megaflow/`` (``megaflow/run/...`` is the room ``run``); a loose module at
+  the top is a room of its own;
+- no import cycle between rooms (imports inside functions count too), and no room imports one listed above it
+  in ``docs/architecture.md``'s rooms table (top down), which lists every room;
+- every module path ``docs/architecture.md`` names exists, and every ``docs/`` page a module docstring names;
 - at most 4 loose modules at the top of ``megaflow/``;
 - no file over 400 lines;
-- every directory of modules is a package (an ``__init__.py``: what setuptools installs).
+- every directory of modules is a package (an ``__init__.py``: what setuptools installs);
+- no algorithm's module imports another algorithm's. An algorithm X owns ``algo/X.py`` (math), ``trainer/X.py``
+  (update) and ``run/X.py`` (requests, settings, shadows), plus any ``<room>/X_*.py``; what algorithms share lives
+  in the shared modules below (``ALGORITHM_SHARED``).
 
 Needs: CPU, 1 process, no torch (< 1 s)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megaflow"
 MAX_LOOSE_MODULES = 4
 MAX_LINES = 400
+ALGORITHMS = ("flowgrpo", "nft", "awm", "dgpo")
+ALGORITHM_ROOMS = ("algo", "trainer", "run")
+ALGORITHM_SHARED = ("megaflow.algo.advantages", "megaflow.run.requests", "megaflow.trainer.batch")
 
 
 def module_name(path: Path) -> str:
@@ -121,3 +131,116 @@ def test_every_directory_of_modules_is_a_package():
     missing = sorted(str(d.relative_to(PACKAGE.parent)) for d in {p.parent for p in PACKAGE.rglob("*.py")}
                      if not (d / "__init__.py").is_file())
     assert not missing, missing
+
+
+def algorithm_of(module: str) -> str | None:
+    """The algorithm owning a ``megaflow.*`` module name: ``megaflow.<room>.X`` or ``megaflow.<room>.X_*`` for an
+    algorithm X in one of ALGORITHM_ROOMS (a name imported from it, ``megaflow.<room>.X.f``, counts as X's too)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[0] != "megaflow" or parts[1] not in ALGORITHM_ROOMS:
+        return None
+    return next((a for a in ALGORITHMS if parts[2] == a or parts[2].startswith(f"{a}_")), None)
+
+
+def algorithm_modules() -> dict[str, Path]:
+    return {name: path for path in sorted(PACKAGE.rglob("*.py"))
+            if algorithm_of(name := module_name(path)) is not None}
+
+
+def test_algorithm_modules_are_known():
+    found = {algorithm_of(m) for m in algorithm_modules()}
+    assert found == set(ALGORITHMS), found  # every algorithm has its modules (a renamed file fails here)
+    math = {module_name(p) for p in (PACKAGE / "algo").glob("*.py") if p.name != "__init__.py"}
+    unowned = sorted(m for m in math if algorithm_of(m) is None and m not in ALGORITHM_SHARED)
+    assert not unowned, f"algo/ modules that are neither an algorithm's nor shared: {unowned}"
+    registry = {m.split(".")[2] for m in imported_modules(PACKAGE / "run" / "algorithm.py")
+                if m.startswith("megaflow.run.") and len(m.split(".")) == 3}
+    assert registry <= set(ALGORITHMS) | {"requests"}, registry  # build_algorithm's classes are known algorithms
+
+
+def test_no_algorithm_imports_another():
+    crossing = {}
+    for name, path in algorithm_modules().items():
+        own = algorithm_of(name)
+        others = sorted(m for m in imported_modules(path) if algorithm_of(m) not in (None, own))
+        if others:
+            crossing[name] = others
+    assert not crossing, f"an algorithm imports another's modules (move what they share to {ALGORITHM_SHARED}): " \
+                         f"{crossing}"
+
+
+def test_shared_modules_import_no_algorithm():
+    for name in ALGORITHM_SHARED:
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        used = sorted(m for m in imported_modules(path) if algorithm_of(m) is not None)
+        assert not used, f"{name} is shared by every algorithm but imports {used}"
+
+
+def test_algorithm_imports_are_read():
+    assert algorithm_of("megaflow.trainer.flowgrpo_batches.dp_slice") == "flowgrpo"
+    assert algorithm_of("megaflow.run.nft") == "nft" and algorithm_of("megaflow.run.loop") is None
+    nft = imported_modules(PACKAGE / "trainer" / "nft.py")
+    assert "megaflow.algo.nft" in nft and "megaflow.trainer.batch" in nft, sorted(nft)
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+REPO_DIRS = ("megaflow", "tests", "configs", "docs", "tools", "scripts", "assets")
+
+
+def architecture_paths() -> list[tuple[str, str | None]]:
+    """Every module or package path ``docs/architecture.md`` names in backticks, with the room of the table row
+    it stands in (a bare ``x.py`` in a room's row is that room's)."""
+    found = []
+    for line in ARCHITECTURE.read_text().splitlines():
+        row = re.match(r"\| `([a-z_]+)(?:/|\.py)` \|", line)
+        for token in re.findall(r"`([^`\s]+)`", line):
+            path = token.split(" ")[0]
+            if re.fullmatch(r"[\w./]+\.py|\w+(?:/\w+)*/", path) or re.fullmatch(r"\w+/[\w/]*\w\.\w+", path):
+                found.append((path, row.group(1) if row else None))
+    return found
+
+
+def architecture_path_exists(path: str, room: str | None) -> bool:
+    root, pkg = PACKAGE.parent, PACKAGE
+    if path.split("/")[0] in REPO_DIRS and (root / path).exists():  # a file of the repository, as named
+        return True
+    if not path.endswith((".py", "/")):  # room/module.name: the module's file
+        path = path.rsplit(".", 1)[0] + ".py"
+    if path.split("/")[0] in REPO_DIRS:
+        return (root / path).exists()
+    if "/" in path.rstrip("/"):
+        return (pkg / path).exists()
+    if room is not None and (pkg / room / path).exists():
+        return True
+    return (pkg / path).exists() or any(pkg.rglob(path.rstrip("/")))
+
+
+def architecture_rooms() -> list[str]:
+    """The rooms of the page's rooms table, top down."""
+    return re.findall(r"^\| `([a-z_]+)(?:/|\.py)` \|", ARCHITECTURE.read_text(), re.M)
+
+
+def test_rooms_import_only_rooms_below_them_in_the_architecture_page():
+    graph, order = room_graph(), architecture_rooms()
+    assert set(graph) <= set(order), f"rooms missing from docs/architecture.md's table: {sorted(set(graph) - set(order))}"
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if order.index(b) < order.index(a))
+    assert not upward, f"rooms import rooms listed above them in docs/architecture.md: {upward}"
+
+
+def test_every_module_the_architecture_page_names_exists():
+    paths = architecture_paths()
+    assert len(paths) > 50 and ("loop.py", "run") in paths, paths[:10]  # the page was read
+    missing = sorted({f"{room + '/' if room else ''}{path}" for path, room in paths
+                      if not architecture_path_exists(path, room)})
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_every_docs_page_a_module_docstring_names_exists():
+    named = {}
+    for path in PACKAGE.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+        for page in re.findall(r"\bdocs/[\w/.-]*\w\.md", doc):
+            named.setdefault(page, str(path.relative_to(PACKAGE.parent)))
+    assert "docs/algorithms/flowgrpo.md" in named, sorted(named)  # the docstrings were read
+    missing = {page: module for page, module in named.items() if not (PACKAGE.parent / page).is_file()}
+    assert not missing, f"module docstrings name docs pages that do not exist: {missing}"

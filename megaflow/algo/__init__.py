@@ -1,18 +1,2 @@
-"""FlowGRPO: group-normalised advantages and the clipped policy loss with KL and mismatch correction."""
-from megaflow.algo.advantages import AdvantageConfig, Advantages, contiguous_group_ids, group_advantages
-from megaflow.algo.loss import (
-    LossConfig,
-    MismatchConfig,
-    MismatchWeights,
-    flow_grpo_loss,
-    gaussian_kl,
-    mismatch_weights,
-    ppo_clip_loss,
-    train_step_indices,
-)
-
-__all__ = [
-    "AdvantageConfig", "Advantages", "contiguous_group_ids", "group_advantages",
-    "LossConfig", "MismatchConfig", "MismatchWeights", "flow_grpo_loss", "gaussian_kl",
-    "mismatch_weights", "ppo_clip_loss", "train_step_indices",
-]
+"""The algorithms' math, pure torch: one module per algorithm (``flowgrpo``, ``nft``, ``awm``, ``dgpo``) and the
+group advantages every algorithm shares (``advantages``). An algorithm's module imports no other algorithm's."""

@@ -5,15 +5,7 @@ Source formula (FlowGRPO, flow_grpo ``flow_grpo/stat_tracking.py`` ``PerPromptSt
 
     A_i = clip((r_i − mean_{g(i)} r) / (std + 1e-4), −c, c)
 
-where g(i) is the sample's group (its prompt), ``mean`` is the group mean and ``std`` is the POPULATION
-std (numpy ``np.std``, ddof 0) of either the whole batch (flow_grpo's ``global_std=True``, our default
-``std_mode="batch"``) or of the sample's group (``std_mode="group"``). c = 5 by default.
-
-Masked samples carry a NaN (or ±inf) reward: they get advantage 0, ``valid = False`` and are left out of
-every statistic (group means, group and batch std, the filter). Groups whose valid rewards are all equal
-(zero std: no learning signal, and ``r − mean = 0`` anyway) are dropped by the zero-std filter: their
-samples get ``keep = False`` and the fraction of valid samples dropped is reported. Statistics are
-computed in float64 (as flow_grpo's numpy code) and the advantages returned in fp32.
+Design notes: docs/design/algo.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Owns the objective of Xue et al., "Advantage Weighted Matching" (arXiv 2509.2505
 ``train_sd3_awm.py`` computes it: the weighted matching log-likelihood logp = −W(mean((v − (ε − x0))²), t),
 a PPO-clipped ratio exp(logp_θ − logp_old), and velocity KLs to the frozen reference and to a fast EMA.
 Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching, mean(A'·W). Reduction and
-masking as ``megaflow.algo.loss``. Derivation, defaults and sources: docs/algorithms/awm.md.
+masking as ``megaflow.algo.flowgrpo``. Derivation, defaults and sources: docs/algorithms/awm.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Owns the objective of Luo, Hu & Tang, "Reinforcing Diffusion Models by Direct Gr
 s_g = (β/G)·Σ_{i∈g} A_i·(ℓ_i − ℓ_ref,i) with ℓ = mean((v − (ε − x0))²), and the loss (1/β)·softplus(s_g) =
 (1/β)·(−log σ(R(G⁺) − R(G⁻))). Invariant: its gradient is σ(s_g)·A_i·∇ℓ_i per item, the authors'
 ``train_sd3_dgpo.py``, whatever the split of a group over calls (pass ``scores``). Reduction and masking as
-``megaflow.algo.loss``. Derivation, defaults and sources: docs/algorithms/dgpo.md.
+``megaflow.algo.flowgrpo``. Derivation, defaults and sources: docs/algorithms/dgpo.md.
 """
 from __future__ import annotations
 

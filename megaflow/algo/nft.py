@@ -1,37 +1,9 @@
-"""DiffusionNFT loss: negative-aware fine-tuning on the forward (noising) process. Pure torch functions.
+"""DiffusionNFT loss: negative-aware fine-tuning on the forward (noising) process, with the implicit positive and
+negative policies v± around the sampling policy v_old, and θ_old's decay schedule (``old_policy_decay``). Pure
+torch functions.
 
-Source: Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (ICLR 2026,
-arXiv 2509.16117), written here from the paper's objective.
-
-The rollouts are clean samples x0 of the sampling policy θ_old (deterministic ODE sampling, no log-probs),
-each with a reward and a group-normalised advantage A. Training noises them again, at timesteps t of the
-sampler's own grid with fresh noise ε:  x_t = (1 − t)·x0 + t·ε  (σ = t: 1 = noise, 0 = data). With the
-trained velocity v_θ and the sampling policy's v_old at (x_t, t) the two implicit policies are
-
-    v⁺ = β·v_θ + (1 − β)·v_old          (positive: pulled toward good samples)
-    v⁻ = (1 + β)·v_old − β·v_θ          (negative: its mirror image about v_old)
-
-and their clean-sample predictions x̂0^± = x_t − t·v^±. The "optimality probability" of a sample is
-r = clip(0.5 + A / (2·c), 0, 1) (c = ``adv_clip``), and the per-item policy loss is
-
-    ℓ = c · [ r·‖x̂0⁺ − x0‖² / w⁺ + (1 − r)·‖x̂0⁻ − x0‖² / w⁻ ] / β
-
-with ‖·‖² the mean over the latent's elements and w^± = sg(mean |x̂0^± − x0|) (clamped to ≥ 1e-5),
-which self-normalises each item's error (the paper's adaptive weighting). A velocity KL to the frozen
-reference, κ = mean((v_θ − v_ref)²), is added with weight ``kl_beta``.
-
-At θ = θ_old both predictions coincide and the gradient of ℓ is that of advantage-weighted flow
-matching, clip(A, −c, c)·‖x_t − t·v_θ − x0‖² / w (``tests/algo/test_nft.py`` checks it): positive samples
-are fitted, negative ones pushed away. Away from θ_old the negative branch bounds how far θ moves.
-
-θ_old follows θ after every iteration, θ_old ← d·θ_old + (1 − d)·θ, with d read on the optimizer-step clock
-(``old_policy_decay``: n = the optimizer steps taken so far, this iteration's included), in the paper's two
-forms: d = min(rate·n, max) (its default: rate 0.001, max 0.5) and, with a flat start, d = 0 for the first
-``flat`` steps, then min(rate·(n − flat), max) (its OCR run: 75 steps, rate 0.0075, max 0.999).
-
-Reduction and masking follow ``megaflow.algo.loss``: the mean over the masked-in items, or with
-``normalizer=N`` their sum / N (the trainer's equal weighting over one optimizer step); masked-out items
-never enter the arithmetic.
+Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching (tests/algo/test_nft.py checks
+it). Reduction and masking as megaflow.algo.flowgrpo. Formulas, defaults and sources: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 
@@ -99,7 +71,7 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, x0: torch.Tenso
              t: torch.Tensor, advantages: torch.Tensor, *, config: NFTConfig,
              ref_velocity: torch.Tensor | None = None, mask: torch.Tensor | None = None,
              normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DiffusionNFT loss of a batch of items (module doc).
+    """The DiffusionNFT loss of a batch of items (docs/algorithms/nft.md).
 
     ``velocity`` [B, ...] carries grads (v_θ at (x_t, t)); ``old_velocity`` (v_old) and ``ref_velocity``
     (v_ref, needed iff ``kl_beta`` > 0) are treated as constants. ``t`` [B] in [0, 1]; ``advantages`` [B];

@@ -1,21 +1,8 @@
 """``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow.
 
 Both sides start from the same pipeline and run the same iterations of ``algo.name`` on the same prompts
-(``run.build.prompt_stream``), request seeds (``run.flowgrpo.make_requests``), reward and group advantages
-(``run.flowgrpo.generate_and_score``), item plans and learning-rate schedule:
-
-- baseline: ``DiffusersEngine`` rollouts (one batched diffusers loop) and the algorithm's update in plain torch on
-  its ``SD3Transformer2DModel`` (megaflow.bench.plain: FlowGRPO or DiffusionNFT, AdamW, the EMA when on); no
-  weight sync (FlowGRPO samples with the trained module, NFT with a θ_old copy blended in place);
-- megaflow: ``run.loop.run`` (SGLang engine, megatron-core trainer, verified weight sync).
-
-Held-out ShapeEval (``[eval]``: ODE, fixed prompts and seeds) before and after on each side's own engine;
-with ``eval_every`` a smaller held-out set (``eval_num`` prompts) every N iterations gives a learning
-curve against RL wall time (evaluation and start-up excluded), and the time each side first reached a
-held-out gain. The engines' SDE noise streams differ, so the sides' rollouts (and rewards) are not
-bit-equal for the same seeds; their ODE evaluations of the same weights agree (same initial noise).
-
-    megaflow bench learn -c configs/shapes_demo.toml --eval-every 10 --json --out runs/learn.json
+(``run.build.prompt_stream``), request seeds (``run.requests.make_requests``), reward and group advantages
+(``run.requests.generate_and_score``), item plans and learning-rate schedule (design notes: docs/design/bench.md).
 """
 from __future__ import annotations
 
@@ -104,7 +91,7 @@ def run_baseline(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     from megaflow.bench.plain import plain_algorithm
     from megaflow.rollout.baseline import DiffusersEngine, DiffusersEngineConfig
     from megaflow.run.build import build_scorer, prompt_stream, resolve_pipeline, with_pipeline_defaults
-    from megaflow.run.flowgrpo import generate_and_score
+    from megaflow.run.requests import generate_and_score
 
     t0 = time.perf_counter()
     torch.set_num_threads(cfg.run.num_threads)
@@ -173,7 +160,7 @@ def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
 
 def bench_learn(cfg: MegaflowConfig, *, side: str = "both", eval_every: int = 0, eval_num: int = 100,
                 target_gain: float = 0.05) -> dict:
-    """Run the chosen side(s) one after the other; one JSON-able report (module doc)."""
+    """Run the chosen side(s) one after the other; one JSON-able report (the module's design notes)."""
     if side not in (*SIDES, "both"):
         raise ValueError(f"--side must be baseline, megaflow or both, got {side!r}")
     if eval_every < 0 or eval_num < 1:

@@ -1,21 +1,7 @@
 """Whole-loop benchmarks: two real ``megaflow train`` runs of the same config that differ in one setting, compared
 by images/s (``megaflow bench hosts``, ``megaflow bench async``).
 
-Each side is one run under torchrun (``torch.distributed.run``) on this machine, with the same config (``-c`` /
-``--set``), seeds and prompts. Figures per side, from the run's metrics.jsonl: the median over iterations 2..
-(the first is warm-up) of ``time/iteration_s`` (generate + score + train + sync), and of its parts;
-images/s = images per iteration / median iteration time; ``ratio`` = images/s of the second side / the first.
-The sides run one after the other, so load from other processes on a shared machine affects them unequally;
-repeat the bench for a spread.
-
-- ``bench hosts``: 1 process vs 2, ``rollout.engine_hosts = "rank"``: N = 2 puts one trainer rank and
-  ``rollout.num_engines`` engines on each of two hosts (groups split over them, training data-parallel over
-  both ranks, every sync verified on both).
-- ``bench async``: ``train.max_staleness`` 0 vs 1, one process: the engines sample the next batch while the
-  trainer trains (the config's ``run.num_threads`` and ``rollout.engine_threads`` on both sides).
-
-    megaflow bench hosts -c configs/cpu_demo.toml --set rollout.prompts_per_iter=8 --json
-    megaflow bench async -c configs/shapes_demo.toml --json
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -59,7 +45,7 @@ def _run(config: str, overrides: list[str], nproc: int, iterations: int, root: P
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median figures over iterations 2.. of one run's metrics rows (see the module docstring)."""
+    """Median figures over iterations 2.. of one run's metrics rows (see the module's design notes)."""
     timed = [r for r in rows if r["iteration"] >= 2]
     if not timed:
         raise ValueError("a whole-loop bench needs at least 2 iterations (the first is warm-up)")

@@ -2,13 +2,7 @@
 diffusers DiT (no megatron, no engine, no weight sync), sharing only the loss functions and the item plans with
 megaflow (the math the trainer is tested against elsewhere).
 
-- FlowGRPO (``PlainFlowGRPO``): log-probs from ``flow.step.transition_log_prob``, loss ``algo.loss.flow_grpo_loss``
-  with every (sample, step) item of an optimizer step weighted 1/N; the engine samples with the trained module.
-- DiffusionNFT (``PlainNFT``): the engine samples with a copy θ_old, blended toward θ after every iteration; loss
-  ``algo.nft.nft_loss`` over ``trainer.nft.plan_items``'s items with the same noise; the EMA in a third copy.
-
-Both use ``torch.optim.AdamW`` with megatron's weight-decay groups (none on biases and 1-D params) and
-``clip_grad_norm_``, and the run's learning-rate schedule.
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ import contextlib
 
 import torch
 
-from megaflow.algo.loss import flow_grpo_loss
+from megaflow.algo.flowgrpo import flow_grpo_loss
 from megaflow.config import MegaflowConfig
 from megaflow.flow.step import sigma_max_of, transition_log_prob, transition_mean_std
 from megaflow.seeds import MINIBATCHES, iteration_seed
@@ -89,7 +83,7 @@ def plain_optimizer(dit, train) -> torch.optim.AdamW:
 def plain_update(dit, opt, trajs, advantages, keep, steps, settings, *, grad_clip: float, seed: int, ref=None,
                  num_train_timesteps: int = 1000, on_step=None) -> dict:
     """flow_grpo's training phase for one rollout batch in plain torch: every optimizer step of the plan."""
-    from megaflow.trainer.grpo_batches import plan_updates
+    from megaflow.trainer.flowgrpo_batches import plan_updates
     kept = [i for i in range(len(keep)) if bool(keep[i])]
     plan = plan_updates(kept, steps, num_inner_epochs=settings.num_inner_epochs,
                         num_minibatches=settings.num_minibatches, seed=seed)
@@ -149,7 +143,7 @@ class PlainFlowGRPO:
         self.ema = _PlainEMA(self.dit, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
 
     def requests(self, prompts, iteration: int):
-        from megaflow.run.flowgrpo import make_requests
+        from megaflow.run.requests import make_requests
         return make_requests(self.cfg, prompts, iteration)
 
     def update(self, trajs, adv, keep, iteration: int) -> dict:
@@ -190,7 +184,7 @@ class PlainNFT:
         self.steps = 0  # optimizer steps so far: θ_old's schedule reads them
 
     def requests(self, prompts, iteration: int):
-        from megaflow.run.flowgrpo import make_requests
+        from megaflow.run.requests import make_requests
         return make_requests(self.cfg, prompts, iteration)
 
     def _v(self, dit, x, t, cond):

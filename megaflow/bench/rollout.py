@@ -5,18 +5,7 @@ Every configuration samples the same work per call: ``groups`` prompt groups of 
 log-probs, images decoded. The baseline is ``megaflow.rollout.baseline.DiffusersEngine``: the same
 pipeline directory loaded with diffusers, all samples of a call in one batched loop.
 
-Timing: each contender first runs ``warmup`` untimed calls (first-call costs: allocator, lazy inits),
-then ``repeats`` timed rounds in which the engines (through the balancer) and the baseline are called
-in turn, so load from other processes on a shared machine hits both alike; images/s = images / summed
-call seconds. Engine start-up is reported separately (``engine_start_s``: each engine's seconds) and
-excluded; engines are added as the count grows, so ``max(engines)`` engines start in all. The machine's
-load average before and after each timed phase is recorded next to the numbers.
-
-Launch from the main thread (engines must be started by a thread that outlives them), and in scripts
-under an ``if __name__ == "__main__"`` guard (spawned engine workers re-import ``__main__``; the CLI has
-one):
-
-    megaflow bench rollout --json
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

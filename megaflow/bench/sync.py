@@ -6,21 +6,7 @@ Two models, both random-weight SD3 pipelines built offline (``megaflow.models.ti
   hidden; the defaults give ~110M parameters, ~0.44 GB fp32);
 - ``tiny``: the tiny pipeline itself (the CPU demo's model, ~1.2 MB DiT).
 
-For each, ``engines`` SGLang engines are started on the pipeline, and the trainer side's full weights
-(the engine's own names, new random values so every sync changes them) are pushed through
-``ColocatedBridge`` -- with ``verify`` off (the transfer: pack into shared memory, engines map and copy
-into their DiT) and on (plus one ``checksum`` pass here and one per engine: xxh3 or sha256). Each figure is the median of
-``repeats`` timed pushes after ``warmup`` untimed ones. ``copy_s`` is the reference: ``torch`` ``copy_``
-of every tensor into preallocated tensors of the same shapes, in this process, timed right before each timed
-push (median over all of them: on a shared, busy host the copies see the same load as the pushes, which
-copies timed once at the start do not). ``ratio_vs_copy`` = sync seconds / ``copy_s``; ``per_engine_s`` =
-sync seconds / engines. After the
-timed pushes the engine's SGLang checksum must equal the checksum of the pushed tensors (bit-exact).
-
-Launch from the main thread under an ``if __name__ == "__main__"`` guard (spawned engine workers
-re-import ``__main__``; the CLI has one):
-
-    megaflow bench sync --json
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -125,7 +111,7 @@ def bench_sync(*, layers: int = 6, heads: int = 12, head_dim: int = 64, engines:
                warmup: int = 1, bucket_mb: float = 64.0, seed: int = 0, tiny: bool = True,
                checksum: str = "xxh3") -> dict:
     """Sync seconds (verify off / on) and their ratio to a plain copy, for the large DiT and (``tiny``) the
-    tiny one; see the module docstring."""
+    tiny one; see the module's design notes."""
     if layers < 1 or heads < 1 or head_dim < 1 or engines < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need layers, heads, head_dim, engines, repeats >= 1 and warmup >= 0, got "
                          f"{layers}, {heads}, {head_dim}, {engines}, {repeats}, {warmup}")

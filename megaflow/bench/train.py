@@ -1,22 +1,7 @@
 """``megaflow bench train``: one SFT training step of the megatron SD3 MMDiT vs the same step in
 diffusers, on CPU at TP=1 with identical weights and batches.
 
-A step = forward + backward + optimizer update (Adam, lr 1e-4, grad clip 1.0) over ``microbatches``
-microbatches of ``batch`` samples (rectified-flow loss). megatron side: ``Trainer.train_step``
-(megatron schedule, DDP grad buffers, finalize_model_grads, megatron optimizer) with megaflow's
-fast paths (``trainer.engine.FastPaths``, listed in ``fast_paths``); diffusers side:
-``SD3Transformer2DModel`` + ``torch.AdamW`` (foreach) + ``clip_grad_norm_``. With ``plain=True``
-(default) a third side runs the same megatron step with every fast path off (``megatron_plain_ms``,
-``ratio_plain``): the before/after of the fast paths within one run, and a check that they change
-nothing (``fast_paths_bit_identical``: both megatron sides end with equal weights).
-
-Timing: ``warmup`` untimed steps each, then ``repeats`` rounds, the sides in rotating order
-(shared-machine load hits all alike); per-step time = median over rounds (``ratio``);
-``ratio_min`` compares the fastest rounds, the least load-disturbed estimate. ``max_abs_diff`` is the
-largest velocity difference of the two models on the first microbatch at the common initial
-weights; ``loss_diff`` the largest difference of the per-step losses while both train.
-
-    megaflow bench train --json
+Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -90,7 +75,7 @@ def _ratios(times: dict[str, list[float]]) -> dict:
 def bench_train(*, batch: int = 8, microbatches: int = 1, context_len: int = 16, warmup: int = 3,
                 repeats: int = 10, distributed_optimizer: bool = False, threads: int = 1,
                 spec: str = "local", seed: int = 0, plain: bool = True, **config_overrides) -> dict:
-    """Time megatron vs diffusers SFT steps; returns a JSON-able dict (see module docstring).
+    """Time megatron vs diffusers SFT steps; returns a JSON-able dict (see the module's design notes).
 
     ``config_overrides`` are diffusers SD3 config keys (e.g. num_layers=4, attention_head_dim=64)."""
     import megaflow  # noqa: F401  (import guards before megatron)

@@ -1,15 +1,6 @@
 """The weight-update bridge interface: ``push(named_tensors) -> SyncReport``.
 
-The trainer streams ``(engine_name, full_tensor)`` pairs (already gathered over TP/PP and renamed to
-the engine's diffusers names, see :func:`megaflow.bridge.convert.engine_named_params`). A bridge
-packs them into buckets and moves those into the rollout engine(s) by one transfer path -- colocated
-(same host: shared memory / CUDA IPC), distributed (a process-group broadcast to the rank that hosts the
-engine) or disk (safetensors + reload) -- and, with ``verify``, checks the result: every tensor is hashed
-(``megaflow.bridge.checksum``, ``bridge.checksum``: xxh3 or sha256) once here, from its packed bucket, and once
-by each engine: colocated, each engine gets a bucket's digests with the bucket and checks it in the same call,
-pipelined with the packing and hashing of the next one; distributed and disk load without them and ask every
-engine to re-hash once at the end of the sync (``verify_engines``). Without ``verify`` nothing is hashed. The
-three paths are three implementations of this one interface, chosen by ``bridge.mode``.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
@@ -22,7 +13,7 @@ from typing import Protocol
 import torch
 
 from megaflow.bridge.buckets import Bucket
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 
 
 @dataclass(kw_only=True)
@@ -46,6 +37,7 @@ class SyncReport:
     """What one sync moved and whether it verified."""
 
     mode: str
+    """The bridge's ``bridge.mode``; "run" for ``RunSync.push``'s report merged over every engine host."""
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0
@@ -54,12 +46,20 @@ class SyncReport:
     """Every tensor was re-hashed by the engine and matched (False when verification was off)."""
     message: str = ""
     checksum: str = DEFAULT
-    """The algorithm of ``expected_digests`` (``megaflow.bridge.checksum``)."""
+    """The algorithm of ``expected_digests`` (``megaflow.checksum``)."""
     expected_digests: dict[str, str] = field(default_factory=dict, repr=False)
+    hosts: int | None = None
+    """The engine hosts merged into this report (``RunSync.push``); None for one bridge's own push."""
+    hosts_verified: int | None = None
+    """Of ``hosts``, those whose engines verified every tensor."""
 
     def as_metrics(self) -> dict[str, float]:
-        return {"sync/seconds": self.seconds, "sync/mbytes": self.num_bytes / 2**20,
-                "sync/tensors": float(self.num_tensors), "sync/verified": float(self.verified)}
+        """The sync's metrics row: the one place the ``sync/*`` keys are made."""
+        metrics = {"sync/seconds": self.seconds, "sync/mbytes": self.num_bytes / 2**20,
+                   "sync/tensors": float(self.num_tensors), "sync/verified": float(self.verified)}
+        if self.hosts is not None:
+            metrics.update({"sync/hosts": float(self.hosts), "sync/hosts_verified": float(self.hosts_verified)})
+        return metrics
 
 
 class WeightBridge(Protocol):

@@ -1,27 +1,6 @@
 """Pack streamed named tensors into flat byte buckets, and per-tensor digests.
 
-A bucket is one contiguous ``uint8`` tensor holding several tensors (each starting at a 16-byte aligned
-offset) plus a list of :class:`TensorMeta` (name, shape, dtype, byte range). This is the layout SGLang's
-``load_format="flattened_bucket"`` reconstructs (bytes viewed back as dtype and reshaped), so one bucket is
-one engine request and mixed dtypes are fine. ``iter_buckets`` consumes a generator and never holds more
-than ~``bucket_bytes`` (plus one tensor larger than that, which gets a bucket of its own) -- the trainer's
-full parameters are streamed, not materialised at once.
-
-A bucket lives on the device of its first tensor (a CUDA bucket is handed to a colocated engine through
-CUDA IPC); ``shared=True`` puts a CPU bucket in shared memory, where an engine process maps it without a
-copy. Packing copies each tensor once, straight into its slice. Fresh host memory costs a page fault per
-4 KiB page on first touch (measured: packing 0.49 GB into new buffers took 0.6 s, 2.8 s in new shared
-memory, vs 0.04 s for a copy into touched memory), so a bridge that syncs again and again packs its CPU
-buckets into one :class:`StagingBuffer`, allocated once and reused by every bucket of every sync, or into
-:class:`StagingSlots`: one shared-memory buffer per bucket position, reused by the bucket at that position
-in every sync while its layout stays the same. A slotted bucket (``Bucket.slot`` set) keeps its bytes until
-the next sync overwrites them in place with the same tensors' new values, so an engine can keep views of it
-(its replay store) and map it once (its worker keeps the mapping, see ``megaflow.rollout.sglang.plugin``),
-and the next bucket can be packed while engines still load this one.
-
-``Bucket.digests`` hashes every tensor of a bucket from the packed bytes (one device-to-host copy per CUDA
-bucket, none on CPU) with ``megaflow.bridge.checksum`` (dtype, shape and raw bytes; xxh3 or sha256), the
-function every engine re-hashes its tensors with, so expected digests computed here can be verified engine-side.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
@@ -31,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaflow.bridge.checksum import raw_digest
+from megaflow.checksum import raw_digest
 
 ALIGN = 16
 """Byte alignment of every tensor's start in a bucket (a uint8 slice viewed as fp32/fp64 needs it)."""
@@ -69,7 +48,7 @@ class Bucket:
         return _views(self.flat, self.metadata)
 
     def digests(self, checksum: str) -> dict[str, str]:
-        """The ``checksum`` digest (``megaflow.bridge.checksum``) of every tensor in the bucket, by name (read
+        """The ``checksum`` digest (``megaflow.checksum``) of every tensor in the bucket, by name (read
         from the packed bytes)."""
         host = self.flat.cpu().numpy()
         return {m.name: raw_digest(m.dtype, m.shape, host[m.start_idx:m.end_idx], checksum) for m in self.metadata}

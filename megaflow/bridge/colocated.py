@@ -1,20 +1,6 @@
 """Colocated path: engines on this host; buckets go in through shared memory (CUDA IPC on GPU).
 
-Each bucket is packed once -- on CPU into :class:`StagingSlots`, one shared-memory buffer per bucket
-position that the bucket at that position reuses in every sync (touched once: no page faults after the
-first sync; the engine workers keep it mapped, and an SGLang engine keeps views of it as its replay store
-instead of a copy), on GPU on the tensors' own device -- and handed to every engine's ``load_bucket``,
-all engines at once from a thread pool; the SGLang adapter sends the bucket
-as SGLang's flattened-bucket payload and the engine's workers copy from the shared memory (or the CUDA IPC
-handle) into their DiT parameters.
-
-Pipelined: while the engines load bucket k, this thread packs bucket k + 1 (every CPU bucket has its own
-memory; a GPU bucket is waited for first, as its device memory may come back for the next one). With
-``verify`` this thread hashes each bucket after packing it and hands the digests to every engine with the
-bucket (``load_bucket(bucket, digests=...)``): each engine checks what it loaded against them in the same call
-(an SGLang engine's worker hashes each tensor as it copies it in; see ``megaflow.rollout.sglang.weight_checks``)
-while this thread packs and hashes bucket k + 1 -- each tensor is hashed once here and once by every engine. A
-bucket an engine rejects or does not verify stops the sync at once.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
@@ -25,7 +11,7 @@ import torch
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream
 from megaflow.bridge.buckets import StagingSlots, iter_buckets
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 
 
 class ColocatedBridge:

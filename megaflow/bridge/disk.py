@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from megaflow.bridge.base import SyncStream, SyncError, SyncReport, verify_engines
 from megaflow.bridge.buckets import iter_buckets
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 
 
 class DiskBridge:

@@ -1,13 +1,6 @@
 """Distributed path: broadcast buckets over a process group to the ranks that host engines.
 
-The trainer's source rank (usually global rank 0, holding the gathered full tensors) and one
-receiving rank per engine host form ``group`` (a dedicated group: gloo on CPU, NCCL with device
-tensors on GPU; ``megaflow.parallel.groups.run_groups`` builds it; ``src`` is a launch rank);
-engines on the source rank itself get every bucket too. For each bucket the source broadcasts the
-metadata (a pickled list) and then the flat byte tensor -- over NCCL on GPU clusters, gloo on CPU -- and
-each receiver loads it into its local engines through the colocated path. A ``None`` metadata message
-ends the sync; receivers then verify against the digests the source sends and report back, so the
-source's :class:`SyncReport` is only ``verified`` when every remote engine matched.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.parallel.groups import as_group
 
 

@@ -1,21 +1,6 @@
 """The LoRA sync path: only the adapters move, into SGLang's own LoRA update.
 
-Choice (SGLang 0.5.23's diffusion runtime, read in its ``post_training/weights_updater.py`` and
-``layers/lora/linear.py``, run on CPU): ``update_weights_from_tensor(weight_update_mode="lora_merge")``.
-It takes PEFT-named A/B tensors in the same flattened-bucket payload as a full update, wraps the DiT's
-linears in LoRA layers on first use, and on every update replaces each named layer's adapter (the previous
-merge is undone from a snapshot of the base it keeps) and merges ``base + alpha / rank * B @ A`` into the
-weight, so sampling runs at full-weight speed. The alternatives: ``set_lora`` reads an adapter from disk
-(a write and a read of every adapter per iteration, and a nickname/path cache to defeat); merging on the
-trainer side would push every targeted base matrix (most of the model) instead of the adapters.
-
-Stream: ``trainer.iter_full_adapters`` (TP/PP gather of the adapter tensors, PEFT names). Verified: every
-engine re-hashes (with its checksum, bridge.checksum) each adapter tensor it now holds against what was sent
-(``update_lora(verify=)``).
-That the merged weights act as base + scale * B @ A is tested (tests/bridge/test_lora_sync.py: the velocities
-the engine samples with equal the LoRA trainer's, also after a second adapter replaced the first) and shows
-in every training iteration as ``train/logp_abs_diff_rollout`` (trainer vs engine log-probs of its samples).
-The adapters are small, so one request per engine carries all of them.
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
@@ -36,7 +21,7 @@ def sync_stream(trainer) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class LoRABridge:
-    """Pushes the adapters into every engine through SGLang's LoRA merge (see the module docstring)."""
+    """Pushes the adapters into every engine through SGLang's LoRA merge (see the module's design notes)."""
 
     mode = "lora"
 

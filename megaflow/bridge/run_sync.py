@@ -1,23 +1,8 @@
 """Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
 
 Every rank calls ``RunSync.push(engine_named_params(trainer))`` (the gather is collective). What a
-rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement):
-
-* colocated / disk: each engine host pushes the full tensors it gathered itself into its own engines
-  (the TP/PP gather gives every rank full tensors) through its local bridge; engines of one host are
-  updated in parallel when the host runs several (they sit behind one Balancer, whose control calls fan
-  out concurrently). Other ranks only take part in the gather.
-* distributed: global rank 0 broadcasts buckets to the engine hosts over a dedicated group
-  (:class:`~megaflow.bridge.distributed.DistributedBridge`), loading its own engines too; each other
-  host receives in a thread while its main thread takes part in the gather, and verifies.
-
-Engine ranks (rollout.placement = disaggregated) take part as receivers: the driver's ``commands``
-tell them a sync begins (megaflow.rollout.engine_ranks), and the stream they push is empty.
-
-Then one all-gather of a small float64 row per rank over the gloo rollout group merges every host's
-result: every rank gets the same metrics (``sync/seconds`` = the slowest host, ``sync/hosts`` and
-``sync/hosts_verified``) and every rank raises the same :class:`SyncError` if any host failed, so no
-rank is left waiting in a collective.
+rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement)
+(design notes: docs/design/bridge.md).
 """
 from __future__ import annotations
 
@@ -28,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.base import SyncError
+from megaflow.bridge.base import SyncError, SyncReport
 from megaflow.parallel.groups import as_group
 from megaflow.parallel.placement import Placement
 
@@ -46,7 +31,7 @@ class RunSync:
         if bridge is not None and receiver is not None:
             raise ValueError("a rank either pushes or receives weights, not both")
         self.placement, self.group, self.bridge, self.receiver = placement, as_group(group), bridge, receiver
-        self.commands = commands  # the driver's channel to engine ranks (megaflow.rollout.engine_ranks)
+        self.commands = commands  # the driver's channel to engine ranks (megaflow.rollout.engine_commands)
 
     def _local(self, named_tensors: Iterable) -> tuple[bool, str, float, float, bool]:
         """(ok, message, bytes, tensors, verified) of this rank's part."""
@@ -65,9 +50,10 @@ class RunSync:
             return False, str(e), 0.0, 0.0, False
         return True, report.message, float(report.num_bytes), float(report.num_tensors), report.verified
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Sync every engine host; the merged metrics (the same on every rank). SyncError on every rank if a
-        host's engines rejected or did not verify the weights."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Sync every engine host; the report merged over them (the same on every rank; ``mode`` "run"): the
+        slowest host's seconds, the driver's bytes and tensors, verified when every host verified. SyncError on
+        every rank if a host's engines rejected or did not verify the weights."""
         t0 = time.perf_counter()
         if self.commands is not None:
             self.commands.send("sync")
@@ -83,6 +69,6 @@ class RunSync:
             raise SyncError(f"weight sync failed on rank(s) {failed}" + (f": {msg}" if not ok else ""))
         hosts = table[table[:, 0] > 0]
         driver = table[0]
-        return {"sync/seconds": float(hosts[:, 2].max()), "sync/mbytes": float(driver[3]) / 2**20,
-                "sync/tensors": float(driver[4]), "sync/verified": float(bool(hosts[:, 5].all())),
-                "sync/hosts": float(hosts.shape[0]), "sync/hosts_verified": float(hosts[:, 5].sum())}
+        return SyncReport(mode="run", num_tensors=int(driver[4]), num_bytes=int(driver[3]),
+                          seconds=float(hosts[:, 2].max()), verified=bool(hosts[:, 5].all()),
+                          hosts=int(hosts.shape[0]), hosts_verified=int(hosts[:, 5].sum()))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.bridge.buckets import Bucket
-from megaflow.bridge.checksum import DEFAULT, tensor_digest
+from megaflow.checksum import DEFAULT, tensor_digest
 
 
 class ModuleTarget:
@@ -64,7 +64,7 @@ class ModuleTarget:
         return self._load(named)
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named tensors with ``checksum`` (``megaflow.bridge.checksum``) and compare."""
+        """Re-hash the named tensors with ``checksum`` (``megaflow.checksum``) and compare."""
         targets = self._targets()
         for name, digest in expected_digests.items():
             if name not in targets:

@@ -1,13 +1,10 @@
 """Per-algorithm defaults: the value a field takes, by ``algo.name``, when the config leaves it out (neither the
 run file nor a ``--set`` names it). The one place they live; ``megaflow config show`` lists them.
 
-DiffusionNFT's are the published ones (the paper's SD3.5 configs and training script): a KL weight of 1e-4 to
-the reference, and ``int(num_steps * timestep_fraction)`` trained timesteps per sample (9 of 10). Its other
-published values need no per-algorithm entry, being the plain defaults of fields only NFT reads (θ_old's
-schedule, ``algo.old_decay_*``).
-
 The invariant: a resolved config (the run dir's ``config.toml``) names every field, so loading it again
 applies none of these and gives the same config.
+
+Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 

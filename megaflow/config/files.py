@@ -1,20 +1,8 @@
 """Cheap checks of the files a run or a tool reads, with the standard library only (no torch).
 
 Each check raises :class:`~megaflow.config.load.ConfigError` with ONE line naming the file and what is
-wrong, so a broken input stops a command before any heavy import or any engine starts:
-
-* ``check_text_file``: a prompt file that is missing, not a file, empty, binary (NUL bytes), not UTF-8, larger
-  than ``MAX_TEXT_BYTES`` or with a line longer than ``max_line`` characters;
-* ``check_safetensors``: the 8-byte header length, the JSON header, every tensor's byte range against its
-  dtype and shape, and the data offsets against the file size (a truncated or padded file);
-* ``check_weights_dir``: a diffusers model folder's safetensors (a single file, or the shards an
-  ``*.safetensors.index.json`` names: a deleted shard is named);
-* ``check_pipeline``: a diffusers pipeline directory (``model_index.json``, every component folder it
-  lists, ``transformer/config.json`` and weights, every component's safetensors);
-* ``check_megatron_checkpoint``: a megaflow dist checkpoint (``.metadata`` and ``megaflow_model.json``).
-
-A path the file system refuses (too long, a symlink loop) is one line too (``os_error``), shown shortened
-(``shown``): a 130 KB path is its two ends and its length.
+wrong, so a broken input stops a command before any heavy import or any engine starts
+(design notes: docs/design/config.md).
 """
 from __future__ import annotations
 

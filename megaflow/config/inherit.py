@@ -5,10 +5,7 @@ that sets ``reward.weights`` and not ``reward.kwargs`` starts from no reward arg
 the base's rewards).
 A base may have a base of its own.
 
-``config_layers(path)`` reads the chain, the farthest base first, and returns each file with its tables, so an
-error names the file that holds the key. Every mistake is one ConfigError line: a missing or unreadable file, a
-``base`` that is not a string, a chain that comes back to a file it already read (a cycle), or one deeper than
-``MAX_DEPTH``.
+Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 

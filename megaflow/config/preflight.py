@@ -1,22 +1,7 @@
 """Everything about a run that can be checked before the work starts, with the standard library only (and
 pyarrow / datasets only to read a prompt table the config names).
 
-``load_config`` checks each field alone (type, range, choices) and a few cross-field rules. ``preflight``
-adds what needs the files a config names, the machine, or several fields at once -- the mistakes that
-otherwise surface only after torch, megatron and the SGLang engines have started (~20 s in, behind a page
-of warnings). It raises :class:`ConfigError` with one line naming the key and, where there is one, the
-file. No torch import: ``megaflow config show`` / ``train`` / ``demo`` stop a bad config in well under a
-second (``tests/config/test_malformed_inputs.py``). ``command`` says what the config is for:
-
-* ``"train"``: the RL loop (``megaflow train``, ``bench learn``), including the launch (WORLD_SIZE);
-* ``"demo"``: the same, and ``model.pretrained`` is required;
-* ``"show"``: ``megaflow config show``: everything ``train`` checks except the launch (a config is
-  often shown on a login node for a torchrun job); with ``files=False`` also without the files it names;
-* ``"pretrain"``: ``megaflow pretrain`` (run, parallel and model.spec checks, ``pretrain.init_from``).
-
-A rule that the run applies again later has one home below the config, which both call: the SDE window
-(megaflow.flow.window), the parallel layout (megaflow.parallel.dims.ParallelDims), the engine placement
-(megaflow.parallel.placement) and the run directory's name (megaflow.config.load.run_dir_of).
+Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 
@@ -49,7 +34,7 @@ _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
-    """Check ``cfg`` for ``command`` (see the module docstring); returns it unchanged or raises ConfigError.
+    """Check ``cfg`` for ``command`` (see the module's design notes); returns it unchanged or raises ConfigError.
 
     ``files=False`` (``config show --no-files``, ``megaflow plan``; only with "show") skips every check of a
     file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file, the

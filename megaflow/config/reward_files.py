@@ -3,14 +3,7 @@
 reward in ``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
 directory is one line naming the key and the path.
 
-A model directory must hold ``config.json`` (a JSON object: what ``CLIPModel.from_pretrained`` reads); a
-processor directory ``preprocessor_config.json`` (as downloaded from the hub) or ``processor_config.json`` (as
-``CLIPProcessor.save_pretrained`` writes it); a head file must exist, be ``.safetensors`` (header-checked),
-``.pt``, ``.pth`` or ``.bin``. ``imagereward`` reads no transformers directory: ``path`` must hold the
-``IMAGEREWARD_FILES`` of its hub download (``med_config.json`` a JSON object) and ``tokenizer_path`` a BERT
-tokenizer (one of ``TOKENIZER_FILES``). The rewards of ``CHECKPOINT_REWARDS`` (``hpsv2``) read one checkpoint file
-(the same suffixes as a head) and a CLIP tokenizer directory (``tokenizer.json``, or ``vocab.json`` and
-``merges.txt``); each missing or wrong one is a line naming the argument and its ``hf download`` command.
+Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 

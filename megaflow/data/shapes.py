@@ -3,24 +3,7 @@
 A scene is one or two *groups* of identical objects ("two red circles") optionally joined by a
 spatial relation ("... left of a blue square"). Prompts are generated from a closed grammar, so
 every prompt parses back into its :class:`Scene` (``parse_prompt``) and its category follows from
-the scene's structure (``category_of``). Categories mirror GenEval:
-
-=============  ==========================================  ====================================
-category       structure                                   example
-=============  ==========================================  ====================================
-single_object  1 group, count 1, no colour                 "a circle"
-colors         1 group, count 1, colour                    "a red circle"
-counting       1 group, count 2-4, no colour               "three triangles"
-two_object     2 groups (different shapes), no colours     "a circle and a square"
-color_attr     2 groups (different shapes), colours        "a red circle and a blue square"
-position       2 groups (different shapes) + relation      "a circle left of a square"
-composite      2 coloured groups, counts, relation         "two red circles left of a blue square"
-=============  ==========================================  ====================================
-
-Train and held-out eval prompt sets are a deterministic, seeded split (``split_prompts``): held-out
-prompts are new combinations of words seen in training; the two smallest categories cannot be
-split and are reported apart as seen during training (``SEEN_CATEGORIES``). Rendering lives in ``shape_render``, checking in
-``megaflow.shapeeval.score``.
+the scene's structure (``category_of``). Categories mirror GenEval (design notes: docs/design/data.md).
 """
 from __future__ import annotations
 

@@ -4,15 +4,7 @@ Convention (shared with ``megaflow.flow.step``): σ = 1 is pure noise, σ = 0 is
 is a strictly decreasing fp32 tensor ``[N + 1]`` whose last entry is exactly 0, and step ``i`` goes from
 ``sigmas[i]`` to ``sigmas[i + 1]``. The DiT timestep of step ``i`` is ``sigmas[i] * num_train_timesteps``.
 
-The grids equal diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps`` (0.37.0) and SGLang's copy of
-it, which is what the engine returns as ``dit_trajectory.sigmas``. Prefer the engine's own sigmas when a
-trajectory carries them; these functions exist for the trainer-side reference sampler, for tests and for
-configs that need the grid before any rollout.
-
-One diffusers detail matters for exact equality (SD3 static shift): the scheduler first builds its
-1000-step training grid already shifted, takes ``sigma_min = shift(1 / num_train_timesteps)`` from it, then
-``set_timesteps`` spaces N points linearly between 1 and that *shifted* ``sigma_min`` and shifts them
-again. So the last non-zero sigma is ``shift(shift(1 / 1000))``, not ``shift(1 / 1000)``. We reproduce it.
+Design notes: docs/design/flow.md.
 """
 from __future__ import annotations
 

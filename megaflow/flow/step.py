@@ -5,34 +5,7 @@ These are the numbers the SGLang engine produces in a rollout (sglang 0.5.23,
 so that the trainer can recompute them from a stored trajectory with its own velocity. The math is
 FlowGRPO's (flow_grpo ``diffusers_patch/sd3_sde_with_logprob.py``, ``sde_step_with_logprob``).
 
-Conventions
------------
-- σ = 1 is noise, σ = 0 is data; ``sigma_next`` σ' < σ; ``dt = σ' − σ < 0``. ``v`` is the DiT output
-  (velocity, noise − data). ``x`` and ``v`` are ``[B, ...]``; σ and σ' are Python floats, 0-dim tensors or
-  per-sample ``[B]`` tensors.
-- Everything is computed in fp32 (inputs are upcast, outputs are fp32), like the engine's SDE/CPS path.
-- ``sigma_max`` is FlowGRPO's stand-in for σ = 1 in the SDE std: the engine uses ``sigmas[1]`` of the
-  step grid (``sigma_max_of(sigmas)``) wherever ``torch.isclose(σ, 1)`` (default rtol/atol), so the first
-  step never divides by ``1 − σ = 0``.
-- Kinds (``TransitionConfig.kind``), with a = ``noise_level``:
-    sde: s = a·sqrt(σ / (1 − σ̃)), σ̃ = sigma_max if σ ≈ 1 else σ; std = s·sqrt(−dt);
-         μ = x·(1 + s²·dt/(2σ)) + v·(1 + s²·(1 − σ)/(2σ))·dt
-    cps: std = σ'·sin(aπ/2); x̂0 = x − σ·v; x̂1 = x + (1 − σ)·v; μ = (1 − σ')·x̂0 + sqrt(σ'² − std²)·x̂1
-    ode: x' = x + dt·v, std 0, log-prob 0.
-  x' = μ + std·ε with ε ~ N(0, I).
-- Log-prob per step is the MEAN over all non-batch elements (shape ``[B]``) of
-    with constants: −(x' − μ)²/(2·std²) − log std − log sqrt(2π)
-    ``no_const``:   −(x' − μ)²          (no 1/(2·std²) factor: exactly what the engine and flow_grpo's CPS
-                                          path compute; it is a surrogate, not a density)
-  ODE steps have log-prob 0 in both modes. In ``step`` the residual x' − μ is taken as std·ε (from the
-  drawn noise, as the engine does); ``transition_log_prob`` uses the given x' (differentiable in ``v``).
-- ``std_dev_t`` is flow_grpo's "std_dev_t": s for SDE (WITHOUT the sqrt(−dt) factor), the transition std
-  for CPS, 0 for ODE. flow_grpo's KL divides by it; ``std`` is the true std of x' given x.
-- CPS with constants at σ' = 0 (the last step) has std 0 and the engine returns NaN there. Here it raises
-  ValueError instead: use ``no_const=True`` or keep that step out of the SDE window.
-- Engine differences we do not reproduce: on ODE steps the engine keeps the model dtype (a bf16 ``v`` gives
-  a bf16 dt·v); we compute in fp32, identical for fp32 models. The engine draws noise from one generator
-  per sample (``latents_shape`` with batch 1); pass a list of generators to do the same.
+Design notes: docs/design/flow.md.
 """
 from __future__ import annotations
 

@@ -6,8 +6,7 @@
   either a megatron ``ModuleSpec`` for one block (the family's model is built around it) or a whole
   ``torch.nn.Module`` for this pipeline chunk (used as is) -- slime's ``model_provider`` pattern.
 
-``build_model_chunks`` returns one module per virtual pipeline stage (a one-element list without
-VPP), the form megatron's schedules, DDP and optimizer take.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -6,10 +6,7 @@ native diffusion path on CPU (``model_id="stable-diffusion-3-medium-diffusers"``
 deterministic (same seed => bit-identical weights), a few MB. Tokenizers are built in memory from a
 small word list (byte-level BPE for CLIP, a unigram vocab for T5) and survive save/load.
 
-    python tools/make_tiny_pipeline.py --family sd3 --out runs/tiny-sd3 [--seed 0]
-    python tools/make_tiny_pipeline.py --family flux --out runs/tiny-flux
-
-(The builder lives in the package so runs can make one; tools/make_tiny_pipeline.py is its CLI.)
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

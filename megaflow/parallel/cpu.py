@@ -6,24 +6,7 @@ shims below, each a named, documented, idempotent patch that can be switched off
 switches each one off and checks that its named failure comes back, so a megatron upgrade that
 makes a shim unnecessary or insufficient fails the test suite instead of going unnoticed.
 
-How the patches stay confined (the mechanisms live in ``megaflow.parallel.patching``):
-- Most CUDA assumptions are calls like ``torch.cuda.current_device()`` or literal ``device="cuda"``
-  inside a few megatron modules. For those modules only, the module-global name ``torch`` is
-  replaced by a ``_TorchView``: it forwards every attribute to the real torch except the few
-  entries a shim overrides (e.g. ``torch.cuda.current_device`` -> cpu, ``torch.zeros(...,
-  device="cuda")`` -> cpu). Nothing outside the listed modules sees any change; torch itself is
-  never modified.
-- The RNG tracker shim replaces two helpers and one method in ``megatron.core.tensor_parallel.random``.
-- The tensor-type-name shims wrap specific megatron functions so that, only while they run,
-  ``Tensor.type()`` of a CPU tensor reports the CUDA type name they check for.
-
-Not needed any more (checked on 0.19.2 in the project venv): ``transformer/moe/ops/paged_stash.py``
-imports triton unconditionally, but sglang's install brings triton, so ``import megatron.core``
-works without a shim.
-
-SP with torch norms is not a patch: megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel``;
-``megaflow.parallel.sp_norm.SPTorchNorm`` is the layer-norm builder for specs instead. Patches that no
-correctness depends on (bit-identical fast paths, applied on any device) are ``megaflow.parallel.perf_patches``.
+Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 

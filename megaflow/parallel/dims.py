@@ -3,13 +3,7 @@ and the one place its rules are checked.
 
 Standard library only: ``megaflow.config`` checks a config's layout with it before anything heavy is
 imported, ``megaflow plan`` plans with it, and ``megaflow.parallel.distributed.init_distributed`` builds
-the process groups from it. The rules:
-
-* every degree is an int >= 1; SP needs TP > 1; VPP (virtual pipeline stages) needs PP > 1;
-* TP * PP * CP divides the trainer ranks (the rest is data parallelism): :meth:`ParallelDims.dp_for`;
-* TP divides the attention heads and PP (x VPP) the transformer blocks: :meth:`ParallelDims.check_model`.
-
-Messages name the ``[parallel]`` config keys, where a user sets the layout.
+the process groups from it. Its rules are listed in the design notes (docs/design/parallel.md).
 """
 from __future__ import annotations
 

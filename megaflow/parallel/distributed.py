@@ -6,10 +6,7 @@
 uses gloo and applies the CPU shims from ``megaflow.parallel.cpu`` first, so the same code runs on a laptop
 and on GPUs.
 
-Launch (the env is what torchrun sets; a plain ``python`` call is a 1-process world)::
-
-    python -m your_script                         # world 1, gloo on CPU / nccl on GPU
-    torchrun --nproc-per-node 2 -m your_script    # e.g. ParallelDims(tp=2)
+Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 

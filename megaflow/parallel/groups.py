@@ -1,20 +1,6 @@
 """The launch's rendezvous store, and the process groups megaflow builds on it beside megatron's.
 
-torchrun starts the launch's processes. Under ``rollout.placement = "colocated"`` all of them train and the
-default process group (megatron's world) spans the launch. Under ``"disaggregated"`` the last
-``rollout.engine_ranks`` processes only sample: the default group spans the trainer ranks alone, so
-megatron never sees an engine rank (its parallel_state derives every group from the default group's size).
-The groups megaflow needs across that boundary are built directly on the launch's store, one
-``PrefixStore`` per group: only a group's members construct it, so no other rank takes part (unlike
-``torch.distributed.new_group``, which every rank of the default group must call). The same mechanism
-serves both placements:
-
-* ``everyone`` (gloo, every launched rank): the rollout exchange, merged sync results, run-dir decisions;
-* ``control`` (gloo, the driver and the engine ranks; disaggregated only): the driver's commands;
-* ``weights`` (the driver and every engine host, ``bridge.mode = "distributed"``): NCCL on GPU, else gloo.
-
-Such groups are not registered with torch.distributed: collectives on them name ranks inside the group
-(``group_src=``), which :class:`Group` translates from launch ranks.
+Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 
@@ -104,7 +90,7 @@ def as_group(group) -> Group:
 
 @dataclass(frozen=True)
 class RunGroups:
-    """The groups of one run (see the module docstring); ``control`` and ``weights`` are None where this rank
+    """The groups of one run (see the module's design notes); ``control`` and ``weights`` are None where this rank
     is not a member or the run needs none."""
 
     everyone: Group

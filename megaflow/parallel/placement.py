@@ -4,22 +4,7 @@ Every rank computes the same :class:`Placement` from the launcher's environment 
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so no communication is needed to agree on it.
 
 ``rollout.placement = "colocated"``: every launched rank trains, and ``rollout.engine_hosts`` says which
-of them also start engines:
-
-* ``rank0``: global rank 0 hosts every engine (one host);
-* ``node``: the local rank 0 of every node hosts engines (global ranks 0, L, 2L, ... with L processes
-  per node, as torchrun numbers them);
-* ``rank``: every rank hosts engines.
-
-``rollout.placement = "disaggregated"``: the last ``rollout.engine_ranks`` launched ranks, the engine ranks,
-only sample (e.g. the whole last node; their entry is megaflow.run.engine_rank); ranks ``0 .. trainers-1``
-train and are megatron's whole world (megaflow.parallel.groups). Every engine rank is an engine host.
-
-A host starts ``rollout.num_engines`` engines pinned to its own local device (the GPU of its local
-rank; on CPU nothing is pinned). Global rank 0 is always a trainer and the driver (run dir, metrics,
-evaluation, the source of a distributed weight sync). Engine ids are global
-(``engine<host index * num_engines + i>``), so logs of engines on different nodes never collide.
-Standard library only: preflight uses it before heavy imports.
+of them also start engines (design notes: docs/design/parallel.md).
 """
 from __future__ import annotations
 

@@ -6,12 +6,7 @@ or, when the pipeline is not on this machine, from the built-in table ``BUILTIN`
 equal to the real models' ``numel``); ``sharded`` is what tensor parallelism splits (attention and MLP
 linears), ``replicated`` what every TP rank holds whole (adaLN, norms, embeddings, final layer).
 
-Activation coefficients: bytes autograd keeps per token and hidden unit of one block in training, in units
-of the activation dtype, split into a replicated part (residual stream, norms, modulations) and a part that
-TP shards (q/k/v, attention output, MLP hidden). Derived from what the blocks save (input of each linear,
-layer-norm and modulate inputs, gated-residual operands, GELU input, SDPA's q/k/v/out), then fitted to
-autograd's saved bytes of tiny SD3.5-like and FLUX models (the q/k-norm and single-block terms; tests/plan/test_plan.py
-holds predictions within 25% of the measurement).
+Design notes: docs/design/plan.md.
 """
 from __future__ import annotations
 

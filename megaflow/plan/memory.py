@@ -1,20 +1,6 @@
 """``megaflow plan``: GPU memory per rank of a run, before anything starts (standard library only).
 
-For every rank: the trainer's weights (model.dtype), grads (megatron DDP's fp32 grad buffer; under LoRA of the
-adapters only), optimizer states (Adam moments, plus fp32 main params with bf16 weights; the distributed
-optimizer shards them over the data-parallel ranks), activations of one micro-batch (x2 with CFG, x in-flight
-micro-batches on a pipeline stage) with and without ``train.recompute`` (under LoRA the frozen linears keep no
-input), what the optimizer step's temporaries add beyond the activations, one optimizer step's microbatches
-(every micro-batch's inputs, on the GPU together), the frozen KL
-reference (weights only; none under LoRA, where the reference is the base with the adapters off) and a runtime
-allowance; and on the ranks that host rollout engines (``engine_placement``), each engine's DiT, text
-encoders and VAE in ``rollout.precision`` plus its batched-sampling and VAE-decode activations; on the ranks that
-score (the engine hosts; rank 0 when it evaluates), the model rewards placed on a GPU and one scoring batch's
-activations (``megaflow.plan.rewards``). A trainer rank
-with engines in a phased run (colocated, synchronous) peaks at the larger of its training and rollout phases
-(``phase_bytes``, with ``train.offload``); any other rank holds every item at once. The model
-numbers are ``megaflow.plan.dit``'s. Estimates, not measurements: the figures to compare with a run are
-in tests/plan/test_plan.py and the README.
+Design notes: docs/design/plan.md.
 """
 from __future__ import annotations
 
@@ -127,7 +113,7 @@ def trained_steps(cfg: MegaflowConfig) -> int:
 
 
 def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, text: int) -> float:
-    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.grpo_batches.microbatches_for):
+    """One optimizer step's microbatches, all on the GPU at once (megaflow.trainer.flowgrpo_batches.microbatches_for):
     this DP rank's share of the step's (sample, step) items, padded to whole micro-batches, each holding x_t
     (twice under CFG) and x_{t+1} in fp32 and the text conditioning in rollout.precision (negative and positive
     under CFG). Every sample counted as kept (filtered groups only lower it)."""
@@ -142,7 +128,7 @@ def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, te
 
 def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, image: int,
                   text: int) -> tuple[dict, dict]:
-    """(counted items, info) of the trainer on one rank of pipeline stage ``stage`` (module docstring)."""
+    """(counted items, info) of the trainer on one rank of pipeline stage ``stage`` (the module's design notes)."""
     p, t, tp, pp = cfg.parallel, cfg.train, cfg.parallel.tp, cfg.parallel.pp
     dp = max(1, world // (tp * pp * p.cp))
     blocks = _stage_blocks(d, pp, stage)

@@ -1,28 +1,6 @@
 """The reward models in ``megaflow plan`` (standard library only).
 
-Where they run: every rank that hosts rollout engines builds the run's scorer (megaflow.run.build.build_rollout),
-and the driver (rank 0) builds the rewards again for ``megaflow train``'s evaluation when ``eval.every`` is on
-with ``data.test_prompts`` (megaflow.run.evaluation). A model reward loads onto its ``reward.kwargs.<name>.device``
-(default "cpu", not counted; "cuda" is the process's own GPU; a "cuda:N" lands on GPU N of the node, counted on
-the scoring rank all the same) in float32, and stays there for the whole run: nothing moves it in a phased
-run's training phase, so "reward models" counts in both phases. A process keeps one copy per (kind, directory,
-device) (megaflow.rewards.clip.shared_model: the CLIP rewards share the kind "clip"), so two CLIP rewards on one
-directory count once.
-
-Parameters: from the local model directory ``reward.kwargs.<name>.<model key>`` (the key is
-megaflow.config.reward_files.MODEL_REWARDS's) when it holds the safetensors ``from_pretrained`` loads (their
-floating-point tensors, from the headers), else ``REWARD_MODELS``'s published count; a reward with a separate head
-file (aesthetic) adds the head's, from a ``.safetensors`` head or the table.
-
-Scoring activations ("reward scoring activations", the rollout phase only: the scores are in before training):
-one ``batch_size`` batch through the image tower, no grad, float32: ``INFERENCE_LIVE`` live tensors of one block
-per token and hidden unit (as the engines' estimate) plus one block's attention scores (the math path; SDPA's
-fused kernels keep none, so an upper bound); the text tower's 77 tokens and the pixel batch are smaller and left
-out. A ViT-H/14 batch of 16 at 224 px: 0.30 GiB, per ``reward.num_workers`` thread scoring at once.
-
-Measured once on an H200 (torch's allocator, a PickScore-shaped transformers CLIPModel with random weights, float32):
-986,109,441 parameters, 3.74 GiB allocated (the plan: 3.67); one 16-image get_image_features peak 0.27 GiB over the
-weights with SDPA attention, 0.30 GiB with eager attention (the plan: 0.30).
+Design notes: docs/design/plan.md.
 """
 from __future__ import annotations
 
@@ -110,12 +88,12 @@ def _head(row: RewardModel, path: object) -> int:
 
 
 def scoring_bytes(batch: int, tokens: int, width: int, heads: int) -> float:
-    """One no-grad float32 batch through a ViT image tower (module docstring)."""
+    """One no-grad float32 batch through a ViT image tower (the module's design notes)."""
     return batch * REWARD_BYTES * (tokens * width * INFERENCE_LIVE + heads * tokens * tokens)
 
 
 def reward_load(name: str, kwargs: dict) -> RewardLoad:
-    """What model reward ``name`` (a key of ``REWARD_MODELS``) with ``kwargs`` loads (module docstring)."""
+    """What model reward ``name`` (a key of ``REWARD_MODELS``) with ``kwargs`` loads (the module's design notes)."""
     row = REWARD_MODELS[name]
     # a row whose reward is not in MODEL_REWARDS yet (added on its own branch): its model under "path"
     model_key, _, head_key, _ = MODEL_REWARDS.get(name, ("path", None, None, ""))

@@ -1,15 +1,6 @@
 """``megaflow pretrain``: build, train and save the ShapeEval pipeline.
 
-Phases: (1) text encoders on the grammar (``pretrain.text``), (2) the VAE on renders
-(``pretrain.vae``), (3) the DiT by rectified flow through megatron-core's ``Trainer`` (any
-TP/PP/DP; the SFT loss and the schedule are the trainer's own), with an EMA of the weights, periodic
-held-out evaluation (ODE sampling with the trainer's own forward, VAE decode, ShapeEval checker) and
-an atomic save of the diffusers pipeline (EMA weights) at every evaluation. Everything is seeded. With a CUDA
-device (``run.device``) the DiT, the VAE's encoding of the pool and the evaluations' sampling and decoding run on
-it; the text encoders, the renders and the random draws stay on the CPU.
-
-    megaflow pretrain -c configs/shapes_pretrain.toml
-    torchrun --nproc-per-node 2 -m megaflow.cli pretrain -c configs/shapes_pretrain.toml --set parallel.tp=2
+Design notes: docs/design/pretrain.md.
 """
 from __future__ import annotations
 

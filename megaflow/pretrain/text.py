@@ -3,17 +3,7 @@
 A real SD3 starts from CLIP and T5 encoders that already know language; the tiny pipeline's random
 encoders do not, and a DiT trained on them must learn to parse words through noise. Here
 the two CLIP stand-ins are pretrained on the TRAIN prompts' grammar with a small supervised objective
-(a stand-in for CLIP's language pretraining), then frozen:
-
-* every group's noun token ("circles") must predict its group: shape, colour (or none), count and
-  whether it is the first or second group; the second group's noun also predicts the relation that
-  joined the groups ("and", "left of", ...) -- CLIP is causal, so a token sees only what precedes it;
-* the pooled output (projection of the final end-of-text state) must predict the whole scene.
-
-These are exactly the hidden states SD3 reads: the penultimate layer per token (``hidden_states[-2]``)
-and the projected pooled output. The T5 stand-in is switched off (its final norm scale is zero, so it
-returns zeros): SD3 itself was trained with T5 dropped to zeros, and ShapeEval's grammar needs no
-second encoder.
+(a stand-in for CLIP's language pretraining), then frozen (design notes: docs/design/pretrain.md).
 """
 from __future__ import annotations
 

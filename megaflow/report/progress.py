@@ -1,22 +1,7 @@
 """What a person sees of a training run: a progress bar, a summary line now and then, curves and samples.
 
 ``RunReporter`` is driven by the loop (megaflow.run.loop), one ``iteration`` call per iteration (rank 0 only does
-anything). It owns, under the run directory:
-
-- ``metrics.jsonl``: every row, through ``megaflow.report.metrics.MetricsLog``, which also hands the rows, the
-  samples and the evaluations (``evaluation``) to the metrics backends (``logging.wandb``,
-  ``logging.tensorboard``: megaflow.report.backends);
-- ``curves.png``: reward mean ± std, each reward component, KL, clip fraction, trainer-vs-engine log-prob
-  mismatch and seconds per iteration, redrawn (atomically) with every summary line;
-- ``samples/iterNNNNN.png``: the iteration's images, one group per row, each captioned with its prompt and
-  reward, every ``logging.sample_every`` iterations and at the last one (the first 16 also to the backends as
-  ``samples``).
-
-On a terminal (stderr is a TTY) a tqdm bar counts iterations (reward in the postfix; tqdm shows s/it
-and the ETA) and closes at the last iteration; elsewhere (logs, CI) and with ``verbose`` (engine logs
-share the terminal and would tear the bar) there is no bar. Either way a one-line summary with s/it and
-ETA goes to stdout every ``logging.log_every`` iterations and at the last one. A resumed run
-(``start_iteration > 0``) counts from there and its curves include the rows already in metrics.jsonl.
+anything). It owns the files it writes under the run directory (design notes: docs/design/report.md).
 """
 from __future__ import annotations
 

@@ -2,14 +2,7 @@
 (``tensorboard --logdir <output dir>`` shows each run dir as a run), written with
 ``torch.utils.tensorboard.SummaryWriter``.
 
-- a number: a scalar under its metrics name (``reward/total``, ``eval/reward_total``), step = the iteration;
-  TensorBoard keeps it as float32;
-- images: one image per tag ``<tag>/<NN>`` (``samples/00`` ..., ``eval/images/00`` ...) and their captions as
-  one markdown text ``<tag>/captions`` at the same step (``NN: caption`` per line).
-
-A resumed run (after iteration ``start``) opens its writer with ``purge_step = start + 1``: TensorBoard then
-hides what an earlier session logged at steps after ``start``, so each step shows once, from the session that
-continued it.
+Design notes: docs/design/report.md.
 """
 from __future__ import annotations
 

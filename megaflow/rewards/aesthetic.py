@@ -3,15 +3,8 @@ head read from a local weights file; the prompt is unused.
 
 The CLIP model and processor come from ``clip_path`` (the published head was trained on ViT-L/14 embeddings:
 ``hf download openai/clip-vit-large-patch14 --local-dir DIR``). ``head_path`` (``.safetensors``, or a torch
-``.pt`` / ``.pth`` / ``.bin`` state dict, loaded with ``weights_only=True``) holds one of two layouts:
-
-* the published MLP (``sac+logos+ava1-l14-linearMSE.pth``): ``layers.{0,2,4,6,7}.{weight,bias}``, i.e.
-  Linear 768->1024, Dropout 0.2, Linear 1024->128, Dropout 0.2, Linear 128->64, Dropout 0.1, Linear 64->16,
-  Linear 16->1, with no activation between them (dropouts are identities at inference); the widths are read
-  from the weights, the input must equal the CLIP projection width;
-* a plain linear head: ``weight`` [1, D] and ``bias`` [1].
-
-Anything else is refused with one line listing the keys found.
+``.pt`` / ``.pth`` / ``.bin`` state dict, loaded with ``weights_only=True``) holds one of two layouts
+(design notes: docs/design/rewards.md).
 """
 from __future__ import annotations
 
@@ -64,7 +57,8 @@ def mlp_from_state(state: dict[str, torch.Tensor]) -> nn.Sequential:
 
 
 def load_head(path: str | Path) -> nn.Module:
-    """The head of ``path`` in eval mode (module docstring: the two accepted layouts); maps [B, D] to [B, 1]."""
+    """The head of ``path`` in eval mode (the module's design notes: the two accepted
+    layouts); maps [B, D] to [B, 1]."""
     state = read_state_dict(path)
     mlp_keys = {f"layers.{i}.{p}" for i in MLP_LINEARS for p in ("weight", "bias")}
     if set(state) == mlp_keys:
@@ -89,7 +83,7 @@ def head_widths(head: nn.Module) -> tuple[int, int]:
 
 
 class AestheticReward(Reward):
-    """Predicted aesthetic score: ``head(normalise(clip_image_embedding))`` (see module docstring)."""
+    """Predicted aesthetic score: ``head(normalise(clip_image_embedding))`` (see the module's design notes)."""
 
     name = "aesthetic"
 

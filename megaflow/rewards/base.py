@@ -1,18 +1,6 @@
 """Reward interface, image-batch conversions, and the masking wrapper every reward runs through.
 
-A reward is a callable ``reward(images, prompts, metadata) -> Tensor[B]`` (float32), where
-``images`` is a float tensor [B, 3, H, W] in [0, 1], a list of PIL images, or a uint8 numpy array
-[B, H, W, 3] (a custom ``'pkg.mod:fn'`` reward always gets the float tensor: megaflow.rewards.registry);
-``prompts`` is a list of B strings; ``metadata`` an optional list of B dicts. A reward may
-also return ``(scores, info)``: ``info`` maps a key to a scalar or a per-sample list, and is reported as
-its mean (non-finite entries left out) under ``reward/<label>/<key>`` (``score_with_info``).
-
-A reward's failures never stop a run: ``safe_score`` turns an exception or a non-finite value into NaN
-for the affected samples (a batch that raises is retried sample by sample, so only the samples
-that really fail are masked) and logs a warning naming the reward and the reason. A reward still running
-after ``reward.timeout_s`` is masked for the whole batch by the scorer (``megaflow.rewards.scorer``). A reward that
-breaks the contract -- scores of the wrong length or shape, or not numbers -- is a bug, not a failure of one
-sample: :class:`RewardContractError` (one line) stops the command.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

@@ -6,12 +6,7 @@ unusable) ships a Keras Sequential CNN as HDF5 (``trained_models/cnn_model.h5``,
 last one too (the logits are ReLU'd, then trained with from_logits softmax cross-entropy). It was
 trained on raw RGB pixel values in [0, 255] with no normalisation.
 
-``load_cifar10_cnn`` walks the model config stored in the file and builds the torch equivalent
-layer by layer (Conv2D kernels HWIO -> OIHW, Dense kernels transposed, Flatten in channels-last
-order), so any layer the port does not know raises instead of being silently skipped.
-
-Reward = softmax probability of the target class: configured (``target="cat"``) or the first
-CIFAR-10 class (or synonym: car, plane, boat, ...) named in the prompt.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """CLIP-based rewards that read real models from a local directory (model hubs are never contacted):
 ``clipscore``, ``pickscore`` and ``aesthetic``.
 
-Every reward loads a transformers ``CLIPModel`` with ``from_pretrained(dir)`` (float32, eval, on ``device``;
-one copy per (directory, device) per process, shared by the rewards that name it) and a ``CLIPProcessor``
-(``from_pretrained``). Images (any form ``megaflow.rewards.base`` accepts: usually a float tensor
-[B, 3, H, W] in [0, 1]) go through ``to_uint8`` (rounded to 8 bits, what the published scores were computed
-on) and the processor's image transform (resize, centre crop, normalise); prompts through its tokenizer,
-padded and truncated to the text tower's positions (77 for CLIP). Embeddings are ``get_image_features`` /
-``get_text_features``, L2-normalised, computed without gradients ``batch_size`` images at a time.
-
-* ``clipscore`` (Hessel et al. 2021): ``w * max(cos(image, text), 0)``, ``w = 2.5``; ``prefix`` is prepended
-  to each prompt (the paper uses ``"A photo depicts "``; default none).
-* ``pickscore`` (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, text)`` of the PickScore_v1 CLIP
-  (processor from ``processor_path``, default ``path``). Reported RAW by default (the paper's score, ~18-23
-  for ordinary images); ``scale`` multiplies it (``scale = 0.0384615`` = 1/26 gives the normalised variant
-  some FlowGRPO recipes train on).
-* ``aesthetic``: the LAION aesthetic predictor v2 shape: L2-normalised CLIP image embedding -> a head from
-  ``head_path`` (see ``load_head``), the prompt unused.
-
-``hpsv2`` (``megaflow.rewards.hps``) shares ``ClipEmbedder`` and ``shared_model`` with an OpenCLIP checkpoint
-converted to a ``CLIPModel`` (``megaflow.rewards.openclip``).
-
-The files are checked first (``megaflow.config.reward_files``): a missing directory is one line, before torch
-loads anything.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -131,7 +110,7 @@ class ClipEmbedder:
 
 
 class ClipScore(Reward):
-    """CLIPScore: ``w * max(cos(image, prefix + prompt), 0)`` (see module docstring)."""
+    """CLIPScore: ``w * max(cos(image, prefix + prompt), 0)`` (see the module's design notes)."""
 
     name = "clipscore"
 
@@ -150,7 +129,7 @@ class ClipScore(Reward):
 
 
 class PickScore(Reward):
-    """PickScore: ``scale * logit_scale.exp() * cos(image, prompt)``, raw by default (see module docstring)."""
+    """PickScore: ``scale * logit_scale.exp() * cos(image, prompt)``, raw by default (see the module's design notes)."""
 
     name = "pickscore"
 

@@ -1,18 +1,6 @@
 """``hpsv2``: Human Preference Score v2.1 (Wu et al. 2023), read from files you download (hubs never contacted).
 
-HPSv2.1 is an OpenCLIP ViT-H/14 fine-tuned on human preferences, published as an OpenCLIP checkpoint
-(``hf download xswu/HPSv2 HPS_v2.1_compressed.pt --local-dir DIR``). ``path`` names that file (or any OpenCLIP
-ViT checkpoint: ``.pt`` / ``.pth`` / ``.bin`` or ``.safetensors``); it is converted to a transformers
-``CLIPModel`` (``megaflow.rewards.openclip``; one copy per (file, device) per process). ``tokenizer_path`` names
-a directory holding the OpenAI CLIP BPE tokenizer that OpenCLIP uses (``hf download
-laion/CLIP-ViT-H-14-laion2B-s32B-b79K --local-dir DIR``), read as ``clip_bpe_tokenizer`` does; prompts are
-truncated to the 77-token context. transformers' tokenizer gives OpenCLIP's ids except where OpenCLIP's ftfy /
-HTML clean-up changes the text first (curly quotes, HTML entities, mojibake).
-
-The score of (image, prompt) is HPSv2's: the cosine similarity of the L2-normalised image and text embeddings
-(no logit scale), ~0.2-0.35 for ordinary images. Images go through ``to_uint8`` and HPSv2's inference transform
-(``openclip_pixels``: the [0, 1] float image's shorter side to 224 by antialiased bicubic interpolation, the centre
-crop, OpenAI CLIP mean / std), in float32 (HPSv2 scores under CUDA autocast: fp16 matmuls).
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -40,7 +28,7 @@ def clip_bpe_tokenizer(path: str):
 
 
 class HpsV2(Reward):
-    """HPSv2.1: ``cos(image, prompt)`` of the HPS OpenCLIP model (see module docstring)."""
+    """HPSv2.1: ``cos(image, prompt)`` of the HPS OpenCLIP model (see the module's design notes)."""
 
     name = "hpsv2"
 

@@ -1,28 +1,7 @@
 """``imagereward``: ImageReward (Xu et al. 2023), a BLIP model fine-tuned on human preferences, read from the
 directory a user downloaded (``hf download THUDM/ImageReward --local-dir DIR``; hubs are never contacted).
 
-The model: a ViT (BLIP's, timm layout: pre-norm blocks, LayerNorm eps 1e-6, exact GELU, a final norm; ViT-L/16
-at 224 px in the release) encodes the image into its full token sequence; a BERT text encoder whose every layer
-also cross-attends to those tokens (bidirectional self-attention, no token-type embeddings) encodes the prompt;
-the text encoder's first ([CLS]) output goes through an MLP head (Linear 768->1024, Dropout, Linear 1024->128,
-Dropout, Linear 128->64, Dropout, Linear 64->16, Linear 16->1, no activations), and the score is
-``(head - MEAN) / STD`` with the release's constants.
-
-Files: ``path`` holds ``ImageReward.pt`` (a torch state dict with BLIP's names: ``blip.visual_encoder.*``,
-``blip.text_encoder.*``, ``mlp.layers.*``; other keys such as ``blip.vision_proj`` are unused) and
-``med_config.json`` (the BERT config: attention heads, activation, LayerNorm eps). Every width, depth, the
-patch and image sizes are read from the tensors' shapes; the ViT's heads are its width / 64 (16 for ViT-L).
-transformers' ``BlipVisionModel`` and ``BlipTextModel`` (run as an encoder: ``is_decoder=False``) hold them.
-``tokenizer_path`` is the bert-base-uncased tokenizer (``hf download google-bert/bert-base-uncased``): prompts
-are padded to and truncated at ``MAX_TOKENS`` = 35 tokens, as the release scores them.
-
-Images (any form ``megaflow.rewards.base`` accepts; a list of PIL images may mix sizes) are rounded to 8 bits
-(``to_pil``), then, as the release: the shorter side resized to the ViT's image size (PIL bicubic, the longer
-side truncated to an integer), a centre crop of that size, scaled to [0, 1] and normalised with OpenAI CLIP's
-mean and std.
-
-The files are checked first (``megaflow.config.reward_files``): a missing file is one line, before torch loads
-anything. One copy of the model per (directory, device) per process.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -134,7 +113,7 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
 
 
 class ImageRewardModel(nn.Module):
-    """ViT -> cross-attention BERT -> MLP head on [CLS] -> ``(head - MEAN) / STD`` (see module docstring)."""
+    """ViT -> cross-attention BERT -> MLP head on [CLS] -> ``(head - MEAN) / STD`` (see the module's design notes)."""
 
     def __init__(self, vision: nn.Module, text: nn.Module, head: nn.Module):
         super().__init__()
@@ -178,7 +157,7 @@ def build_model(path: str | Path) -> ImageRewardModel:
 
 
 def preprocess(images: ImageBatch, size: int) -> torch.Tensor:
-    """[B, 3, size, size] float32 pixels as the release prepares them (module docstring)."""
+    """[B, 3, size, size] float32 pixels as the release prepares them (the module's design notes)."""
     out = []
     for image in to_pil(images):
         w, h = image.size
@@ -206,7 +185,7 @@ def tokenize(tokenizer, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
 
 
 class ImageRewardScore(Reward):
-    """ImageReward's score of each image for its prompt (see module docstring)."""
+    """ImageReward's score of each image for its prompt (see the module's design notes)."""
 
     name = "imagereward"
 

@@ -4,15 +4,7 @@ Target text: ``metadata[key]`` (``key`` defaults to ``"text"``) when the sample'
 text between the first pair of double quotes (``"``) of the prompt (``A sign that says "OPEN"`` -> ``OPEN``).
 A sample with neither (or whose target normalises to nothing) raises, so ``safe_score`` masks it.
 
-Recognised text: every line RapidOCR (PP-OCRv4 detector + recogniser, ONNX on CPU, the models shipped in the
-``rapidocr-onnxruntime`` wheel) reads with confidence >= 0.5, concatenated in the order it returns them.
-
-Both strings are normalised the same way: lowercased, all whitespace removed. The score is
-``max(0, 1 - levenshtein(recognised, target) / len(target))`` in [0, 1]: 1 = exact, a blank image
-(nothing detected) = 0, and extra or missing characters cost 1/len(target) each.
-
-One RapidOCR engine per process, built on first use and shared (calls are serialised by a lock: the engine
-keeps per-call state), with ``threads`` ONNX Runtime threads per session.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -85,7 +77,7 @@ def read_text(image: np.ndarray, *, threads: int = 1) -> str:
 
 
 class OcrReward(Reward):
-    """Per-image OCR match score in [0, 1] (see module docstring); ``key`` names the metadata field that
+    """Per-image OCR match score in [0, 1] (see the module's design notes); ``key`` names the metadata field that
     overrides the prompt's quoted text, ``threads`` the ONNX Runtime intra-op threads (default 1)."""
 
     name = "ocr"

@@ -3,21 +3,7 @@ package needed; used by ``megaflow.rewards.hps``).
 
 A checkpoint is a torch-saved dict (``.pt`` / ``.pth`` / ``.bin``, loaded with ``weights_only=True``; the tensors
 may sit under a ``"state_dict"`` key and carry a ``module.`` prefix) or a ``.safetensors`` file, holding the
-OpenCLIP ViT + text-transformer layout:
-
-* image tower ``visual.``: ``conv1`` (patchify, no bias), ``class_embedding``, ``positional_embedding``,
-  ``ln_pre``, ``transformer.resblocks.N``, ``ln_post`` (on the class token), ``proj`` [width, embed];
-* text tower: ``token_embedding``, ``positional_embedding``, ``transformer.resblocks.N`` (causal), ``ln_final``,
-  ``text_projection`` [width, embed] (the token at the end-of-text position is projected);
-* each block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, attention with fused ``in_proj_weight/bias``
-  ([3 * width, width], q, k, v in that order) and ``out_proj``, mlp ``c_fc`` -> activation -> ``c_proj``;
-* ``logit_scale`` (log of the temperature's inverse).
-
-The shapes give every width, depth, the patch and image size, the context length and the vocabulary; not the
-number of attention heads: OpenCLIP's configs use 64-wide heads except the ViT-H/g/bigG image towers
-(``VISION_HEAD_WIDTH``), so that is the default, and ``vision_heads`` / ``text_heads`` override it. Nor the
-activation: OpenCLIP trains with exact GELU (``"gelu"``, the default), OpenAI's own CLIPs with ``"quick_gelu"``.
-The text tower's end-of-text token is taken to be the last vocabulary entry (true of the CLIP BPE: 49407).
+OpenCLIP ViT + text-transformer layout (design notes: docs/design/rewards.md).
 """
 from __future__ import annotations
 
@@ -57,7 +43,7 @@ _TRANSPOSED = {"visual.proj", "text_projection"}
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """The OpenCLIP state dict in ``path`` (module docstring), on the CPU; ValueError (one line) otherwise."""
+    """The OpenCLIP state dict in ``path`` (the module's design notes), on the CPU; ValueError (one line) otherwise."""
     from megaflow.rewards.aesthetic import read_state_dict
     sd = read_state_dict(path, "open_clip checkpoint", nested="state_dict")
     if sd and all(k.startswith("module.") for k in sd):  # saved from a DistributedDataParallel wrapper
@@ -87,7 +73,8 @@ def _heads(width: int, heads: int | None, head_width: int, tower: str) -> int:
 
 def openclip_config(sd: dict[str, torch.Tensor], *, vision_heads: int | None = None, text_heads: int | None = None,
                     hidden_act: str = "gelu"):
-    """The transformers ``CLIPConfig`` of OpenCLIP state dict ``sd`` (module docstring: what the shapes say)."""
+    """The transformers ``CLIPConfig`` of OpenCLIP state dict ``sd`` (the module's design
+    notes: what the shapes say)."""
     from transformers import CLIPConfig
     v_width, _, patch, _ = sd["visual.conv1.weight"].shape
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)

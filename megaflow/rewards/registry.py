@@ -1,19 +1,8 @@
 """Reward registry: an explicit name -> factory table, custom rewards by dotted path, and the
 builder that turns reward specs (from the config) into one ``MultiReward``.
 
-A spec's ``name`` is a registry key, or ``"pkg.module:attr"`` for a custom reward:
-
-* a class is instantiated with the spec's ``kwargs`` and must return a callable reward, called as
-  ``reward(images, prompts, metadata)``;
-* any other callable is itself the reward, ``fn(images, prompts, metadata, **kwargs)``.
-
-A custom reward always gets ``images`` in one form, wherever it scores (training, ``megaflow train``'s evaluation,
-``megaflow eval reward``): a float32 CPU tensor [B, 3, H, W] with values in [0, 1] (``CUSTOM_IMAGES``);
-``prompts`` a list of B strings; ``metadata`` a list of B dicts (a prompt's .jsonl fields, or a manifest line's).
-It returns B scores (a tensor, array or list), or ``(scores, info)`` (megaflow.rewards.base).
-
-User mistakes (unknown name, unimportable module, missing attribute, bad kwargs) raise a one-line
-ValueError naming the culprit.
+A spec's ``name`` is a registry key, or ``"pkg.module:attr"`` for a custom reward
+(design notes: docs/design/rewards.md).
 """
 from __future__ import annotations
 
@@ -98,7 +87,7 @@ def _instantiate(factory: Callable, name: str, kwargs: Mapping[str, object]):
 
 
 def build_reward(name: str, **kwargs) -> Callable:
-    """A reward callable from a registry key or a dotted path (see module docstring)."""
+    """A reward callable from a registry key or a dotted path (see the module's design notes)."""
     if ":" in name:
         target = resolve(name, "reward")
         if not callable(target):

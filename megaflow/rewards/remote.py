@@ -1,29 +1,6 @@
 """Remote scorers as rewards: a reward server over HTTP, and a vision-language model as a judge.
 
-``remote`` speaks the reward-server protocol of flow_grpo: one POST per batch to ``url`` with the pickled dict
-``{"images": [JPEG bytes per image], "prompts": [...], "meta_datas": [dict per sample]}``; the answer is a
-pickled dict with ``"scores"`` (a list of floats) or ``"outputs"`` (a list; each item a number, a bool, or a
-text read by the judge rule below). Unpickling runs whatever code the server sends, so this reward is built
-only with ``trust_pickle = true``. ``remote_json`` (or ``remote`` with ``format = "json"``) is the same
-exchange in JSON: ``{"images": [base64 JPEG], "prompts", "meta_datas"}`` -> ``{"scores": [...]}``; it needs
-no trust flag (metadata values JSON cannot hold are sent as their ``str``).
-
-``vlm_judge`` asks an OpenAI-compatible chat-completions server (e.g. ``python -m sglang.launch_server``) one
-question per image: a user message with the image (a ``data:image/jpeg;base64`` URL) and ``question`` with
-``{prompt}`` replaced by the sample's prompt, ``temperature = 0``. ``url`` is the server (``/v1/chat/completions``
-is appended unless it already ends in ``/chat/completions``); ``api_key_env`` names an environment variable
-holding a bearer token. Judge rule: an answer whose first word is "yes" / "no" (any case) scores 1 / 0;
-otherwise its first number divided by ``max_score`` must lie in [0, 1]; any other answer masks the sample.
-
-Failures never stop a run: each request has ``timeout`` seconds (per socket operation) and up to ``retries``
-more attempts after the first, waiting ``backoff * 2**k`` seconds before retry k, all within ``deadline`` seconds
-(the request's total, retries and the answer's transfer included); an answer over ``max_answer_bytes`` (its
-announced Content-Length, or what arrives) is refused at once, unread; while a request waits a warning says so
-every ``PROGRESS_S`` seconds. When every attempt failed the request's samples are NaN (masked by ``safe_score``)
-with a warning. An answer of the wrong length, or
-one that cannot be decoded, masks the whole batch with an error naming the server. The reward itself does
-not raise on these, so ``safe_score`` does not retry a dead server once per sample. Whether the server is up
-is checked once before the run starts (a TCP connect in megaflow.config.preflight, ``train`` / ``demo``).
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -162,7 +139,7 @@ def post(url: str, body: bytes, *, content_type: str, timeout: float, retries: i
 
 
 def judge_score(text: str, max_score: float = 1.0) -> float:
-    """The judge rule (module docstring): "yes" / "no" -> 1 / 0, else the first number / ``max_score`` in
+    """The judge rule (the module's design notes): "yes" / "no" -> 1 / 0, else the first number / ``max_score`` in
     [0, 1]; ValueError otherwise."""
     word = _WORD.match(text.strip().lower().lstrip("\"'*`([ "))
     if word and word.group() in ("yes", "no"):
@@ -193,7 +170,7 @@ def _item_score(item: object, name: str, i: int) -> float:
 
 
 class RemoteReward(Reward):
-    """A reward server (module docstring): ``url``, ``format`` ("pickle" needs ``trust_pickle = true``, or
+    """A reward server (the module's design notes): ``url``, ``format`` ("pickle" needs ``trust_pickle = true``, or
     "json"), ``timeout`` / ``retries`` / ``backoff`` / ``deadline`` (seconds, attempts after the first, first
     wait, a request's total), ``max_answer_bytes``, ``jpeg_quality`` of the images sent."""
 
@@ -270,7 +247,7 @@ def chat_url(url: str) -> str:
 
 
 class VlmJudge(Reward):
-    """A VLM's answer to ``question`` about each image, scored by the judge rule (module docstring);
+    """A VLM's answer to ``question`` about each image, scored by the judge rule (the module's design notes);
     ``concurrency`` requests in flight at most, each with ``RemoteReward``'s limits."""
 
     name = "vlm_judge"

@@ -6,19 +6,7 @@ rewards: ``info["<label>/<key>"]``, logged as ``reward/<label>/<key>``). A sampl
 component is NaN in the total, so the mask propagates to advantages (the caller drops NaN samples);
 a weight-0 component is only reported.
 
-``AsyncScorer.submit(images, prompts)`` returns a ``concurrent.futures.Future`` of the same
-``RewardScores`` that ``score`` gives synchronously; the rollout loop submits a batch and goes on
-sampling the next one. Threads, not processes: the heavy parts (PIL encode, numpy, torch) release
-the GIL, and a thread shares loaded weights (the CIFAR CNN) with no pickling or re-import cost.
-
-Timeouts (``reward.timeout_s``; 0 = none). With a limit, each component scores a batch on a fresh daemon
-thread and the scorer waits at most ``timeout_s`` for it: a component still running then is masked for the
-batch (NaN, as if it raised; per-sample retries are not tried) and counted in ``RewardScores.timeouts``
-(logged as ``reward/<label>_timeouts``). Python cannot kill a thread, so the stuck call is abandoned: it runs
-on in the background (a daemon thread, so it never keeps the process alive at exit) and its result is
-dropped; the next batch starts its own thread and never queues behind it. A reward that hangs on every
-call leaves one abandoned thread per batch, and a reward that times out may still be running while the
-next batch calls it, so it must tolerate concurrent calls.
+Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

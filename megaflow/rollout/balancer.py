@@ -1,24 +1,6 @@
 """Data-parallel rollouts: N engines behind the one ``RolloutEngine`` protocol.
 
-Each ``RolloutRequest`` (a prompt group: k samples of one prompt, seeds recorded in the request) goes,
-whole, to the engine with the fewest requests in flight; ties are broken by a seeded RNG, so a run's
-assignment is reproducible given the same completion order. The groups of one ``generate`` call that
-land on the same engine are handed to it in one ``engine.generate`` call (one thread per engine), so the
-engine sees them together and can batch them into one denoising loop; all engines work at once, and
-concurrent callers add their own engine calls (an engine may batch those too). With
-``max_in_flight_per_engine`` set, dispatch waits until some engine has a free slot, and the group then
-goes to whichever engine finished first: faster engines get more groups.
-
-Control calls (weights as tensors, buckets or from disk; verification; checksum; release/resume) wait
-for in-flight requests to finish, hold back new dispatches while they run, and fan out to every engine
-concurrently. ``checksum`` fails loudly when the engines disagree: a replica that silently skipped an
-update must never sample.
-
-Engines that spawn worker processes (SGLang) must be started by a thread that outlives them; the
-balancer's own threads only call ``generate`` and control methods on engines it is given.
-
-Per-engine counters (requests, images, busy seconds = wall time with >= 1 request in flight, in-flight
-now and at peak) are exposed by ``metrics()`` as plain JSON-able dicts.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -32,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth, RolloutEngine
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -59,7 +41,7 @@ class EngineStats:
 
 
 class Balancer:
-    """Least-in-flight, group-atomic dispatch over engines (see module docstring)."""
+    """Least-in-flight, group-atomic dispatch over engines (see the module's design notes)."""
 
     def __init__(self, engines: Sequence[RolloutEngine], *, seed: int = 0, max_in_flight_per_engine: int = 0,
                  engine_id: str = "balancer"):

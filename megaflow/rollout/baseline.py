@@ -5,14 +5,7 @@ diffusers and samples every request of a ``generate`` call in ONE batched denois
 of all compatible requests go through each DiT forward together, the transition and its per-step
 log-prob come from ``megaflow.flow.step`` (same math as the engine). It is
 
-- the honest baseline of ``megaflow bench rollout`` (same model, samples, steps, resolution, SDE +
-  log-prob as the SGLang engine; what a user would write without an inference engine), and
-- a small real engine implementing the ``RolloutEngine`` protocol, for tests of code that sits on
-  top of engines (the balancer) without starting SGLang.
-
-Noise: each sample has its own ``torch.Generator`` seeded with its seed; the initial latent and every
-step's ε are drawn from it, so a sample does not depend on what else is in the batch. The engine uses a
-different RNG stream, so samples are not bit-equal to SGLang's for the same seed.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ from megaflow.bridge.target import ModuleTarget
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, config_for_step, sigma_max_of, step
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
@@ -72,7 +65,7 @@ def _batch_key(r: RolloutRequest) -> tuple:
 
 
 class DiffusersEngine:
-    """Batched SD3 rollouts with diffusers modules and ``megaflow.flow`` steps (see module docstring)."""
+    """Batched SD3 rollouts with diffusers modules and ``megaflow.flow`` steps (see the module's design notes)."""
 
     def __init__(self, pipeline, *, config: DiffusersEngineConfig | None = None):
         """Wrap a loaded diffusers ``StableDiffusion3Pipeline`` (fp32, CPU)."""
@@ -257,7 +250,7 @@ class DiffusersEngine:
         return result
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named DiT tensors (``megaflow.bridge.checksum.tensor_digest``, the bridge's function)."""
+        """Re-hash the named DiT tensors (``megaflow.checksum.tensor_digest``, the bridge's function)."""
         with self._lock:
             return ModuleTarget(self.transformer, self.engine_id).verify_weights(expected_digests, checksum=checksum)
 

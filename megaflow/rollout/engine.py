@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 
@@ -58,13 +58,13 @@ class RolloutEngine(Protocol):
     def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
                     ) -> WeightUpdateResult:
         """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``digests``: the
-        sender's digests of the bucket's tensors (``checksum``, ``megaflow.bridge.checksum``); the engine re-hashes
+        sender's digests of the bucket's tensors (``checksum``, ``megaflow.checksum``); the engine re-hashes
         the tensors it now holds and the load fails (ok False, naming them) on a mismatch or a tensor it did not
         load. None: no check and no hashing (the weight bridge then verifies a whole sync once, or not at all)."""
         ...
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named tensors the engine holds with ``checksum`` (``megaflow.bridge.checksum``);
+        """Re-hash the named tensors the engine holds with ``checksum`` (``megaflow.checksum``);
         (all match, message naming the first mismatch)."""
         ...
 

@@ -1,13 +1,6 @@
 """A host's share of a rollout (trajectories + rewards) as tensors, and its broadcast to every rank.
 
-``pack_share`` turns the trajectories one engine host sampled (and the rewards it scored) into named
-tensors, generically: every tensor field of :class:`Trajectory` and every tensor in its dict fields
-(``conditioning``) is stacked over the samples; fields that are None are left out, so a field the
-engine does not fill (or that a later Trajectory drops) costs nothing. ``broadcast_share`` sends them
-from the host to every rank of a gloo group: a small header (names, shapes, dtypes) and then ONE flat
-byte tensor, so the bulk never goes through pickle. ``unpack_share`` rebuilds the trajectories: the
-tensors from the share, the other fields from the requests every rank already has (prompt, seeds,
-sampling settings are deterministic), ``engine_id`` = ``host<rank>``.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Rollout over every engine host: each rank calls ``HostedRollout.collect(requests)`` and gets the whole batch.
 
-Every rank builds the same requests (prompt stream and seeds are deterministic) and computes the same
-plan (:func:`plan_groups`): groups are assigned whole to hosts, each to the host whose engines have the
-fewest samples assigned so far, ties broken by a generator seeded by the run seed and the iteration.
-The plan is static (computed without communication, from request sizes); within a host the local
-:class:`~megaflow.rollout.balancer.Balancer` dispatches dynamically (least in flight). Each host samples
-its share with its own engines and scores it with its own scorer as groups come back
-(:func:`sample_and_score`): scoring runs where the images are, in parallel on all hosts, and only
-scalars per sample travel. Then every host broadcasts its share as tensors
-(:mod:`megaflow.rollout.exchange`) over a gloo group whose timeout is ``parallel.timeout_s``; ranks with
-nothing to sample wait there (on GPU: not in an NCCL collective, so NCCL's watchdog never sees the wait).
-Every rank then holds bit-identical trajectories and rewards in request order, so the advantages
-computed from them are identical everywhere without another exchange.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -82,7 +71,7 @@ class PendingCollect:
 class HostedRollout:
     """This rank's part of the rollout: its engines (``local``: one engine or a Balancer; None on a rank
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
-    disaggregated run, ``commands`` (megaflow.rollout.engine_ranks.Commands) reach the engine ranks."""
+    disaggregated run, ``commands`` (megaflow.rollout.engine_commands.Commands) reach the engine ranks."""
 
     def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
                  commands=None):

@@ -1,13 +1,6 @@
 """Rollout data types: what is asked of an engine, what comes back, and the rewards of what came back.
 
-``RolloutRequest`` is one prompt with a group of ``num_outputs`` samples (the FlowGRPO group, all with
-the same prompt and sampling settings, one seed each). ``Trajectory`` is one sample: everything the
-trainer needs to recompute log p_theta(x_{t+1} | x_t) at every step (latents, sigmas, the engine's
-log-probs, the per-step SDE mask, the conditioning kwargs of the DiT) plus the decoded image for the
-reward. ``RewardScores`` are the rewards of a batch of samples (megaflow.rewards computes them; the rollout
-moves them between hosts with the samples). Tensors are on CPU. Conventions (megaflow.flow.step): sigma 1 =
-noise, 0 = data, ``sigmas`` has T+1 entries ending in 0, ``latents[0]`` is the initial noise and
-``latents[T]`` the final sample.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

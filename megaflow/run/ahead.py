@@ -1,16 +1,6 @@
 """An iteration's scored batch, and the batch sampled ahead by the asynchronous loop (``train.max_staleness = 1``).
 
-A :class:`Batch` is what an iteration trains on: its requests, trajectories, rewards, the collect's timings, and
-the policy ``version`` that sampled it (the number of iterations whose update the engines held then). The
-synchronous loop collects iteration k's batch with version k - 1 and trains on it. The asynchronous loop starts
-collecting iteration k + 1's batch (:func:`start_batch`, still version k - 1) before it trains iteration k, so the
-engines sample while the trainer trains; it waits for that batch after the update, and only then pushes the new
-weights, so weights reach the engines between batches, never mid-trajectory. Every batch after the first is
-thus one version older than the trainer's weights (``rollout/staleness`` = 1).
-
-A checkpoint written by the asynchronous loop holds the batch collected ahead (:func:`write_batch`: its tensors
-as safetensors, its requests and timings as JSON), and a resumed run trains on it (:func:`read_batch`) instead of
-sampling it again with weights the checkpoint no longer has; so a resumed run equals the uninterrupted one.
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     try:
         sampler = rollout.local
         if sampler is None and rollout.commands is not None:
-            from megaflow.rollout.engine_ranks import RemoteEngines
+            from megaflow.rollout.engine_commands import RemoteEngines
             sampler = RemoteEngines(rollout.commands, placement.engine_ranks)
         sync = build_sync(cfg, rollout, groups, run_dir, pipeline_dir)
         prompts = prompt_stream(cfg, consumed)
@@ -284,7 +284,7 @@ def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *,
     group over every launched rank, and on a disaggregated driver the commands to the engine ranks
     (``groups``: megaflow.parallel.groups.RunGroups; ``warm``: see :func:`build_engines`)."""
     from megaflow.rollout.balancer import Balancer
-    from megaflow.rollout.engine_ranks import Commands
+    from megaflow.rollout.engine_commands import Commands
     from megaflow.rollout.hosted import HostedRollout
     engines = build_engines(cfg, pipeline_dir, placement, verbose=verbose, warm=warm)
     local = (Balancer(engines, seed=cfg.run.seed) if len(engines) > 1 else engines[0]) if engines else None

@@ -3,25 +3,7 @@
 iteration (``when`` = the iteration) and after the last (``"after"``), with the engines holding the EMA when the
 run has one.
 
-Two kinds, by the config:
-
-- ``data.test_prompts`` set: its first ``eval.num`` prompts, ``eval.samples_per_prompt`` ODE samples each
-  (``eval.num_steps`` or ``rollout.num_steps``, seeds ``eval.seed``-derived per prompt and sample, the rollout's
-  size and guidance), scored by the run's weighted rewards (``reward.weights``, ``reward.kwargs``, the prompts'
-  metadata): ``eval/reward_total`` and ``eval/<component>`` means (over the images a reward did not mask), and per
-  ``eval.group_by`` field and value ``eval/<field>/<value>``, the mean total reward of those prompts' samples;
-- ``data.prompts = "shapes"`` without test prompts: ShapeEval's held-out prompts
-  (:func:`megaflow.shapeeval.evaluate.evaluate_engine`, ``eval.num`` / ``eval.num_seen``): ``eval/accuracy``,
-  ``eval/partial_mean``, ``eval/seen_accuracy`` and ``eval/category/<name>``.
-
-Each evaluation appends one JSON row ``{"iteration": n, "when": "before" | "iteration" | "after", "eval/...": ...}``
-to ``<run dir>/eval.jsonl`` (``iteration`` 0 = before training, ``train.iterations`` = after) and saves a captioned
-grid ``<run dir>/eval/iterNNNNN.png`` (prompt and score under each image). A resumed run first rewrites eval.jsonl
-(``resume_eval_log``): rows after its checkpoint are dropped (it evaluates them again) and an earlier session's
-"after" becomes an "iteration" row, so a run's eval.jsonl has at most one "after", its last. It is kept apart from
-metrics.jsonl, whose rows are one per training iteration (resume and the curves read them so). The hook returns
-an ``Evaluation`` (megaflow.report.metrics): the loop hands its figures and its first images, captioned with
-prompt and score, to the metrics backends (W&B, TensorBoard) at the iteration's step.
+Two kinds, by the config (design notes: docs/design/run.md).
 """
 from __future__ import annotations
 

@@ -2,39 +2,8 @@
 transformer conversion it shares with ``tools/convert_checkpoint.py``.
 
 The export is the run's pipeline -- ``model.pretrained`` from ``<run>/config.toml``, or the run's own
-``tiny-pipeline/`` when that is empty -- with the transformer's weights replaced by the checkpoint's:
-
-    <out>/transformer/config.json                          the pipeline's, unchanged
-    <out>/transformer/diffusion_pytorch_model.safetensors  the checkpoint's weights (their dtype), diffusers names
-    <out>/<everything else>                                copied unchanged (text encoders, VAE, scheduler,
-                                                           tokenizers, model_index.json, megaflow.json, ...)
-
-A LoRA run (``lora.rank`` > 0 in its config) trains adapters on a frozen base: the export is then the
-pipeline with the checkpoint's (unchanged) base weights plus the adapter in the diffusers/PEFT format,
-
-    <out>/pytorch_lora_weights.safetensors                 transformer.<module>.lora_A/B.weight, r / lora_alpha /
-                                                           target_modules in its header (diffusers' save_lora_weights)
-
-so ``pipe = StableDiffusion3Pipeline.from_pretrained(out); pipe.load_lora_weights(out,
-weight_name="pytorch_lora_weights.safetensors")`` is the trained model (offline, diffusers needs the weight_name).
-With ``lora_only`` (``--lora-only``) ``out`` holds only that file and a README.md model card (``base_model`` front
-matter: ``--base-model`` or the base pipeline directory's name, no path of the training machine; rank / alpha /
-targets, iteration); a full-parameter run is refused.
-
-An SD3 pipeline trained with a fixed prompt length (``max_sequence_length`` in its megaflow.json, as the shipped
-ShapeEval model) is sampled by the engine with every text encoder padded to that length, where diffusers' own
-``pipe(prompt=...)`` keeps CLIP at 77 tokens: the export then holds ``encode_prompts.py``, a copy of
-megaflow/models/sd3/text.py (torch only), whose ``encode_prompts(pipe, prompts, max_sequence_length=N)`` gives the
-``prompt_embeds`` / ``pooled_prompt_embeds`` the engine used, without megaflow or megatron.
-
-A transformer larger than ``max_shard_size`` (default 5GB) is written as diffusers' ``save_pretrained`` writes
-it: ``diffusion_pytorch_model-00001-of-0000N.safetensors`` ... plus ``diffusion_pytorch_model.safetensors.index.json``
-(tensor -> shard file), which ``from_pretrained`` loads.
-
-Everything that can be checked without loading tensors (run dir, config, pipeline, checkpoint, ``--out``)
-is checked first; the weights must match the pipeline's transformer tensor for tensor (names and shapes)
-before anything is written. The pipeline is written into a temp dir beside ``out`` and renamed into place.
-Failures are ``ValueError`` with one line naming the file or value.
+``tiny-pipeline/`` when that is empty -- with the transformer's weights replaced by the checkpoint's
+(design notes: docs/design/run.md).
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 process SIGKILL itself when it reaches ``point`` in ``iteration`` (on every rank, or on ``rank`` only).
 
 Points: ``rollout`` (images sampled, not yet trained on), ``train`` (optimizer stepped, weights not yet
-synced), ``sync`` (half of the weights streamed to the engines), ``checkpoint`` (model and optimizer
-written, the checkpoint not yet published). Unset (the default), :func:`check` is a dict lookup.
+synced), ``sync`` (a sync under way: four tensors of the weight stream handed to the bridge, the fifth not yet;
+megaflow.run.loop), ``checkpoint`` (model and optimizer written, the checkpoint not yet published). Unset (the
+default), :func:`check` is a dict lookup.
 """
 from __future__ import annotations
 

@@ -4,18 +4,7 @@ checkpoint is saved and the engines shut down, then :class:`Interrupted` is rais
 terminal and forwarded by torchrun). The CLI turns it into one line and exit code 130 (SIGINT) or 143
 (SIGTERM); under torchrun the launcher's own exit code is its own (1 after a signal).
 
-A second signal (later than ``DUPLICATE_S``) abandons the run, whatever it waits on (a reward that never
-returns, an engine that does not answer): :class:`Abandoned` (a KeyboardInterrupt; the CLI exits 128 + its
-signal) is raised in the main thread so the loop's ``finally`` shuts the engines down, and a watchdog gives that ``ABORT_GRACE_S`` seconds; then (or at once on
-a third signal) :func:`abort` terminates every child process of this process by PID (the engine workers and
-whatever they started; SIGKILL after ``KILL_GRACE_S``) and leaves with ``os._exit(128 + signal)``, so no
-thread left running (an abandoned reward call, a pool worker) can keep the process alive and no engine
-worker outlives it. From then on the handlers stay in place (``restore`` keeps them).
-
-The Python handlers run only when the main thread runs Python code; one blocked inside C (a collective
-waiting for a rank stuck in its reward, a C library wait) would never see the second signal. So the signals
-are also watched from a daemon thread (:class:`SignalWatch`, on the interpreter's wakeup fd): a second
-signal there arms the same watchdog even when the main thread never runs its handler.
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """The RL loop: generate -> reward -> advantages -> train -> sync, every phase a named call; the algorithm
 (``algo.name``, megaflow.run.algorithm) says what to sample, how to update and what the engines hold.
 
-:func:`run` is a run's entry on every launched rank: its role (megaflow.run.roles), the run dir, then either an
-engine rank's service (megaflow.run.engine_rank) or the pieces of a trainer rank (megaflow.run.build) and
-:func:`loop`. The engine hosts (megaflow.parallel.placement) sample and score their share of the groups;
-every trainer rank receives the whole scored batch (megaflow.rollout.hosted), computes the same advantages,
-takes part in the megatron step and in the weight sync to every host (megaflow.bridge.run_sync). Rank 0 (the
-driver) owns the run dir, the metrics and evaluation. Launch:
-
-    megaflow train -c configs/cpu_demo.toml                       # 1 process
-    torchrun --nproc-per-node 2 -m megaflow.cli train -c ... --set parallel.tp=2
-    NNODES=2 NODE_RANK=<0|1> bash scripts/launch.sh -c ... --set rollout.engine_hosts='"node"'
-    NPROC=2 bash scripts/launch.sh -c ... --set rollout.placement='"disaggregated"' --set rollout.engine_ranks=1 \
-        --set bridge.mode='"distributed"'
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +16,9 @@ from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
 from megaflow.run.checkpoints import checkpoint_dir
 from megaflow.run.evaluation import Evaluate, iteration_of
-from megaflow.run.flowgrpo import batch_advantages
 from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.masked import MaskedWatch, UselessRun
+from megaflow.run.requests import batch_advantages
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
 from megaflow.trainer.settings import scheduled_lr, set_lr
 
@@ -57,7 +47,7 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
         pipeline_dir = share_pipeline(cfg, run_dir, roles)
         cfg = with_pipeline_defaults(cfg, pipeline_dir)
         if not roles.placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
-            from megaflow.run.engine_rank import serve_engine_rank
+            from megaflow.run.engine_service import serve_engine_rank
             serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose, warm=warm)
             done = True
             return {}
@@ -101,14 +91,15 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         if ahead and batch is None:
             batch = start_batch(run, it).finish()  # the first batch of an asynchronous run
         pending = start_batch(run, it + 1) if ahead and it < cfg.train.iterations else None
-        metrics, images, captions, batch = iteration(run, it, watch, batch=batch, pending=pending)
+        result = iteration(run, it, watch, batch=batch, pending=pending)
+        metrics, batch = result.metrics, result.next_batch
         last = it == cfg.train.iterations
         signum, useless = stop.agreed(), watch.verdict(it, last=last)
         run.history.append({"iteration": it, **metrics})
         if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
             with run.phases.resident():  # the optimizer states and weights are saved from the device
                 metrics["checkpoint/write_s"] = save(run, it, batch)
-        run.reporter.iteration(it, metrics, images=images, captions=captions)
+        run.reporter.iteration(it, metrics, images=result.images, captions=result.captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
         if signum:
@@ -157,12 +148,22 @@ def evaluate_now(run: Run, evaluate: Evaluate, when: str | int) -> None:
         run.reporter.evaluation(iteration_of(when, run.cfg.train.iterations), result)
 
 
+class IterationResult(NamedTuple):
+    """What one iteration leaves for the loop."""
+
+    metrics: dict
+    images: list
+    captions: list[str]
+    """One per image: the prompt and the total reward."""
+    next_batch: Batch | None
+    """The next iteration's batch, collected meanwhile (asynchronous loop), or None."""
+
+
 def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,
-              pending: PendingBatch | None = None) -> tuple[dict, list, list[str], Batch | None]:
+              pending: PendingBatch | None = None) -> IterationResult:
     """One iteration on this rank: collect the scored batch (unless ``batch`` was collected ahead; shown to
     ``watch``), advantages, the algorithm's update, then (asynchronous loop) wait for the ``pending`` batch the
-    engines sampled meanwhile, and the weight sync; (its metrics, its images, a caption per image: prompt and
-    total reward, the next iteration's batch or None)."""
+    engines sampled meanwhile, and the weight sync."""
     cfg = run.cfg
     t0 = time.perf_counter()
     if batch is None:
@@ -192,7 +193,7 @@ def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Bat
                **run.phases.metrics, **ahead, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
     metrics.update(run.rollout.metrics())
-    return metrics, [t.image for t in trajs], captions, next_batch
+    return IterationResult(metrics, [t.image for t in trajs], captions, next_batch)
 
 
 def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
@@ -210,9 +211,9 @@ def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:
     """Gather full weights (every rank; under LoRA only the adapters), push them into every engine host's
-    engines, verify (``sync``: a megaflow.bridge.run_sync.RunSync); the merged metrics on every rank."""
+    engines, verify (``sync``: a megaflow.bridge.run_sync.RunSync); the merged report's metrics on every rank."""
     from megaflow.bridge.lora import sync_stream
-    return sync.push(_fault_midway(sync_stream(trainer), iteration))
+    return sync.push(_fault_midway(sync_stream(trainer), iteration)).as_metrics()
 
 
 def _fault_midway(stream, iteration: int):

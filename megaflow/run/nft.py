@@ -1,15 +1,9 @@
-"""DiffusionNFT as the run's algorithm: ODE rollouts of the sampling policy θ_old, trained on the forward
-process of the clean samples (megaflow.trainer.nft, the loss in megaflow.algo.nft).
+"""DiffusionNFT as the run's algorithm: its trainer settings (``nft_settings``), its update, and θ_old, the shadow
+of θ the engines sample with (megaflow.trainer.shadow.ShadowWeights), blended toward θ after every update on the
+optimizer-step clock (megaflow.algo.nft.old_policy_decay).
 
-θ_old is a shadow of θ (megaflow.trainer.shadow.ShadowWeights) the engines hold: after every iteration's
-update it is blended toward θ with the decay of megaflow.algo.nft.old_policy_decay read on the optimizer-step
-clock (``algo.old_decay_rate``, ``old_decay_max``, ``old_decay_flat_steps``; d = 0: θ_old = θ, on-policy), and
-the weight sync pushes it. It lives in checkpoints (with its clock), so a resumed run continues exactly.
-
-Staleness: in the synchronous loop the samples of iteration k come from θ_old as it was after iteration k − 1,
-and the loss measures θ against that same θ_old (it is blended after, not before, each update), so the implicit
-policies are anchored to the policy that sampled. In the asynchronous loop a batch was sampled one blend
-earlier, and the loss anchors to the θ_old one blend newer than the one that sampled.
+Invariant: θ_old lives in checkpoints with its clock, so a resumed run continues exactly. Staleness in the
+synchronous and asynchronous loops: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ import torch
 from megaflow.algo.nft import NFTConfig, old_policy_decay
 from megaflow.config import MegaflowConfig
 from megaflow.rollout.types import RolloutRequest
-from megaflow.run.flowgrpo import make_requests
+from megaflow.run.requests import make_requests
 from megaflow.seeds import MINIBATCHES, iteration_seed
 
 OLD = "nft_old"

@@ -1,20 +1,7 @@
 """The rollout and training phases of an engine host (``bridge.mode = "colocated"``: the engines share the
 trainer's GPU): free the engines' accelerator memory while the trainer runs.
 
-``Phases.training()`` is a context manager: engines ``release()`` before, ``resume()`` after, and
-process memory (RSS, and CUDA allocated when present) is logged before and after each switch. On a
-CPU-only host the engines share host RAM with the trainer and SGLang's release path is GPU-only
-(it calls torch.cuda.synchronize unconditionally), so the switch is skipped and only the
-memory figures are logged -- stated once in the log, not silently. Metrics: ``colocate/switch_seconds``
-and the memory figures ``mem/<name>_rollout`` / ``mem/<name>_train``.
-
-With ``train.offload`` the trainer's side switches too (a megaflow.trainer.offload.TrainerOffload; on CPU as
-well): entering training the engines release first, then the trainer reloads; leaving it the trainer offloads
-its optimizer states and grad buffers, then the engines resume -- the two peaks never add. Its weights
-(``"all"``) leave in :meth:`Phases.synced`, once a weight sync has given them to the engines. Whatever reads the
-trainer's states or writes its weights outside training (a checkpoint, the EMA's evaluation sync) runs inside
-:meth:`Phases.resident`. Metrics: ``offload/bytes``, ``offload/seconds`` (the iteration's offloads),
-``reload/seconds``.
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

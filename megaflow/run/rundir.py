@@ -1,21 +1,6 @@
 """Ownership of a run directory (``<run.output_dir>/<run.name>``), taken by rank 0 before any work.
 
-- The name is one path component: a run never writes outside ``run.output_dir``.
-- One run at a time: an exclusive ``flock`` on ``<run_dir>/.lock`` is held for the whole run; a second
-  run with the same name refuses with one line instead of interleaving its metrics.
-- A run dir with checkpoints is continued only with ``--resume``; without it the command refuses. A
-  finished run (its last checkpoint is at ``train.iterations``) is never overwritten; resuming it needs
-  a larger ``train.iterations``. A run dir without checkpoints (a run killed before its first save)
-  starts over.
-- Resuming needs the same config as the checkpointed run, except ``train.iterations`` and logging.
-- A run that fails before its first iteration completes leaves nothing behind: the dir if it created it, else
-  the ``config.toml`` it found (put back byte for byte, or removed) and the lock file it made.
-- The run dir is ``<run.output_dir>/<run.name>`` itself: a symlink resolving outside ``run.output_dir`` is
-  refused, as is a dangling one. OS errors (``run.output_dir`` a file, not writable, a name too long for the
-  file system) are one line naming the path and the OS's reason, never a traceback.
-
-The checks are made twice by one set of functions: by the CLI before anything heavy is imported
-(:func:`check_run_dir`, nothing created or locked) and again by rank 0's claim under the lock (:class:`RunDir`).
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

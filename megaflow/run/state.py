@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.run import faults
 from megaflow.run.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state

@@ -1,23 +1,6 @@
 """Deterministic pixel-level ShapeEval checker: find the objects in an image, judge a scene.
 
-Pipeline (all numpy, a few ms per 64x64 image):
-1. background = per-channel median of the one-pixel border (none -- so no objects -- when under
-   half the border is close to it: noise);
-2. each pixel is read as a blend of the background and one palette colour (anti-aliased or blurred
-   edges); within ``tolerance`` of such a blend it goes to that colour (coverage >= 0.5) or to the
-   background, otherwise to "off-palette" (wrong colours, noise);
-3. 8-connected components per class; components smaller than ``min_area`` are specks, ignored;
-4. each component is one object: its colour is its class (None when off-palette), its shape the
-   nearest prototype in (fill ratio of its bounding box, vertical centroid offset, filled box
-   corners) -- a square fills its box and corners, a circle ~0.78 of it and no corner, an upward
-   triangle ~0.5 with its mass low in the box and its two bottom corners;
-5. ``score_scene`` matches objects to the prompt's groups, counts, checks the relation between
-   every pair of centroids and penalises objects no group claims.
-
-``passed`` is exact (right counts, colours, shapes, relation, nothing extra); ``partial`` in [0, 1]
-grades how close the image is and equals 1.0 exactly when ``passed``.
-
-Store images losslessly (PNG): at 32 px JPEG's chroma subsampling rounds squares into circles.
+Design notes: docs/design/shapeeval.md.
 """
 from __future__ import annotations
 
@@ -142,7 +125,7 @@ def _classify_pixels(px: np.ndarray, tol: float) -> np.ndarray:
 
 def detect_objects(image: np.ndarray, *, tolerance: float | None = None,
                    min_area: int | None = None) -> list[DetectedObject]:
-    """Objects in a uint8 [H, W, 3] image (see module docstring). ``min_area`` defaults to 20%
+    """Objects in a uint8 [H, W, 3] image (see the module's design notes). ``min_area`` defaults to 20%
     of the smallest rendered object's box at this resolution."""
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise ValueError(f"ShapeEval checker wants uint8 [H, W, 3], got {image.dtype} {tuple(image.shape)}")

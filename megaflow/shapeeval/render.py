@@ -6,8 +6,7 @@ one pixel of clear border (the checker reads the background from the border), an
 hold under the same predicate the checker uses (``relation_holds`` on rendered centroids). Usable
 to pretrain a tiny text-to-image model (``render_prompts`` gives a uint8 batch).
 
-``corrupt_scene`` derives a wrong scene (colour / count / position / shape changed) whose rendering
-must fail the original prompt.
+Design notes: docs/design/shapeeval.md.
 """
 from __future__ import annotations
 

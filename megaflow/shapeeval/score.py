@@ -1,17 +1,6 @@
 """ShapeEval entry points: score a folder of generated images, or the ground-truth renderer.
 
-Image folder format (``evaluate_images``):
-
-* with a ``manifest.jsonl``: one JSON object per line, ``{"file": "<path relative to the folder>",
-  "prompt": "<ShapeEval prompt>"}`` (other keys are ignored); only listed files are scored;
-* without one: every ``*.png`` / ``*.jpg`` / ``*.jpeg`` / ``*.webp`` directly in the folder, the
-  prompt being the file stem with an optional numeric index prefix (``0007-`` or ``0007_``)
-  removed and underscores read as spaces: ``0007-two_red_circles_left_of_a_blue_square.png``.
-
-Images may have any size (thresholds scale with the shorter side); they are converted to RGB.
-Results are JSON-able dicts: ``accuracy`` (fraction passed), ``partial_mean``, ``num``,
-``per_category`` {category: accuracy}, ``per_category_partial``, ``per_category_num``, and with
-``details=True`` a ``samples`` list.
+Image folder format (``evaluate_images``) (design notes: docs/design/shapeeval.md).
 """
 from __future__ import annotations
 
@@ -34,7 +23,7 @@ _INDEX_PREFIX = re.compile(r"^\d+[-_]")
 
 
 def prompt_from_filename(path: Path) -> str:
-    """The prompt a file name carries (see module docstring)."""
+    """The prompt a file name carries (see the module's design notes)."""
     return _INDEX_PREFIX.sub("", path.stem, count=1).replace("_", " ")
 
 
@@ -143,7 +132,7 @@ def summarize(scores: list[SceneScore]) -> dict:
 
 
 def evaluate_images(images_dir: Path, *, details: bool = False) -> dict:
-    """Score every image of a folder against its prompt (format in the module docstring).
+    """Score every image of a folder against its prompt (format in the module's design notes).
     Raises ValueError naming the problem: missing dir, no images, unreadable image, bad manifest
     line, or a prompt outside the ShapeEval grammar."""
     images_dir = Path(images_dir)

@@ -1,25 +1,6 @@
 """Run a function on N local processes (one per rank) and collect each rank's return value.
 
-Used by multi-rank tests and small checks: ``run_multiprocess(fn, 2, x)`` starts 2 processes with
-the environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
-MASTER_PORT=<free port>, OMP_NUM_THREADS=1), calls ``fn(*args)`` in each and returns the results in
-rank order. ``fn`` must be a module-level (picklable) function; it normally starts with
-``megaflow.parallel.distributed.init_distributed(...)``. A launch costs seconds (mostly importing torch and
-megatron), so put several checks into one function rather than launching once per check.
-
-Failure handling:
-- a rank that raises: its traceback is re-raised in the parent as ``RankError`` naming the rank;
-  the other ranks (likely stuck in a collective) get a short grace period and are then killed;
-- a hang: after ``timeout_s`` every rank still alive is killed and ``TimeoutError`` is raised.
-The env is applied at the top of each rank and, with spawn, also in the parent while the rank
-starts (so a fresh interpreter sees it from its first line). Each
-child starts its own process group, so killing it also ends helpers it started (e.g. the
-dist_checkpointing writer); nothing outside the processes started here is ever signalled.
-
-On machines without libcuda, processes come from a ``forkserver`` that preloads torch and
-megatron-core once per parent process, so the second and later launches skip most import time.
-With libcuda (GPU machines) the default is ``spawn`` (a fresh interpreter per rank), because CUDA
-cannot be used in a process forked from one that has queried it.
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Host-memory measurements for CPU checks of activation recompute and of ``megaflow plan``.
 
-Two independent measures of a callable (typically one forward + backward):
-
-- ``peak_rss(fn)``: the process's peak resident memory while ``fn`` runs, above what was resident when
-  it started (Linux: ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM``, which is then read
-  from ``/proc/self/status``). ``malloc_returns_memory()`` first makes glibc serve every allocation of
-  64 KiB or more with its own mmap (so a freed tensor leaves RSS at once and one measurement does not
-  inherit another's free lists); without it, glibc keeps freed heap memory and later peaks read low.
-- ``saved_tensor_bytes(fn)``: the bytes autograd holds for backward at the end of ``fn``'s forward
-  (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once; parameters left out).
-  Exact and deterministic, but blind to memory that backward (and recompute) allocates later.
+Two independent measures of a callable (typically one forward + backward) (design notes: docs/design/testing.md).
 """
 from __future__ import annotations
 

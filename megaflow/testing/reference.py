@@ -6,10 +6,7 @@ deliberately plain: one ``SD3Transformer2DModel`` loaded from the pipeline direc
 out, every transition from ``megaflow.flow.step``. Use it in tests and when debugging the engine or the
 trainer; production rollouts go through SGLang.
 
-``replay(trajectories)`` re-runs engine trajectories: it takes their initial noise, sigmas and
-conditioning, and recovers each step's noise as ε_t = (x_{t+1} − μ_t)/std_t from the engine's own
-velocity (``noises_from_trajectory``). The velocities are then recomputed by the reference DiT, so any
-difference in the DiT, CFG or the transition shows up in the replayed latents and log-probs.
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

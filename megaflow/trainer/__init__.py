@@ -1,3 +1,3 @@
-"""The megatron-core trainer: ``runner`` (``Trainer``, ``ReferenceModel``: model, optimizer, steps, full-weight
-streaming), ``grpo`` (one FlowGRPO update over a rollout batch), ``settings`` (the one mapping from megaflow's
-config to megatron's) and ``checkpoint`` (dist-checkpoint save / load with TP/PP resharding)."""
+"""The megatron-core trainer: ``runner`` (``Trainer``, ``ReferenceModel``), one update module per algorithm
+(``flowgrpo``, ``nft``) over what they share (``batch``), ``shadow`` (weight copies), ``settings`` (config ->
+megatron) and ``checkpoint`` (dist-checkpoint save / load with TP/PP resharding)."""

@@ -22,7 +22,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from megaflow.config.files import CKPT_META as META_FILE  # the one home of the name (stdlib-only room)
-from megaflow.bridge.checksum import DEFAULT as DEFAULT_CHECKSUM
+from megaflow.checksum import DEFAULT as DEFAULT_CHECKSUM
 from megaflow.models.common.finite import refuse_non_finite
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.trainer.dcp_metadata import reading

@@ -5,19 +5,7 @@ item (megatron's ``_extra_state``, the optimizer's common state) with ``torch.lo
 metadata alone tells it which file, offset and length to read and how large a tensor to allocate. Unless the user
 passes ``--trust-checkpoint``, :func:`check_dcp_metadata` first
 
-* unpickles ``.metadata`` through an allow-list (``ALLOWED``: the classes torch's checkpoint metadata holds, torch
-  dtypes, ``torch.Size``, paths), so a crafted global is refused and never called;
-* validates it before any other byte is read: every field of the type torch writes, every storage path relative
-  and inside the checkpoint, every offset and length inside its file, every tensor's chunks present, inside its
-  size, covering it exactly and backed by enough bytes, and (``shapes``) the tensors a model needs there with its
-  shapes;
-* loads every byte item with ``torch.load(weights_only=True)``.
-
-Inside :func:`reading`, torch's reader is handed that checked metadata instead of unpickling the file again, and
-its planner loads byte items with ``weights_only=True`` first, so what torch reads is what was checked. Every
-refusal is a ValueError of one line naming the file, with nothing of it run or allocated. The integrity manifest
-(megaflow.trainer.manifest) is another matter: it catches corruption, and anyone who can write a checkpoint can
-write its manifest, so it is never a reason to trust one.
+Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 
@@ -87,7 +75,7 @@ def read_metadata(path: Path) -> Metadata:
 
 
 def check_dcp_metadata(directory: str | Path, *, shapes: dict[str, tuple] | None = None) -> Metadata:
-    """The checked metadata of the checkpoint ``directory`` (module docstring): allow-list, fields, storage,
+    """The checked metadata of the checkpoint ``directory`` (the module's design notes): allow-list, fields, storage,
     chunks, ``shapes`` (tensor name -> the global shape a model needs; None: not compared), byte items. ValueError
     of one line naming the file and the first thing refused."""
     directory = Path(directory)
@@ -262,7 +250,7 @@ _PATCH_LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def reading(directory: str | Path, *, trust: bool = False, shapes: dict[str, tuple] | None = None):
-    """Read the checkpoint ``directory`` with torch / megatron inside this block (module docstring): unless
+    """Read the checkpoint ``directory`` with torch / megatron inside this block (the module's design notes): unless
     ``trust``, it is checked first and torch's reads go through the checked metadata and ``weights_only``."""
     if trust:
         yield

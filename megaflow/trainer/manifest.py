@@ -3,13 +3,10 @@
 Written last (into a temp file, fsynced, renamed into place) once every other file of the checkpoint is there;
 checked before anything in the checkpoint is read (unpickled, loaded, parsed). A sub-directory that has its own
 manifest is listed as that manifest only (its digest chains to the files it lists) and is checked by it, so
-every file is hashed once when written and once when checked. Digests: ``megaflow.bridge.checksum`` (xxh3 by
+every file is hashed once when written and once when checked. Digests: ``megaflow.checksum`` (xxh3 by
 default, sha256 on request; the manifest names its algorithm).
 
-A missing, truncated, grown, modified or unlisted file, or no manifest at all, is refused with a ValueError of
-one line naming the file (the CLI prints it as ``megaflow: error: ...``). ``trust=True`` accepts a directory
-WITHOUT a manifest (a checkpoint written by a megaflow before manifests) unchecked; a manifest that is there is
-always checked.
+Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import json
 import os
 from pathlib import Path, PurePosixPath
 
-from megaflow.bridge.checksum import ALGORITHMS, DEFAULT, file_digest
+from megaflow.checksum import ALGORITHMS, DEFAULT, file_digest
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1

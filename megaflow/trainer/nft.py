@@ -1,16 +1,10 @@
-"""DiffusionNFT in the megatron trainer: clean samples -> noised items -> optimizer steps (megaflow.algo.nft).
+"""DiffusionNFT in the megatron trainer: clean samples -> noised items (``plan_items``) -> optimizer steps of the
+loss in megaflow.algo.nft; every item's v_old (θ_old applied) and, with a KL, v_ref are computed forward-only
+before the first update.
 
-An item is one kept sample i at one timestep of the sampler's own grid (``sigmas[k]``, k < T): the sample's
-final latent x0 noised again with fresh noise, x_t = (1 − t)·x0 + t·ε. Every sample trains
-``num_timesteps`` grid points drawn without replacement; the samples are shuffled and split into
-``num_minibatches`` optimizer steps (``plan_items``). The draws, the shuffle and every ε come from one
-generator seeded by the caller (the run's iteration seed), in item order, before any DP split, so every
-layout trains on the same items and noise.
-
-Before the first update one forward-only pass computes every item's v_old with the sampling policy θ_old
-applied (``old``: a megaflow.trainer.shadow.ShadowWeights; None = the trainer's current weights, the
-on-policy case) and, with a KL, v_ref with the reference model; each microbatch carries them. Equal
-weighting as in megaflow.trainer.grpo: every real item of an optimizer step weighs 1/N in the gradient.
+Invariant: the timestep draws, the shuffle and every ε come from the caller's generator in item order, before any
+DP split, so every layout trains on the same items and noise; each real item of an optimizer step weighs 1/N in
+the gradient (as in megaflow.trainer.flowgrpo). Details: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.nft import NFTConfig, nft_loss, noised
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.grpo import aggregate_stats, batch_conditioning, share_from_last_stage
-from megaflow.trainer.grpo_batches import dp_slice
+from megaflow.trainer.batch import aggregate_stats, batch_conditioning, dp_slice, share_from_last_stage
 
 Item = tuple[int, int]
 _PRECOMPUTED = ("old_velocity", "ref_velocity")
@@ -117,9 +110,9 @@ def nft_microbatch_loss(velocity: torch.Tensor, mb: dict, *, config: NFTConfig, 
 def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                settings: NFTSettings, *, generator: torch.Generator, old=None, ref=None, ema=None,
                device: torch.device | None = None) -> dict:
-    """Every optimizer step of one rollout batch (module doc); ``ema`` (ShadowWeights) is blended after each
-    step (``EMA.step``). Returns item-weighted means of the loss stats,
-    grad_norm (mean), update_ok (all), num_updates; {"skipped": 1.0} when nothing is kept."""
+    """Every optimizer step of one rollout batch (docs/algorithms/nft.md); ``ema`` (ShadowWeights) is blended
+    after each step (``EMA.step``). Returns item-weighted means of the loss stats, grad_norm (mean), update_ok
+    (all), num_updates; {"skipped": 1.0} when nothing is kept."""
     device = device or current_device()
     kept = [i for i in range(len(keep)) if bool(keep[i])]
     plan = plan_items(kept, len(trajs[0].sigmas) - 1, settings, generator) if kept else []

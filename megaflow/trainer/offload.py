@@ -1,23 +1,7 @@
 """Trainer offload (``train.offload``): what the trainer's accelerator memory holds while the engines sample
 (colocated, synchronous loop) moves to the host, and comes back before the trainer trains.
 
-Two parts, moved and reloaded as a whole:
-
-* ``"states"`` (``train.offload = "optimizer"`` and ``"all"``): the optimizer's states (Adam ``exp_avg``,
-  ``exp_avg_sq``, ``step``), the main params an optimizer keeps beside the model's (megatron's mixed-precision
-  fp32 copies; none with fp32 params), and the DDP grad buffers. The last step's grads are dropped first
-  (``optimizer.zero_grad`` + ``zero_grad_buffer``: what every step starts with); megatron's
-  ``DistributedDataParallel.offload_grad_buffers`` frees the buffers and ``restore_grad_buffers`` brings them back
-  zeroed (their content is dead between steps).
-* ``"weights"`` (``"all"``): every model parameter, moved only once the engines hold them (after a weight sync).
-
-Optimizer states and parameters move storage by storage: each storage is copied into a host buffer (pinned for a
-CUDA one, kept for the next offload), then freed in place (``untyped_storage().resize_(0)``); reloading resizes it
-and copies back. Every view of a moved storage (a parameter inside megatron's contiguous param buffer, a
-distributed optimizer's shard view) stays valid and sees the same bytes again. This works on CPU as well (the memory
-is really freed), so the round trip is tested on CPU; megatron's ``MegatronOptimizer.offload_to_cpu`` moves only
-CUDA tensors, and its ``_ParamAndGradBuffer.offload_to_cpu(move_params=True)`` frees a CPU buffer's only copy
-(``.cpu()`` of a CPU tensor is the tensor itself), so neither is used for these.
+Two parts, moved and reloaded as a whole (design notes: docs/design/trainer.md).
 """
 from __future__ import annotations
 

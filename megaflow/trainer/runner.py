@@ -2,27 +2,7 @@
 through megatron's ``get_forward_backward_func`` (so TP/SP/PP/VPP/DP all apply), a per-timestep
 velocity forward, and ``iter_full_params`` (full tensors gathered over TP and PP, one at a time).
 
-Microbatch protocol (a dict per microbatch; every rank receives the same list):
-    latents [B, C, H, W]  model input x_t          sigma [B]  noise level in [0, 1]
-    encoder_hidden_states [B, L, D]                 pooled_projections [B, P]
-    ...any extra keys the loss function reads (e.g. ``target``).
-A loss function is ``loss_fn(velocity, microbatch) -> (scalar loss, {name: detached tensor})``;
-it runs on the last pipeline stage, where ``velocity`` carries grads.
-
-A one-process job skips the data-parallel machinery that has nothing to do there (``FastPaths``:
-bit-identical grads and updates, each switchable; ``megaflow.trainer.fast_paths``).
-
-``ReferenceModel`` is the KL reference: the same chunks, frozen, forward only, without DDP or grad
-buffers. With LoRA (``Trainer(lora=LoRASettings)``, ``megaflow.models.common.lora``) the base weights
-are frozen (outside DDP's grad buffers and the optimizer), only the adapters train, and the KL reference is
-``BaseReference``: the trainer itself with its adapters switched off. ``Trainer`` and ``ReferenceModel`` share
-``ModelRunner`` (weights in, megatron's schedule, full weights out, whose gather is
-``megaflow.trainer.full_weights``).
-
-Launch (each process builds its shard; ``megaflow.parallel.distributed.init_distributed`` first)::
-
-    python train.py                               # 1 process
-    torchrun --nproc-per-node 4 train.py          # e.g. ParallelDims(tp=2, pp=2)
+Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 

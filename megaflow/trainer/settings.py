@@ -1,5 +1,6 @@
-"""The ONE mapping from megaflow's config to the trainer's settings (megatron TransformerConfig kwargs, optimizer,
-LoRA)."""
+"""The mapping from megaflow's config to megatron's settings: TransformerConfig kwargs, optimizer, LoRA and the
+learning-rate schedule. Each algorithm maps its own settings beside it (``run/<algorithm>.py``:
+``grpo_settings``, ``nft_settings``)."""
 from __future__ import annotations
 
 import math

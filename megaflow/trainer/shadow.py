@@ -1,19 +1,6 @@
 """Shadow weights: fp32 copies of a trainer's trainable parameter shards, blended toward the live ones.
 
-Two uses, one mechanism:
-- the EMA of θ (``train.ema_decay``, both algorithms): evaluation, the demo's "after" and ``megaflow export``
-  read it; blended after every optimizer step with decay min(ema_decay, (1 + n) / (10 + n)), n counting this
-  step from 1 (flow_grpo's and DiffusionNFT's warm-up, so early averages are not dominated by the initial weights);
-- DiffusionNFT's sampling policy θ_old: blended from θ once per iteration with the algorithm's decay
-  schedule, read on the optimizer-step clock; the engines sample with it.
-
-``num_updates`` is that clock for both: the optimizer steps the shadow has followed (one per EMA blend; a
-θ_old blend counts the steps of its iteration), kept in checkpoints.
-
-A shadow holds one tensor per trainable parameter of this rank's model chunks (every parameter in
-full-parameter training, the LoRA adapters under LoRA), shaped like the local TP/PP shard, so blending
-never communicates. ``applied()`` puts the shadow into the live parameters for a while (a forward pass,
-a weight sync, an evaluation, a checkpoint of it) and restores the live values bit for bit afterwards.
+Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 

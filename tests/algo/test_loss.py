@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-from megaflow.algo.loss import (
+from megaflow.algo.flowgrpo import (
     LossConfig,
     MismatchConfig,
     flow_grpo_loss,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights, ppo_clip_loss
+from megaflow.algo.flowgrpo import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights, ppo_clip_loss
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, sigma_max_of, step, transition_log_prob
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megaflow.algo.loss import MismatchConfig, mismatch_weights
+from megaflow.algo.flowgrpo import MismatchConfig, mismatch_weights
 
 
 def reference(train, rollout, mask, mode, level, cap, floor):

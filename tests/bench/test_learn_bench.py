@@ -49,7 +49,7 @@ def megatron_grads_rank(guidances: list[float]) -> dict:
     """megaflow's trainer: one ``grpo_update`` (SGD, no clip) per guidance; grads in diffusers names."""
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.trainer.grpo import grpo_update
+    from megaflow.trainer.flowgrpo import grpo_update
 
     init_distributed(ParallelDims(), seed=0)
     out = {}
@@ -67,7 +67,7 @@ def megatron_grads_rank(guidances: list[float]) -> dict:
 
 
 def _plain_grads(guidance: float) -> dict:
-    from megaflow.trainer.grpo_batches import plan_updates
+    from megaflow.trainer.flowgrpo_batches import plan_updates
     dit, trajs = W.sample_case(7, seed=3, guidance=guidance)
     ref = copy.deepcopy(dit)
     ref.load_state_dict(W._perturbed(dit.state_dict(), 9))

@@ -125,7 +125,7 @@ def test_preflight_refuses_a_corrupt_parquet_in_one_line(tmp_path):
 
 def test_run_prompt_stream_hands_on_parquet_metadata(tmp_path):
     from megaflow.run.build import prompt_stream
-    from megaflow.run.flowgrpo import make_requests
+    from megaflow.run.requests import make_requests
 
     cfg = _cfg(_parquet(tmp_path), "rollout.prompts_per_iter=3")
     stream = prompt_stream(cfg)

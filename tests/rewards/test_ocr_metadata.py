@@ -20,7 +20,7 @@ from megaflow.rewards.registry import build_multi_reward
 from megaflow.rewards.scorer import AsyncScorer
 from megaflow.rollout.hosted import sample_and_score
 from megaflow.run.build import prompt_stream
-from megaflow.run.flowgrpo import make_requests
+from megaflow.run.requests import make_requests
 from megaflow.testing.text_render import render_text as render
 
 LINES = [{"prompt": 'A sign that says "OPEN"', "text": "TIGER", "style": "neon"},  # metadata overrides the quote

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.bridge.base import SyncError
-from megaflow.bridge.checksum import tensor_digest
+from megaflow.checksum import tensor_digest
 from megaflow.rollout.types import RewardScores
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.rollout.types import RolloutRequest, Trajectory
@@ -107,7 +107,7 @@ def hosted_rank(engine_hosts: str, mode: str):
             sync = RunSync(p, group=group, receiver=DistributedReceiver(engines, group=wgroup) if engines else None)
     else:
         sync = RunSync(p, group=group, bridge=ColocatedBridge(engines, bucket_bytes=200) if engines else None)
-    syncs = [sync.push(iter(weights(s))) for s in (1, 2)]
+    syncs = [sync.push(iter(weights(s))).as_metrics() for s in (1, 2)]
     failed = ""
     if p.rank == p.hosts[-1]:
         engines[0].corrupt = True  # the last host's engine now fails verification

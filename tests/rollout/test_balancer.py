@@ -17,7 +17,7 @@ import torch
 
 import megaflow  # noqa: F401  (import guards before anything heavy)
 from megaflow.bridge.buckets import pack
-from megaflow.bridge.checksum import tensor_digest
+from megaflow.checksum import tensor_digest
 from megaflow.rollout.balancer import Balancer
 from megaflow.rollout.baseline import DiffusersEngine, DiffusersEngineConfig
 from megaflow.rollout.engine import RolloutEngine

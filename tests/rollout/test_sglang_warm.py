@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401  (import guards before sglang/megatron)
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.sglang.warm import WarmWorker
 from megaflow.rollout.types import RolloutRequest
 

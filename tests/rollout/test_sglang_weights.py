@@ -114,7 +114,7 @@ def test_worker_tensor_hash_matches_sglangs_and_the_bridges(monkeypatch):
     by default (and with xxh3) the bridge's xxh3 digests."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import compute_tensor_sha256
 
-    from megaflow.bridge.checksum import tensor_digest
+    from megaflow.checksum import tensor_digest
     from megaflow.rollout.sglang import weight_checks
     tensors = [t for _, t in _named()] + [torch.randn(6, 4)[:, 1], torch.arange(5)]
     monkeypatch.delenv(weight_checks.CHECKSUM_VAR, raising=False)
@@ -130,7 +130,7 @@ def test_digests_ride_in_the_payload_and_the_worker_pops_them():
     SGLang reads the payload (which then looks like any other)."""
     from sglang.srt.utils import MultiprocessingSerializer
 
-    from megaflow.bridge.checksum import tensor_digest
+    from megaflow.checksum import tensor_digest
     from megaflow.rollout.sglang import weight_checks
     named = _named()
     bucket = pack(named, shared=True)
@@ -149,7 +149,7 @@ def test_worker_hashes_each_parameter_right_after_sglang_copies_into_it(monkeypa
 
     from sglang.multimodal_gen.runtime.post_training import weights_updater
 
-    from megaflow.bridge.checksum import tensor_digest
+    from megaflow.checksum import tensor_digest
     from megaflow.rollout.sglang import weight_checks
     # SGLang's own function, not the plugin's hook around it (applied in this process once an engine started here)
     load_weights_into_model = inspect.unwrap(weights_updater.load_weights_into_model)

@@ -1,4 +1,4 @@
-"""Scoring overlaps sampling (megaflow.run.flowgrpo.generate_and_score): each group is scored as soon as it is back.
+"""Scoring overlaps sampling (megaflow.run.requests.generate_and_score): each group is scored as soon as it is back.
 Needs: CPU, 1 process, ~3 s (a fake engine and a fake per-image reward, both with sleeps).
 
 Checked against the sequential path written out here (generate everything, score one batch, advantages):
@@ -18,7 +18,7 @@ import torch
 
 from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.config import load_config
-from megaflow.run.flowgrpo import generate_and_score
+from megaflow.run.requests import generate_and_score
 from megaflow.rewards.base import Reward
 from megaflow.rewards.scorer import AsyncScorer, MultiReward
 from megaflow.rollout.types import RolloutRequest

@@ -24,8 +24,9 @@ def _trainer(pipeline_dir: str, tp: int, sp: bool):
 def _max_log_prob_diff(eng, trajs, micro_batch_size: int) -> float:
     """max over every (sample, step) of |trainer log-prob - engine log-prob| (last pipeline stage)."""
     from megaflow.testing.reference import transition_config
-    from megaflow.trainer.grpo import _policy, batch_conditioning
-    from megaflow.trainer.grpo_batches import microbatches_for
+    from megaflow.trainer.batch import batch_conditioning
+    from megaflow.trainer.flowgrpo import _policy
+    from megaflow.trainer.flowgrpo_batches import microbatches_for
 
     transition = transition_config(trajs[0])
     window = [t for t in range(trajs[0].num_steps) if bool(trajs[0].sde_mask[t])]

@@ -167,9 +167,9 @@ def _grads(eng) -> dict:
 
 
 def _settings(*, mbs, epochs=1, minibatches=1, beta=0.0, mismatch=None):
-    from megaflow.algo.loss import LossConfig, MismatchConfig
+    from megaflow.algo.flowgrpo import LossConfig, MismatchConfig
     from megaflow.flow.step import TransitionConfig
-    from megaflow.trainer.grpo import GRPOSettings
+    from megaflow.trainer.flowgrpo import GRPOSettings
 
     return GRPOSettings(transition=TransitionConfig(kind="sde", noise_level=NOISE_LEVEL),
                         loss=LossConfig(clip_range=1e-4, kl_beta=beta), micro_batch_size=mbs,
@@ -183,7 +183,7 @@ def _perturbed(state: dict, seed: int) -> dict:
 
 
 def train_steps():
-    from megaflow.algo.loss import train_step_indices
+    from megaflow.algo.flowgrpo import train_step_indices
     from megaflow.flow.step import TransitionConfig
     return train_step_indices(STEPS, TransitionConfig(kind="sde"), timestep_fraction=0.99)
 
@@ -194,7 +194,7 @@ def equal_weight_rank(micro_batch_sizes: list[int], guidance: float = 1.0) -> di
     the zero-std filter (keep=False): 6 x 3 trained steps = 18 items."""
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.trainer.grpo import grpo_update
+    from megaflow.trainer.flowgrpo import grpo_update
 
     dit, trajs = sample_case(7, seed=3, guidance=guidance)
     state = {k: v.detach().clone() for k, v in dit.state_dict().items()}
@@ -231,7 +231,7 @@ def multi_update_rank(lr: float, mismatch: str | None = None) -> dict:
     """2 inner epochs x 2 minibatches (4 SGD steps) over 6 samples; final weights and stats."""
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.trainer.grpo import grpo_update
+    from megaflow.trainer.flowgrpo import grpo_update
 
     dit, trajs = sample_case(6, seed=5)
     init_distributed(ParallelDims(), seed=0)
@@ -268,8 +268,9 @@ def engine_log_prob_rank(pipeline_dir: str, trajs_path: str) -> dict:
     from megaflow.flow.step import TransitionConfig
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.trainer.grpo import _policy, batch_conditioning
-    from megaflow.trainer.grpo_batches import microbatches_for
+    from megaflow.trainer.batch import batch_conditioning
+    from megaflow.trainer.flowgrpo import _policy
+    from megaflow.trainer.flowgrpo_batches import microbatches_for
 
     trajs = torch.load(trajs_path, weights_only=False)
     init_distributed(ParallelDims(), seed=0)

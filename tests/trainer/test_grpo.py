@@ -47,13 +47,13 @@ def _grpo_rank(kind):
     from diffusers import SD3Transformer2DModel
 
     import megaflow  # noqa: F401
-    from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
+    from megaflow.algo.flowgrpo import LossConfig, MismatchConfig, train_step_indices
     from megaflow.flow.step import TransitionConfig
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import init_distributed
     from megaflow.trainer.runner import Trainer, adam_config
-    from megaflow.trainer.grpo import GRPOSettings, build_microbatches, grpo_train_step
+    from megaflow.trainer.flowgrpo import GRPOSettings, build_microbatches, grpo_train_step
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-from megaflow.algo.loss import LossConfig, MismatchConfig
+from megaflow.algo.flowgrpo import LossConfig, MismatchConfig
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig, sigma_max_of, transition_log_prob
 from megaflow.models.registry import get_family
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer import grpo, grpo_batches
-from megaflow.trainer.grpo import GRPOSettings, grpo_update
+from megaflow.trainer import batch, flowgrpo_batches
+from megaflow.trainer import flowgrpo
+from megaflow.trainer.flowgrpo import GRPOSettings, grpo_update
 
 torch.set_num_threads(1)
 STEPS, CAP = 4, 1.5
@@ -109,8 +110,8 @@ def reference(engine, trajs, level):
 def one_rank(monkeypatch):
     ps = SimpleNamespace(get_data_parallel_world_size=lambda: 1, get_data_parallel_rank=lambda: 0,
                          get_pipeline_model_parallel_world_size=lambda: 1)
-    monkeypatch.setattr(grpo, "ps", ps)
-    monkeypatch.setattr(grpo_batches, "ps", ps)
+    monkeypatch.setattr(flowgrpo, "ps", ps)
+    monkeypatch.setattr(batch, "ps", ps)
 
 
 def _update(level, micro_batch_size):
@@ -146,7 +147,7 @@ def test_loss_refuses_sample_levels_without_precomputed_weights():
     trajs = _trajs(engine)
     settings = GRPOSettings(transition=TRANSITION, loss=LossConfig(kl_beta=0.0),
                             mismatch=MismatchConfig(mismatch_level="trajectory"))
-    mb = grpo_batches.stack_items(trajs, ADV, [(0, 0), (0, 1)], [True, True], torch.device("cpu"),
-                                  conditioning=grpo.batch_conditioning(engine))
+    mb = flowgrpo_batches.stack_items(trajs, ADV, [(0, 0), (0, 1)], [True, True], torch.device("cpu"),
+                                      conditioning=batch.batch_conditioning(engine))
     with pytest.raises(ValueError, match="grpo_update"):
-        grpo.grpo_loss(engine.velocity(mb["latents"]), mb, settings=settings, normalizer=2.0)
+        flowgrpo.grpo_loss(engine.velocity(mb["latents"]), mb, settings=settings, normalizer=2.0)

@@ -16,16 +16,18 @@ import pytest
 import torch
 
 import megaflow  # noqa: F401
-from megaflow.algo.loss import LossConfig, MismatchConfig, train_step_indices
+from megaflow.algo.flowgrpo import LossConfig, MismatchConfig, train_step_indices
 from megaflow.config import load_config
-from megaflow.run.flowgrpo import grpo_settings, make_requests, sde_window, train_steps
+from megaflow.run.flowgrpo import grpo_settings, train_steps
+from megaflow.run.requests import make_requests, sde_window
 from megaflow.flow.schedule import sd3_sigmas
 from megaflow.flow.step import TransitionConfig
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.grpo import GRPOSettings, grpo_loss
+from megaflow.trainer.flowgrpo import GRPOSettings, grpo_loss
 from megaflow.models.registry import get_family
-from megaflow.trainer import grpo_batches
-from megaflow.trainer.grpo_batches import dp_slice, guided_velocity, plan_updates, stack_items
+from megaflow.trainer import batch
+from megaflow.trainer.batch import dp_slice
+from megaflow.trainer.flowgrpo_batches import guided_velocity, plan_updates, stack_items
 
 torch.set_num_threads(1)
 SD3_CONDITIONING = dict(conditioning=functools.partial(get_family("sd3").batch_conditioning, None))
@@ -43,9 +45,9 @@ def test_dp_slice_pads_microbatches_only_under_pipelining(monkeypatch, pp, padde
     items = [(i, 0) for i in range(5)]
     got = {}
     for rank in (0, 1):
-        monkeypatch.setattr(grpo_batches.ps, "get_data_parallel_world_size", lambda: 2)
-        monkeypatch.setattr(grpo_batches.ps, "get_data_parallel_rank", lambda r=rank: r)
-        monkeypatch.setattr(grpo_batches.ps, "get_pipeline_model_parallel_world_size", lambda: pp)
+        monkeypatch.setattr(batch.ps, "get_data_parallel_world_size", lambda: 2)
+        monkeypatch.setattr(batch.ps, "get_data_parallel_rank", lambda r=rank: r)
+        monkeypatch.setattr(batch.ps, "get_pipeline_model_parallel_world_size", lambda: pp)
         got[rank] = dp_slice(items, 4)
     mine0, real0 = got[0]
     mine1, real1 = got[1]

@@ -5,20 +5,7 @@ What a block contains is declared in the family's ``spec.py`` (which linear / at
 class builds each submodule, resolved by ``common.spec``); these classes are the wiring,
 independent of the implementation (local or TE).
 
-Parallel layout of these pieces (the TP plan is data in each family's ``weight_map.py``):
-- QKV of each stream: one fused column-parallel linear per stream, weight rows interleaved per
-  head ``[h0:q,k,v | h1:q,k,v | ...]`` (megatron's layout), so a TP rank owns whole heads.
-- Attention output projections and MLP fc2: row-parallel; fc1: column-parallel.
-- ``ReplicatedLinear`` (adaLN modulation, embeddings, final layer): same weights on every TP
-  rank. adaLN linears take the [b, h] conditioning vector (no sequence dim), so splitting them
-  saves no activation memory and would add a gather per block.
-- q/k RMSNorm weights (per head_dim, shared by all heads) are replicated; each TP rank sees only
-  its heads, so their grads are partial sums. They are named ``*q_layernorm`` / ``*k_layernorm``,
-  which megatron's ``finalize_model_grads`` all-reduces over TP when ``config.qk_layernorm``.
-- Sequence parallelism: token streams are split on the sequence dim between blocks; every
-  replicated parameter whose grad then becomes a per-shard partial sum (adaLN, the timestep/text
-  embedding that feeds it, the final layer) carries ``sequence_parallel=True`` so megatron sums it
-  over TP, exactly as it does for LayerNorm weights.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -5,31 +5,7 @@ Where: every linear whose weight-map row has kind ``qkv``, ``column`` or ``row``
 (``context_`` prefix dropped) is in ``LoRASettings.targets``: ``linear_qkv`` (the fused q/k/v of a
 stream), ``linear_proj`` (attention output), ``linear_fc1`` / ``linear_fc2`` (MLP), in both streams.
 
-Adapters are a child module ``lora`` of the linear (params ``lora.a`` [r, in], ``lora.b`` [out, r])
-applied by a forward hook, so the base parameter names (weight map, checkpoints, full-weight sync)
-do not change. A fused QKV linear gets one adapter per projection, as PEFT puts on diffusers' separate
-to_q / to_k / to_v: ``a`` is [3r, in] (A_q; A_k; A_v) and ``b`` is [3H, r] with rows interleaved per
-head exactly like the base weight (``weight_map.fuse_qkv`` of B_q, B_k, B_v); part j of the [3r] hidden
-only meets part j of every head's rows.
-
-Tensor parallelism (shards follow the base layer's split, so a TP rank needs no extra weights):
-- column-parallel base (qkv, fc1): A replicated, B split on its out dim like the base weight. The rank-r
-  hidden ``A x`` enters the TP region with ``copy_to_tensor_model_parallel_region`` (all-reduce of its
-  grad); with SP, x is the rank's sequence shard and the hidden is gathered over the sequence
-  (``gather_from_sequence_parallel_region``, reduce-scatter of its grad), and A's grad is a per-shard
-  partial sum, so A is marked ``sequence_parallel`` (megatron all-reduces it over TP, as for norms).
-- row-parallel base (proj, fc2): A split on its in dim like the base weight, B replicated. The partial
-  hidden ``A_local x_local`` [s, b, r] is summed over TP (``reduce_from_tensor_model_parallel_region``;
-  with SP ``reduce_scatter_to_sequence_parallel_region``, and B is marked ``sequence_parallel``). This
-  reduces the rank-r hidden rather than adding the partial product to the base's [s, b, out] partial
-  before the base's own reduction: same sum, r/out of the bytes, and megatron's linear stays untouched.
-Pipeline parallelism needs nothing: an adapter lives with its block.
-
-Init (PEFT's): A ~ kaiming-uniform(a=sqrt(5)) over the FULL tensor from a generator seeded by the run
-seed and the adapter's global name (so every layout holds the same adapter), B = 0: a fresh adapter
-leaves the model's output exactly unchanged.
-
-``adapters_disabled(chunks)``: the base model (the KL reference under LoRA: no second model).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 
@@ -85,7 +61,7 @@ def target_leaf(megatron_module: str) -> str:
 
 
 class LoRAAdapter(torch.nn.Module):
-    """The adapter of one parallel linear (see the module docstring): ``forward(x)`` is the term added
+    """The adapter of one parallel linear (see the module's design notes): ``forward(x)`` is the term added
     to the base output, ``enabled=False`` makes the hook skip it."""
 
     def __init__(self, kind: str, a_full: torch.Tensor, b_shape: tuple[int, int], *, scale: float, config):

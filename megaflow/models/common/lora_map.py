@@ -3,17 +3,8 @@
 Each adapted linear (``lora.adapted_modules``) has two megatron tensors, ``<module>.lora.a`` and
 ``<module>.lora.b``, whose diffusers names are PEFT's on the diffusers module(s) of the base weight:
 ``<diffusers module>.lora_A.weight`` / ``.lora_B.weight`` (e.g. ``transformer_blocks.0.attn.to_q.lora_A.weight``).
-Kinds (split dim = the TP split of the megatron tensor, see ``megaflow.models.common.lora``):
-
-    lora_a      A of a column / row base: one diffusers tensor; split on dim 1 for a row base, else replicated
-    lora_a_qkv  A of a fused QKV base: [A_q; A_k; A_v] concatenated on dim 0, replicated
-    lora_b      B of a column / row base: one diffusers tensor; split on dim 0 for a column base
-    lora_b_qkv  B of a fused QKV base: ``fuse_qkv(B_q, B_k, B_v)`` (the base weight's per-head row
-                interleave), split on dim 0
-
-``lora_weight_map`` builds a ``WeightMap`` over that table, so the generic conversions
-(``to_megatron_full`` with its missing/unexpected checks, ``select_local``, ``megatron_to_diffusers``) and
-the trainer's full-tensor gather (``megaflow.trainer.full_weights.iter_full``) work on adapters unchanged.
+Kinds (split dim = the TP split of the megatron tensor, see ``megaflow.models.common.lora``)
+(design notes: docs/design/models.md).
 """
 from __future__ import annotations
 

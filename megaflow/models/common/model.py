@@ -1,24 +1,6 @@
 """Pipeline-stage bookkeeping and embedders shared by the DiT family models.
 
-``DiTModel`` is the base of every family's megatron model (one pipeline stage / virtual chunk):
-which stage it is (``pre_process`` holds the embeddings, ``post_process`` the final adaLN and
-projection), which global blocks it builds, the packed tensor megatron's schedule hands between
-stages (``set_input_tensor``), sequence-parallel scatter/gather of the token streams and a
-sharded state dict keyed by GLOBAL block index. The family subclass builds its blocks and
-embeddings and defines ``forward``.
-
-Between pipeline stages every family sends ONE tensor: its token streams plus one temb row
-([tokens + 1, B, h]; with SP each stream is split over TP and the temb row is replicated), so
-``pipeline_seq_length`` is the same for all families.
-
-Activation recompute: the blocks are megaflow's own modules, called from each family's ``forward`` loop,
-not megatron's ``TransformerBlock`` (whose checkpointing drives ``TransformerLayer``). So the loop calls
-every block through ``DiTModel._run_layer``, which reads the same ``TransformerConfig`` fields megatron
-does (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) and wraps the block in
-megatron's ``tensor_parallel.checkpoint`` (RNG-tracker aware): only the block's inputs are kept in the
-forward; its internals are recomputed during backward. Supported: "full" granularity, per block
-(``uniform`` with 1 layer per unit) or the first N blocks of each chunk (``block``). "selective" (megatron's
-per-submodule recompute inside ``TransformerLayer``) has no counterpart in these blocks and is refused.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 
@@ -112,7 +94,7 @@ def stage_ends(config: TransformerConfig, pp_rank: int, vp_stage: int | None = N
 
 
 class DiTModel(MegatronModule):
-    """One pipeline stage / virtual chunk of a DiT family model (see the module docstring).
+    """One pipeline stage / virtual chunk of a DiT family model (see the module's design notes).
 
     Subclass ``__init__``: call ``super().__init__``, then ``_build_layers``, the embeddings (if
     ``pre_process``) and ``_build_final`` (if ``post_process``), in the order their parameters
@@ -150,7 +132,7 @@ class DiTModel(MegatronModule):
     def _run_layer(self, index: int, layer: torch.nn.Module, *tensors: torch.Tensor, **static):
         """``layer(*tensors, **static)`` for this chunk's block ``index`` (0-based in the chunk), under
         ``tensor_parallel.checkpoint`` when the config recomputes that block and autograd is recording
-        (see the module docstring). ``static``: non-tensor arguments (e.g. RoPE tables), held by the
+        (see the module's design notes). ``static``: non-tensor arguments (e.g. RoPE tables), held by the
         checkpoint's closure rather than saved as inputs."""
         if index >= self._recompute_blocks or not torch.is_grad_enabled():
             return layer(*tensors, **static)

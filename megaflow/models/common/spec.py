@@ -6,9 +6,7 @@
 - ``te``: Transformer Engine linears, TE fused attention and TENorm (CUDA + transformer_engine).
 - ``auto``: ``te`` when Transformer Engine and a CUDA device are present, else ``local``.
 
-A family's ``spec.py`` says WHAT its blocks contain, taking the classes from ``impl_classes``;
-``adaln_block_spec`` is the double-stream (MMDiT) block both SD3 and FLUX have. megatron's local
-``DotProductAttention`` fits the ``core_attention`` slot too (same interface).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

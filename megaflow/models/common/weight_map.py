@@ -1,30 +1,7 @@
 """The generic weight map: conversions between diffusers and megatron state dicts over one
 family's name table.
 
-A family's ``weight_map.py`` holds its table (``param_maps(config)``: one ``ParamMap`` per megatron
-tensor) and the recipes of its fused kinds, and builds a ``WeightMap`` from them; the methods of
-that object are the module's public functions (``split_dim``, ``to_megatron_full``,
-``megatron_to_diffusers``, ``to_diffusers``, ``to_megatron``, ``select_local``), so trainer,
-bridge and tools call every family the same way.
-
-Megatron names are GLOBAL (``layers.<global block index>.``, as in dist checkpoints and
-``iter_full_params``); ``to_megatron`` / ``select_local`` return a rank's LOCAL state dict (local
-block indices, this rank's TP shard, this stage's modules), ready for ``model.load_state_dict``.
-
-Kinds shared by all families (the TP plan; reasons in ``common/layers.py``):
-    replicated  same tensor on every TP rank
-    column      split on dim 0 (weight and bias)
-    row         weight split on dim 1, bias replicated
-    qkv         three diffusers tensors q, k, v [H, h] fused into one [3H, h] with rows
-                interleaved per head ``[h0: q k v | h1: q k v | ...]``, then split on dim 0
-A family may add kinds: a ``ParamMap`` subclass gives their split dim, a ``Recipe`` their fusing.
-
-Table rows are ``(megatron module, diffusers module(s), kind, param suffixes, when)``; ``when``
-says which stage (top-level rows: "first" / "last") or which blocks (block rows) have the tensor,
-decided by the family. The rows of modules built by shared code live here: ``embed_mlp_rows``
-(``EmbedMLP``), ``FINAL_ROWS`` (``DiTModel``'s final layer) and the adaLN double-stream block
-(``ADALN_ATTENTION_ROWS`` + ``ADALN_MLP_ROWS``: SD3's MMDiT block and FLUX's double-stream block,
-which diffusers names alike).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

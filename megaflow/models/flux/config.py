@@ -5,14 +5,7 @@
 (global block indices 0 .. D-1), then the ``num_single_layers`` single-stream blocks (D .. D+S-1),
 so megatron's pipeline split (``get_num_layers_to_build`` / offsets) cuts through both kinds.
 
-Mapping (diffusers -> megatron):
-    num_layers (double-stream blocks)        -> num_double_layers
-    num_layers + num_single_layers           -> num_layers
-    num_attention_heads * attention_head_dim -> hidden_size (both streams share one width)
-    attention_head_dim                       -> kv_channels
-    4 * hidden_size                          -> ffn_hidden_size (double-block FeedForward and the
-                                                single block's proj_mlp, mlp_ratio 4, gelu-tanh)
-    q/k RMSNorm in every attention (eps 1e-6) -> qk_layernorm=True, layernorm_epsilon=1e-6
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -5,26 +5,7 @@ joint attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA cor
 in ``megaflow.models.common.layers``. This file adds rotary position embeddings and the two FLUX
 block kinds.
 
-Parallel layout (the TP plan is data in ``weight_map.py``; the reasons live here):
-- Double-stream block: exactly SD3's layout (fused per-head QKV per stream, column-parallel QKV and
-  fc1, row-parallel output projections and fc2), plus RoPE applied to q and k per head. RoPE
-  tables are [tokens, head_dim], the same for every head, so TP's head split needs nothing.
-- Single-stream block: ONE column-parallel linear computes q, k, v AND the MLP input. Its rows
-  are interleaved per head ``[h0: q k v m0 | h1: q k v m1 | ...]`` where ``m_i`` is the i-th
-  contiguous 1/heads slice of diffusers' ``proj_mlp``; ONE row-parallel linear (diffusers'
-  ``proj_out`` over ``cat([attn, mlp])``) has its input columns interleaved the same way
-  ``[h0: attn m0 | h1: attn m1 | ...]``. A contiguous TP split therefore gives each rank whole
-  heads plus the matching MLP slice, so the single block costs one all-gather (SP) and one
-  reduce per layer, like a plain attention or MLP, and the full tensors do not depend on TP.
-- adaLN modulation linears stay REPLICATED, as in SD3: their input is the [b, h] conditioning
-  vector, splitting them saves no activation memory and would add a gather per block.
-- q/k RMSNorm weights are replicated; each TP rank sees only its heads, so their names contain
-  ``q_layernorm`` / ``k_layernorm`` and megatron's ``finalize_model_grads`` sums them over TP.
-- Sequence parallelism: between blocks the image and context streams are each split on the
-  sequence dim; the single-stream input is the local ``[context_r; image_r]`` concatenation, so
-  its all-gathered token order is ``[ctx_0; img_0; ctx_1; img_1; ...]``. Attention is
-  permutation-equivariant apart from RoPE, so the model hands single blocks the RoPE table in
-  exactly that order (``FluxRope.joint``) and nothing is re-sharded.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """FLUX.1 as a megatron-core model: embeddings on the first pipeline stage, a slice of the
 double-stream then single-stream blocks per stage, the final adaLN + projection on the last.
 
-Inputs follow diffusers' ``FluxTransformer2DModel.forward``: hidden_states = packed latents
-[B, N, in_channels], timestep [B] = sigma in [0, 1] (the model multiplies it, and guidance, by
-1000), encoder_hidden_states [B, L, joint_attention_dim], pooled_projections [B, pooled_dim],
-txt_ids [L, 3], img_ids [N, 3] (a leading batch dim is dropped, taking row 0, as diffusers
-does), guidance [B] (required iff ``config.guidance_embeds``). Output: velocity [B, N, patch_dim]
-on the last stage.
-
-Inside, activations are sequence-first ([tokens, B, h]). Between pipeline stages the streams
-travel as ONE tensor ``[context; image; temb]`` of shape [L + N + 1, B, h] (with SP: L/tp + N/tp
-+ 1 rows per rank), the same row count as SD3's, so ``pipeline_seq_length`` is the shared one
-(``megaflow.models.common.model``, with the rest of the stage bookkeeping: ``DiTModel``). Single
-blocks work on the joint ``[context; image]`` sequence, which is that tensor minus the temb row.
-RoPE tables are recomputed on every stage from txt_ids / img_ids (no parameters, cheap).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

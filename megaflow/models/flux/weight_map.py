@@ -1,23 +1,6 @@
 """The single FLUX.1 name table: megatron name <-> diffusers name, TP split dim, fused recipes.
 
-Same interface as ``megaflow.models.sd3.weight_map`` (param_maps, split_dim, to_megatron_full,
-megatron_to_diffusers, to_diffusers, stage_layers, to_megatron, select_local: the generic
-conversions of ``megaflow.models.common.weight_map`` over this table and its recipes), so the
-trainer, the bridge and tools/convert_checkpoint.py work unchanged for family "flux". Megatron
-names are GLOBAL (``layers.<global block index>.``): double-stream block i is ``layers.i`` <->
-``transformer_blocks.i``; single-stream block j is ``layers.<D + j>`` <->
-``single_transformer_blocks.j`` (D = number of double-stream blocks).
-
-Kinds (the TP plan; reasons in ``layers.py``): the shared replicated / column / row / qkv (see
-``common.weight_map``) and the single block's two fused layouts:
-    qkv_mlp     diffusers to_q, to_k, to_v [H, h] and proj_mlp [F, h] fused into [3H + F, h],
-                rows interleaved per head ``[h0: q k v m0 | h1: q k v m1 | ...]``
-                (m_i = rows i*F/heads .. (i+1)*F/heads of proj_mlp), split on dim 0
-    attn_mlp    diffusers proj_out [h, H + F] (columns [attn | mlp]) with its columns
-                interleaved per head ``[h0: attn m0 | h1: attn m1 | ...]``; weight split on
-                dim 1, bias replicated
-Every megatron tensor maps to whole diffusers tensors (streaming-friendly), and no full megatron
-tensor depends on the TP degree.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -6,12 +6,7 @@ maps a diffusers ``SD3Transformer2DModel`` config dict; ``to_diffusers`` maps ba
 writing a diffusers ``config.json`` from a megatron checkpoint). Parallel degrees, dtypes and other
 megatron knobs are passed through ``**megatron_kwargs`` unchanged.
 
-Mapping (diffusers -> megatron):
-    num_attention_heads * attention_head_dim -> hidden_size (the MMDiT width, both streams)
-    attention_head_dim                       -> kv_channels
-    4 * hidden_size                          -> ffn_hidden_size (FeedForward mult=4, gelu-tanh)
-    qk_norm="rms_norm"                       -> qk_layernorm=True, normalization="RMSNorm"
-    eps 1e-6 (all norms in the SD3 block)    -> layernorm_epsilon
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The SD3 MMDiT block on megatron-core (sequence-first layout [s, b, h]).
 
-What the block contains is declared in ``spec.py``; the pieces it is made of (fused-QKV joint
-attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA core attention) and the
-reasons for their parallel layout are in ``megaflow.models.common.layers``. SD3-specific here:
-- adaLN modulation linears stay REPLICATED (see common.layers); the price is 6h^2 (9h^2 with dual
-  attention) weights per block held by every TP rank.
-- The last block is context_pre_only: its context stream only feeds keys/values and has no
-  output projection or MLP.
-- SD3.5 "MMDiT-X" blocks add a second, image-only self-attention (``attention2``).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

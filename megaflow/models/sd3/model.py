@@ -5,13 +5,7 @@ Inputs follow diffusers' ``SD3Transformer2DModel.forward``: latents [B, C, H, W]
 (= sigma * num_train_timesteps), encoder_hidden_states [B, L, joint_attention_dim],
 pooled_projections [B, pooled_projection_dim]; output: velocity [B, C, H, W] on the last stage.
 
-Inside, activations are sequence-first ([tokens, B, h], megatron's layout). Between pipeline
-stages the three streams travel as ONE tensor ``[image; context; temb]`` of shape
-[N + L + 1, B, h] (temb as one extra row), so megatron's p2p schedule moves them unchanged and
-the timestep embedding's grads flow back to the first stage. With sequence parallelism the image
-and context rows are each split over TP and the temb row is replicated: use
-``pipeline_seq_length`` for the schedule's ``seq_length``. Stage bookkeeping (which blocks, first /
-last stage, sharded state dict) is ``megaflow.models.common.model.DiTModel``.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

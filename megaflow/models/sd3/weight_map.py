@@ -5,9 +5,7 @@ conversion) all go through this module; nothing else spells parameter names. The
 themselves are the generic ones of ``megaflow.models.common.weight_map`` (which also documents the
 kinds replicated / column / row / qkv) over this table.
 
-Megatron names are GLOBAL here (``layers.<global block index>.``, as in dist checkpoints and
-``iter_full_params``); ``to_megatron`` returns a rank's LOCAL state dict (local block indices,
-this rank's TP shard, this stage's modules), ready for ``model.load_state_dict``.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megaflow.bridge.checksum import ALGORITHMS, DEFAULT
+from megaflow.checksum import ALGORITHMS, DEFAULT
 from megaflow.config.schema import MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
@@ -54,7 +54,7 @@ class SGLangEngineConfig:
     which on a small shared CPU host oversubscribes it (tiny-SD3 DiT forward measured 4.4x slower with 2
     threads than with 1 on 2 busy cores)."""
     checksum: str = DEFAULT
-    """How the engine's workers hash the tensors they hold for verification (``megaflow.bridge.checksum``:
+    """How the engine's workers hash the tensors they hold for verification (``megaflow.checksum``:
     xxh3 or sha256), told to them when they are spawned; the bridge's ``bridge.checksum``."""
     device_index: int | None = None
     """Local GPU the worker processes are pinned to: they are started with CUDA_VISIBLE_DEVICES naming only

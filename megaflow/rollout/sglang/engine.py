@@ -1,34 +1,9 @@
 """``SGLangEngine``: the embedded SGLang diffusion engine behind ``RolloutEngine``.
 
-``SGLangEngine`` starts SGLang's scheduler/worker processes in-process (``launch_server`` without HTTP,
-sglang 0.5.23 ``sglang.multimodal_gen``) and talks to them with its own ``SchedulerClient`` (not the
-module-global one ``DiffGenerator`` uses), so several engines can live in one process.
+Invariant: the engine calls are a function of the submitted request lists alone (never of the clock), and a
+sample's floats depend on the batch it ran in, so the same requests give the same samples on any machine load.
 
-Batching follows the request stream, never the clock. SGLang denoises a request with
-``num_outputs_per_prompt=k`` and a seed list as ONE batch of k, with rollout data. Its scheduler-side dynamic
-batching (``batching_max_size``) merges concurrent requests but drops ``rollout_trajectory_data`` when it
-splits the result, so it stays off. Instead ``submit`` merges the compatible CFG-free requests of ONE call
-(in their order, up to ``max_batch_outputs`` samples a call) into engine calls: a prompt list with one entry
-per sample and one seed per sample (``extra["dynamic_batch_seeds"]``, the scheduler's own merge format); CFG
-requests go one per call (SGLang's SD3 CFG path does not expand a negative prompt over a prompt list).
-Requests of different ``submit`` calls never share a call. A dispatcher thread runs the planned calls in
-order, ``num_inflight_calls`` at once so the worker always has the next one queued. The invariant: a
-sample's floats depend on the batch it ran in (the DiT's kernels round by batch shape, and SGLang draws each
-step's noise as a full-batch-shaped tensor from each sample's generator), and the batches are a function of
-the submitted request lists alone, so the same requests give the same samples on any machine load (they
-once were merged inside a time window, and a busy machine split them otherwise).
-
-Lifecycle. ``shutdown`` stops exactly the worker processes this engine started (PIDs and their children
-recorded at start). A monitor thread polls the workers; when one dies the engine restarts them, re-applies
-the current weights (replayed tensors or disk path), and every call that was in flight is retried once
-(logged). ``release``/``resume`` forward SGLang's memory release on GPU; on CPU there is no accelerator
-memory to free and SGLang's release crashes (unconditional torch.cuda.synchronize), so they are a
-documented no-op that only flips a flag (``generate`` raises while released, as on GPU).
-
-Logging. sglang's ``launch_server`` replaces the root logger's handlers; the adapter restores the host's
-handlers after every (re)start, so records emitted by other threads during a start go to sglang's
-stdout handler instead. With ``log_dir`` the workers' output goes to ``<log_dir>/<engine_id>.log``
-(see ``server``).
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -44,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megaflow.bridge.base import WeightUpdateResult
-from megaflow.bridge.checksum import DEFAULT, tensor_digest
+from megaflow.checksum import DEFAULT, tensor_digest
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port

@@ -2,37 +2,7 @@
 each engine worker, freeze the heap once its scheduler is built, keep staging slots mapped, and hash tensors
 for verification with megaflow's checksum, without copying them.
 
-Heap. SGLang's ``update_weights_from_tensor`` ends with a full ``gc.collect()``, which in a worker holding
-SGLang, torch, transformers and diffusers traces millions of objects: ~0.6 s per update on CPU, measured
-(py-spy: 94% of the samples of a 1.2 MB update), whatever the update's size. ``gc.freeze()`` after start
-moves every object alive at that point into the permanent generation, which collections skip, so later
-collections trace only what was allocated since. Objects frozen are the runtime and the loaded pipeline,
-which live as long as the worker; weight updates copy into existing parameters.
-
-Mappings. A CPU bucket arrives as shared memory that the worker maps when it unpickles the payload; once
-the update is done the tensor is dropped and the memory unmapped, so every sync maps its buckets afresh and
-pays a page fault on the first read of every 4 KiB page, then the unmapping (measured on a 491 MB DiT: the
-worker's copy into its parameters took ~5x a plain copy). A bucket from a bridge's staging slot names the
-slot in its payload (``weights.KEEP_KEY``); the worker keeps that tensor under the key (replacing what it
-kept there before). The next sync's bucket in the same memory then names the key alone, without the memory's
-handle (``EngineServer`` knows which slots its workers hold): no file descriptor is passed (a connection back to
-the sender per bucket) and nothing is mapped; the worker reads the memory it kept. At most one mapping per
-slot is kept: the memory of the synced tensors, which the trainer's side holds anyway.
-
-Hashing and checks. The worker hashes the tensors it holds with megaflow's checksum (in place of SGLang's
-SHA-256 of a copy), and checks an update that carries its tensors' digests in the same request: see
-``megaflow.rollout.sglang.weight_checks``.
-
-Sockets. A single-node engine's workers rendezvous through a file in the engine's private directory (a
-``tempfile.mkdtemp``, mode 0700, made where the workers are spawned and named to them by ``SOCKET_DIR_VAR``)
-instead of SGLang's TCP store, which listens on every interface; their gloo transport stays on loopback
-(``GLOO_SOCKET_IFNAME=lo`` unless set); and the scheduler's ZMQ socket, which unpickles what it receives, is an ipc
-socket in that directory instead of a 127.0.0.1 port that any local user could reach. Multi-node engines
-(SGLang's ``dist_init_addr``) keep their TCP endpoints: those must be reachable from the other nodes.
-
-The plugin acts only in processes started with ``MEGAFLOW_SGLANG_GC_FREEZE=1`` in their environment
-(``spawning.spawn_settings`` sets it while workers are spawned), so other SGLang uses of the same environment
-are left alone.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
 from sglang.multimodal_gen.runtime.scheduler_client import SchedulerClient
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
 
-from megaflow.bridge.checksum import DEFAULT
+from megaflow.checksum import DEFAULT
 from megaflow.rollout.sglang import plugin
 from megaflow.rollout.sglang.spawning import spawn_settings
 from megaflow.rollout.sglang.weights import flatten, update_request

@@ -1,18 +1,12 @@
 """Warm engine workers: a one-rank engine's worker process started before its engine's server args exist.
 
-An engine's start on CPU is mostly its worker importing SGLang's runtime (torch, transformers, diffusers and
-SGLang's configuration graph: ~13 of a tiny engine's ~16 s), and ``launch_server`` spawns that worker only once
-the host has imported SGLang itself and built the server args. A run knows which engines it will start long
-before that: :meth:`WarmWorker.start` spawns the worker at once (with the environment and output of
-``spawning.spawn_settings``), it imports the runtime while the host makes the pipeline and builds its trainer,
-then waits for the server args; ``EngineServer.start(..., warm=worker)`` sends them and waits for the worker's
-ready message, where ``launch_server`` would have spawned one and waited.
-
 The invariant: a warm worker runs the steps of SGLang's ``worker_bootstrap.bootstrap_scheduler_process`` in
 its order (death signal, platform, plugins and hooks, server args, worker module, scheduler) and answers on a
 startup pipe as ``launch_server``'s workers do; only the imports of the server-args and worker modules come
 before the server args arrive. From the server args on it is the worker ``launch_server`` starts.
 Imports no sglang in the host.
+
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

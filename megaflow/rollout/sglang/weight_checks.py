@@ -1,31 +1,6 @@
 """In an SGLang engine worker: how the weights it holds are hashed, and an update checked in the same request.
 
-Hashing. SGLang's update-weights checker hashes each tensor's ``.numpy().tobytes()`` with SHA-256: a full copy
-of every tensor before SHA-256 reads it (measured: 0.45 s vs 0.24 s for 491 MB hashed from the tensor's own
-memory). megaflow's plugin (``megaflow.rollout.sglang.plugin``) replaces its ``compute_tensor_sha256`` with
-``tensor_digest`` here: ``megaflow.bridge.checksum.tensor_digest``, the function the bridge hashes with on the
-trainer's side (dtype string, shape tuple repr, raw bytes; with sha256 the same digests as SGLang's), hashing the
-bytes in place with the algorithm named by ``CHECKSUM_VAR`` in the worker's environment (``EngineServer.start``
-sets it from the engine's ``checksum``; default xxh3).
-
-Checked updates. A bucket sent with ``verify`` names its tensors' digests in its module payload (``DIGESTS_KEY``,
-next to SGLang's ``flattened_tensor`` and ``metadata``; SGLang ignores the key). Two more hooks of the plugin
-check the update where it happens:
-
-- around ``WeightsUpdater.update_weights_from_tensor`` (``check_update``): take the digests out of the payload,
-  run SGLang's update, then compare. A tensor with another digest, or one SGLang skipped (an unknown name: it
-  still reports success), turns the update's success into a failure that names them;
-- around SGLang's ``load_weights_into_model`` (``hash_as_copied``): hash each parameter right after SGLang
-  copied its tensor into it, while the bytes are still in cache, instead of a second pass over the module.
-
-A named tensor the copy loop did not hash (one routed elsewhere, e.g. through a layerwise-offload manager, or
-fused into another parameter) is checked afterwards by SGLang's own update checker, as a separate check request
-would be. So a verified load costs one request and one read of each tensor on the engine's side, where a load
-and a check request cost two requests and a walk of the module per bucket.
-
-Single-rank engines only: a tensor-parallel worker holds shards of what was hashed, so ``SGLangEngine`` sends
-digests in the update only to a one-rank engine (others get a separate check request), and a multi-rank worker
-refuses an update that carries them.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -56,7 +31,7 @@ def tensor_digest(tensor) -> str:
     xxh3), hashed from the tensor's own bytes."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
 
-    from megaflow.bridge.checksum import DEFAULT, tensor_digest as digest
+    from megaflow.checksum import DEFAULT, tensor_digest as digest
 
     return digest(_materialize_local_tensor(tensor), os.environ.get(CHECKSUM_VAR) or DEFAULT)
 

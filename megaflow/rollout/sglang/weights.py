@@ -5,20 +5,7 @@ The payload is SGLang's flattened-bucket format for the ``transformer`` module -
 with SGLang's ``MultiprocessingSerializer`` -- which the worker deserializes and cuts back into named
 tensors (views of ``flat``) before copying them into its DiT parameters.
 
-- CPU: ``flat`` must sit in shared memory (moved there if it is not: one copy; the bridge packs buckets
-  there, so none). The payload carries a file-descriptor handle that the worker opens once, so a payload
-  is built per send. A bucket from a staging slot (``keep``: the slot's key) also names that key in the
-  payload (``KEEP_KEY``); the worker then keeps the mapping of the slot's memory under it (megaflow's SGLang
-  plugin), and a later send of the same memory (``kept``) names the key alone: no handle passed, no new
-  mapping, no page faults on the first read of every page, no unmapping after the update.
-- ``digests``: the sender's digests of the bucket's tensors ride in the payload (``DIGESTS_KEY``); the worker
-  checks the update against them in the same request (``megaflow.rollout.sglang.weight_checks``).
-- CUDA: the payload carries a CUDA IPC handle of ``flat``'s memory (torch's CUDA tensor pickling; the
-  worker waits on the producer's event before reading). The device travels as its GPU UUID (SGLang's
-  ``monkey_patch_torch_reductions``, applied in this process as SGLang's own senders do; it changes how
-  CUDA tensors pickle process-wide) and ``payload_gpu_uuids`` names that GPU, so a worker accepts the
-  payload only when it runs on the same physical GPU (colocated) and then maps the memory with no host
-  round trip. The request is synchronous, which keeps ``flat`` alive until the worker is done with it.
+Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

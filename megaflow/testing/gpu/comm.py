@@ -1,14 +1,6 @@
 """GPU checks of the communication paths, without SGLang.
 
-- ``nccl``: a 1-process NCCL world (TCP store on 127.0.0.1): broadcast and all_reduce of CUDA tensors, then
-  megaflow's ``DistributedBridge`` pushing CUDA tensors (several buckets, verified) into a local
-  ``ModuleTarget`` on the GPU over that world (the source is its own only member: no receiver rank).
-- ``cuda_ipc``: the colocated bridge (``ColocatedBridge``) pushing CUDA buckets to an engine stand-in in a
-  spawned child process: each bucket's flat CUDA tensor travels as a CUDA IPC handle (torch.multiprocessing),
-  the child checks the sender's GPU UUID against the tensor's device (as SGLang's ``payload_gpu_uuids``), copies
-  into its own CUDA module (``ModuleTarget``) and re-hashes what it holds for the bridge's verification. If
-  SGLang imports, the real payload (``megaflow.rollout.sglang.weights.update_request``) is also deserialized in
-  the child and its bytes compared; otherwise that part is reported as skipped.
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

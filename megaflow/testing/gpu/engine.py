@@ -1,17 +1,10 @@
 """GPU checks of the embedded SGLang engine (tiny pipelines built offline, ``megaflow.models.tiny_pipeline``).
 
-- ``engine_sd3``: a tiny SD3 engine on CUDA in fp32 and in bf16; its rollout log-probs against the trainer's
-  recompute (megaflow's megatron DiT, loaded with the pipeline's transformer weights, velocity at every step, then
-  ``flow.step.transition_log_prob``): fp32 passes at <= ``TOLERANCE["fp32"]`` relative, bf16 is reported;
-- ``engine_sync``: the colocated sync (``ColocatedBridge``) of CUDA tensors into the engine through SGLang's CUDA
-  IPC payload, verified by the engine's own digests; the images change, the checksum is the pushed weights';
-- ``engine_release``: release and resume: device bytes freed and regained (``torch.cuda.mem_get_info``, the
-  engine's workers being other processes), the same images after resume;
-- ``engine_flux``: a tiny FLUX.1 engine in bf16: finite trajectories, log-probs recomputed from its own velocities.
-
 The invariant: every engine here runs the path the wheelhouse allows without sgl_kernel: attention through torch
 SDPA (``SERVER_KWARGS``) and SGLang's native RMSNorm (``ENGINE_ENV``); the sgl_kernel stand-in raises on any kernel
 use, so a check that finishes used none.
+
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

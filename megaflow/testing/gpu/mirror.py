@@ -6,8 +6,7 @@ The invariant: both environments sample the SAME pipeline directory with the sam
 settings), so any difference in log-probs, latents or velocities comes from the environment (torch / transformers /
 sglang versions, the slim wheelhouse) and nothing else.
 
-    python -m megaflow.testing.gpu.mirror sample PIPELINE_DIR OUT.pt [--steps 4]
-    python -m megaflow.testing.gpu.mirror compare REFERENCE.pt MIRROR.pt [--tol 1e-5] [--result FILE.json]
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """GPU checks of the megatron DiT.
 
-- ``parity_local`` / ``parity_te``: a tiny SD3.5-like DiT (q/k RMSNorm, one dual-attention block; hidden 64,
-  4 heads, 16 image + 8 text tokens, batch 2) built by megaflow (``ReferenceModel``, megatron's local or
-  Transformer Engine spec) on CUDA from the same random weights as diffusers' ``SD3Transformer2DModel``
-  (``megaflow.models.sd3.tiny``); velocity max abs error and that relative to max |reference|, at fp32 (TF32
-  off; tolerance ``TOLERANCE["fp32"]``) and bf16 (both sides bf16; ``TOLERANCE["bf16"]``).
-- ``step_recompute_none`` / ``step_recompute_full``: an SD3.5-Medium-shaped DiT (megaflow plan's built-in
-  table: 24 blocks, hidden 1536, 24 heads, 13 dual-attention blocks), random weights, bf16, Adam (megatron's
-  distributed optimizer, as ``megaflow train`` builds it), batch 1 of 1024 image (64x64 latent, patch 2) + 333
-  text tokens: median train-step time, CUDA peak memory, and ``megaflow plan``'s trainer items for the same
-  setting (``SETTINGS["sd3"]``), as measured/predicted ratios; ``step_flux_lora``: the same for a FLUX.1-dev-shaped
-  DiT (19 + 38 blocks, hidden 3072) training LoRA adapters of rank 32 on its frozen bf16 base.
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -6,9 +6,7 @@ A check whose needs (``cuda``, or a module that must import) the environment rec
 without starting a process. A check that raises reports ``fail`` with the error's last line; one that outlives
 its timeout is killed (its whole process group) and reports ``fail``. The driver always goes on.
 
-    python -m megaflow.testing.gpu all --out DIR [--budget 420] [--only nccl,cuda_ipc]
-    python -m megaflow.testing.gpu check NAME [--result FILE]   # one check, in this process
-    python -m megaflow.testing.gpu env [--result FILE]          # the environment record
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """GPU checks of the SD3.5-Medium RL throughput table: random weights at the real shapes, 512 px, 10 sampler steps,
 bf16 everywhere (engine, diffusers, trainer), one GPU, CFG-free rollouts (verl-omni's FlowGRPO row is CFG-free too).
 
-- ``sd35m_rollout``: rollout images/s of the SGLang engine (SDE sampling with log-probs) and of diffusers'
-  ``StableDiffusion3Pipeline`` (its own Euler ODE sampler), same pipeline directory, same GPU, batch ``BATCH``;
-- ``sd35m_train_step``: the trainer's step time at batch 4 and its model-FLOPs utilisation (``throughput``);
-- ``sd35m_loop_nft`` / ``sd35m_loop_flowgrpo``: ``megaflow train`` (colocated, ``train.offload = optimizer``) for a
-  few iterations: per-phase seconds, memory per phase against ``megaflow plan``, whole-loop images/GPU/s.
-
 The invariant: the pipeline (``pipeline_dir``) is built once per machine: SD3.5-M's DiT (megaflow plan's built-in
 table) and SD3's VAE at their real configs; the text encoders have the real output widths (CLIP-L 768, CLIP-G 1280,
 T5 4096) but 2 layers each, so text encoding (once per prompt) is cheaper than with the real 5 B parameters: the
 rollout figures are the DiT's and the VAE's.
+
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -6,11 +6,7 @@ before anything is installed).
 The invariant: a slimmed wheel is a valid wheel of the same name and version: the dropped files are gone from its
 archive and from its RECORD, every kept file is byte-identical, so pip installs it as it would the original.
 
-    python -m megaflow.testing.gpu.wheelhouse pins PYPROJECT IMAGE_PACKAGES  # name==version to download (here)
-    python -m megaflow.testing.gpu.wheelhouse slim WHEELS_DIR                # slim the wheels of SLIM in place
-    python -m megaflow.testing.gpu.wheelhouse standin SRC_DIR OUT_DIR        # build the sgl_kernel stand-in wheel
-    python -m megaflow.testing.gpu.wheelhouse carried REPO WHEELS_DIR         # bytes carried: tree, wheelhouse, both
-    python -m megaflow.testing.gpu.wheelhouse wanted WHEELS_DIR              # (on the GPU machine) what to install
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

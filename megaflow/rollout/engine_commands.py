@@ -1,20 +1,9 @@
-"""The engine ranks of a disaggregated run (``rollout.placement = "disaggregated"``): the driver's commands to them.
+"""The driver's commands to the engine ranks of a disaggregated run (``rollout.placement = "disaggregated"``).
 
 An engine rank trains nothing, so it cannot follow the loop by itself: the driver (launch rank 0) tells it,
 over the gloo ``control`` group (the driver and the engine ranks, megaflow.parallel.groups), what the
-trainer ranks are about to do (what an engine rank does with each command: megaflow.run.engine_rank):
-
-* ``sync``: receive the weights (the distributed bridge) and report, as a trainer rank would;
-* ``collect``: sample and score this host's share of the iteration's groups (megaflow.rollout.hosted), the
-  requests sent along, so the engine ranks need no prompt stream, checkpoint or resume position;
-* ``generate``: sample requests for the driver alone (evaluation), split over the engine ranks and sent
-  back to the driver as tensors on the control group;
-* ``stop``: the run ended (or was interrupted and saved): shut the engines down and exit.
-
-The driver sends a command before each phase: :class:`~megaflow.rollout.hosted.HostedRollout` before a
-collect and when released, :class:`~megaflow.bridge.run_sync.RunSync` before a sync, and
-:class:`RemoteEngines` (the driver's evaluation engines) before a generate, so the loop itself has no
-placement branches. A signal on an engine rank is deferred: the driver decides when the run ends.
+trainer ranks are about to do (what an engine rank does with each command: megaflow.run.engine_service)
+(design notes: docs/design/rollout.md).
 """
 from __future__ import annotations
 

@@ -1,37 +1,9 @@
-"""FlowGRPO loss: PPO-clip over per-step log-probs, Gaussian KL to a frozen reference, and train/rollout
-mismatch correction (TIS / MIS). Pure torch functions of tensors.
+"""FlowGRPO loss: PPO-clip over per-step log-probs, the Gaussian KL to a frozen reference, and train/rollout
+mismatch correction (TIS / MIS); the trained steps. Pure torch functions of tensors.
 
-Sources
--------
-- Policy term (flow_grpo ``scripts/train_sd3.py``; PPO, Schulman et al. 2017):
-    ρ = exp(logp_θ − logp_old);  L_pg = mean(max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)))
-  Logged like flow_grpo: ``approx_kl = ½·mean((logp_θ − logp_old)²)``, ``clip_frac = mean(|ρ − 1| > ε)``.
-- KL term (flow_grpo ``train_sd3.py``): per step, per sample
-    KL = mean_elements((μ_θ − μ_ref)²) / (2·std²)
-  which is the exact KL between the two step Gaussians N(μ_θ, std²) and N(μ_ref, std²) (same std, the
-  noise schedule does not depend on θ) when std is the transition std. flow_grpo divides by its
-  ``std_dev_t``, which for the SDE is s = a·sqrt(σ/(1−σ)) WITHOUT the sqrt(−dt) factor (so its KL is the
-  true KL times (−dt)); for CPS ``std_dev_t`` is the transition std. ``LossConfig.kl_std`` picks:
-  "flow_grpo" (default: the published β = 0.04 was tuned with it) or "transition" (the true KL).
-- Total: L = L_pg + β·KL (β = ``LossConfig.kl_beta``; 0 skips the reference).
-- Train/rollout mismatch (slime ``examples/train_infer_mismatch_helper/mis.py``, verl rollout IS):
-  log r_t = logp_old_train,t − logp_rollout,t; the weight of a sample's step t is w_t = exp(log r_t)
-  ("step"), w = exp(Σ_t log r_t) = Π_t r_t over the sample's trained steps ("trajectory") or
-  w = exp(mean_t log r_t), their geometric mean ("geometric"). TIS: w ← clamp(w, floor, cap); MIS
-  (rejection): w ← 0 and the step dropped from the mean where w ∉ [floor, cap] (at the trajectory and
-  geometric levels the whole sample; with a ``normalizer`` a rejected step adds 0 and still counts in N).
-  The weights multiply the per-step policy loss (they carry no gradient); the KL term is not reweighted.
-
-Shapes: per-step tensors are ``[B]`` (one step at a time) or ``[B, T]`` (steps stacked); advantages are
-``[B]`` (broadcast over steps) or the log-prob shape; ``mask`` (bool, the log-prob shape) selects what
-enters the means. Stats are detached 0-dim tensors (no host sync); call ``float()`` to log.
-
-Reduction: by default the loss is the mean over the masked-in entries of this call. With
-``normalizer=N`` it is their SUM divided by N: the trainer passes the global count of real (sample, step)
-items of one optimizer step, so every item has weight 1/N whatever the microbatch / DP split (flow_grpo's
-equal weighting). Masked-out entries never reach the arithmetic: their log-probs, advantages, weights and
-reference means are replaced (``torch.where``) before use, so NaN / ±inf there cannot turn the loss, the
-KL or the gradient into NaN (a multiply-by-zero mask would: 0·NaN = NaN).
+Invariant: masked-out entries never reach the arithmetic (replaced with ``torch.where`` before use), so NaN / inf
+there cannot reach the loss or the gradient; with ``normalizer=N`` the loss is the sum over masked-in entries / N.
+Formulas, shapes and sources: docs/algorithms/flowgrpo.md.
 """
 from __future__ import annotations
 

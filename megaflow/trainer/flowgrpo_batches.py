@@ -1,51 +1,26 @@
-"""FlowGRPO training data: (sample, step) items -> optimizer steps -> this rank's microbatches.
+"""FlowGRPO's training data: (sample, step) items -> optimizer steps (``plan_updates``, flow_grpo's inner
+loop) -> this DP rank's microbatches (``microbatches_for``), with both CFG branches when the rollout used CFG.
 
-An item is one denoising step ``t`` of one kept sample ``i``. ``plan_updates`` is flow_grpo's inner
-loop (``scripts/train_sd3.py``): for each of ``num_inner_epochs`` epochs the kept samples are permuted
-(``torch.randperm(num_kept, generator=g)``), split into ``num_minibatches`` minibatches of near-equal
-size (``torch.tensor_split``; flow_grpo needs equal sizes and pads with zero-advantage samples, here
-every item simply has weight 1/N of its own step), and the trained steps are visited in a per-epoch
-order (``torch.randperm(num_steps, generator=g)``, drawn right after the sample permutation), so a
-minibatch's items are timestep-major like flow_grpo's ``for j in timesteps: batch of samples``. Each
-minibatch is ONE optimizer step, so from the second step on the PPO ratio compares the updated policy
-with the sampling policy (the clip acts on a stale policy). ``g = torch.Generator().manual_seed(seed)``.
-With one epoch and one minibatch nothing is drawn: items are sample-major ``(i, t)`` in sample order
-(the order inside one optimizer step changes only rounding).
-
-``microbatches_for`` turns one optimizer step's items into THIS data-parallel rank's microbatches:
-rank r takes items r, r + dp, ... and pads with copies of item 0 marked ``real=False`` so every rank
-runs the same number of microbatches (padding contributes exactly zero, see megaflow.trainer.grpo).
-
-The model's conditioning keys come from the model family (``conditioning`` = the family's
-``batch_conditioning`` bound to the model config, megaflow.models.registry): SD3's
-``encoder_hidden_states`` / ``pooled_projections``; FLUX.1's adds ``txt_ids``, ``img_ids`` and the
-embedded ``guidance``. The rest of a microbatch is the same for every family.
-
-Classifier-free guidance (trajectories with ``do_cfg``): the microbatch carries both branches in one
-batch of 2B, ``[unconditional; conditional]`` (flow_grpo's order): ``latents`` and ``sigma`` repeated,
-the conditioning negative then positive, plus ``guidance_scale [B]``; ``guided_velocity`` combines the
-DiT output as the engine does, v = v_u + g·(v_c − v_u) (sglang ``CFGPolicy.combine``). The per-item
-GRPO keys stay ``[B]``.
+Invariant: the plan is a function of the kept samples, the trained steps and the seed alone, so every rank builds
+the same; each rank's microbatches are its strided, padded share (megaflow.trainer.batch.dp_slice). The order of
+items, the CFG layout and the sources: docs/algorithms/flowgrpo.md ("In the trainer").
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-from megatron.core import parallel_state as ps
 
 from megaflow.flow.step import sigma_max_of
 from megaflow.rollout.types import Trajectory
+from megaflow.trainer.batch import Conditioning, dp_slice
 
 Item = tuple[int, int]
-Conditioning = Callable[[Sequence[Trajectory], bool], dict]
-"""(trajectories of one microbatch, cfg) -> the model's conditioning keys, batched (a family's
-``batch_conditioning`` with its model config bound)."""
 
 
 def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs: int = 1,
                  num_minibatches: int = 1, seed: int = 0) -> list[list[Item]]:
-    """The items of every optimizer step, in order (see the module doc); empty minibatches are dropped."""
+    """The items of every optimizer step, in order (docs/algorithms/flowgrpo.md); empty minibatches are dropped."""
     if num_inner_epochs < 1 or num_minibatches < 1:
         raise ValueError(f"num_inner_epochs={num_inner_epochs!r} and num_minibatches={num_minibatches!r} must be >= 1")
     kept, steps = list(kept), list(steps)
@@ -65,28 +40,14 @@ def plan_updates(kept: Sequence[int], steps: Sequence[int], *, num_inner_epochs:
     return plan
 
 
-def dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
-    """This DP rank's items (strided), padded so that every rank runs the same number of microbatches
-    (``micro_batch_size`` items each, the last one possibly fewer). Under pipeline parallelism every
-    microbatch is full: the stages exchange activations of one fixed shape. Padding items (``real`` False)
-    are computed and weigh nothing, so without pipelining a rank pads at most one item."""
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = -(-len(items) // dp)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        per_rank = -(-per_rank // micro_batch_size) * micro_batch_size
-    mine = items[rank::dp]
-    real = [True] * len(mine) + [False] * (per_rank - len(mine))
-    return mine + [items[0]] * (per_rank - len(mine)), real
-
-
 def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item],
                 real: Sequence[bool], device: torch.device,
                 mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
                 conditioning: Conditioning) -> dict:
-    """One microbatch (Trainer protocol + GRPO keys) of ``items``; see the module doc for the
+    """One microbatch (Trainer protocol + GRPO keys) of ``items``; docs/algorithms/flowgrpo.md has the
     conditioning and CFG.
     ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
-    (megaflow.trainer.grpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
+    (megaflow.trainer.flowgrpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
     tr = [trajs[i] for i, _ in items]
     ts = [t for _, t in items]
     cfg = {bool(x.do_cfg) for x in tr}

@@ -1,14 +1,11 @@
-"""The one home of megaflow's checksums: the digest of a tensor, of a byte buffer and of a file, by algorithm name.
+"""The one home of megaflow's checksums: the digest of a tensor, of a byte buffer and of a file, by algorithm name:
+``xxh3`` (the default; xxHash's XXH3 128-bit, about memory speed, catches corruption but not a forgery) or
+``sha256`` (``hashlib``, cryptographic, ~9x the cost of a memcpy).
 
-- ``xxh3`` (the default): xxHash's XXH3 128-bit (``xxhash.xxh3_128``), a non-cryptographic checksum that runs at
-  about memory speed. It catches corruption (a flipped byte, a truncated or partial buffer, a tensor of another
-  sync) but not a deliberate forgery.
-- ``sha256``: SHA-256 (``hashlib``), a cryptographic digest, ~9x the cost of a memcpy; for users who want one.
-
-A tensor's digest covers its dtype string, its shape tuple's repr and its raw bytes, in that order (the recipe of
-SGLang's update-weights checker, whose ``compute_tensor_sha256`` gives the same ``sha256`` digest). The weight
-bridge hashes each tensor on the trainer's side and every engine re-hashes what it holds with the same function
-(``tensor_digest``); checkpoint manifests (``megaflow.trainer.manifest``) use ``file_digest``.
+Invariant: a tensor's digest covers its dtype string, its shape tuple's repr and its raw bytes, in that order (the
+recipe of SGLang's update-weights checker: the same ``sha256`` digests), and the bridge's hash on the trainer's side
+and every engine's re-hash of what it holds are this one function (``tensor_digest``). Checkpoint manifests
+(``megaflow.trainer.manifest``) use ``file_digest``. On the ground floor: torch and xxhash only.
 """
 from __future__ import annotations
 

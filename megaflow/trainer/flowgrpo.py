@@ -1,39 +1,10 @@
-"""FlowGRPO in the megatron trainer: trajectories -> optimizer steps -> PPO-clip loss, flow_grpo's semantics.
+"""FlowGRPO in the megatron trainer: one update over a scored rollout batch (``grpo_update``: every optimizer
+step of flow_grpo's inner loop) and one optimizer step (``grpo_train_step``) of the PPO-clip loss
+(megaflow.algo.flowgrpo) on the trainer's recomputed per-step log-probs.
 
-Each trained item is one denoising step of one kept sample: the trainer recomputes
-log p_theta(x_{t+1} | x_t) with its own velocity (the engine's log-prob depends only on the noise
-and the sigma grid, so it cannot stand in for the policy's) and applies the FlowGRPO
-objective (megaflow.algo.loss). ``grpo_update`` runs flow_grpo's inner loop over one rollout batch
-(``num_inner_epochs`` x ``num_minibatches`` optimizer steps, megaflow.trainer.grpo_batches);
-``grpo_train_step`` is one optimizer step, accumulated over microbatches through megatron's schedule.
-
-Equal weighting (flow_grpo: every loss is a mean over the samples of a timestep batch, accumulated
-over timesteps, all batches equal-sized): every real (sample, step) item of an optimizer step has
-weight 1/N in the gradient, N = the global count of real items of that step (all microbatches, all
-DP ranks). megatron's legacy loss path (a 2-tuple from the loss function) multiplies each
-microbatch loss by cp/M (M = microbatches on this rank) and DDP averages grads over the dp·cp ranks
-(``DistributedDataParallel``: gradient_scaling_factor = 1/dp_cp_size unless
-``calculate_per_token_loss``), so the loss function returns (sum over its real items) / (N / (M·dp)):
-the factors cancel to Σ_items / N on every layout. Padding items (``real=False``) are masked with
-``torch.where`` and add exactly zero (and can hold NaN/inf without harm, megaflow.algo.loss).
-
-Old policy: ``old_log_prob`` is the engine's rollout (sampling-time) log-prob, as in flow_grpo, in
-every optimizer step, so from the second step on the ratio and the clip see a stale policy. With
-mismatch correction on, the old policy is the TRAINER's log-prob under the weights before the first
-update and w = f(exp(logp_old_train − logp_rollout)) reweights the loss (TIS / MIS, megaflow.algo.loss).
-
-Mismatch weights and microbatches: a sample's trained steps are spread over microbatches (and
-optimizer steps, and DP ranks), but the "trajectory" and "geometric" levels need all of them at once.
-So ``grpo_update`` computes every item's old log-prob in one no-grad forward pass over ALL items before
-the first update (``_pre_update_log_probs``), stacks them per kept sample into ``[K, T]``, computes the
-weights there once (``_item_mismatch_weights``) and hands every microbatch its items' weight and keep
-flag; the loss only applies them, so the result does not depend on the microbatch split. The
-``is_*`` stats then describe the whole batch. The pass is skipped only for the "step" level with a
-single optimizer step, where the loss's own forward already is the pre-update policy and a per-item
-weight needs nothing else (``grpo_train_step`` on hand-built microbatches also takes that path).
-
-CFG: with ``do_cfg`` trajectories the DiT runs both branches and the loss uses the guided velocity
-(grpo_batches.guided_velocity), as the engine sampled with it.
+Invariant: every real (sample, step) item of an optimizer step weighs 1/N in the gradient, N the global count of
+real items of that step, on every TP / PP / DP layout; padding items add exactly zero. The derivation (megatron's
+loss scaling), the old policy, mismatch weights over whole samples and CFG: docs/algorithms/flowgrpo.md.
 """
 from __future__ import annotations
 
@@ -44,12 +15,12 @@ from typing import Sequence
 import torch
 from megatron.core import parallel_state as ps
 
-from megaflow.algo.loss import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
+from megaflow.algo.flowgrpo import LossConfig, MismatchConfig, flow_grpo_loss, mismatch_weights
 from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.grpo_batches import (
-    Conditioning,
+from megaflow.trainer.batch import aggregate_stats, batch_conditioning, share_from_last_stage
+from megaflow.trainer.flowgrpo_batches import (
     guided_velocity,
     microbatches_for,
     num_samples,
@@ -77,11 +48,6 @@ class GRPOSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def batch_conditioning(trainer) -> Conditioning:
-    """The microbatch conditioning of ``trainer``'s model family, bound to its model config."""
-    return partial(trainer.family.batch_conditioning, trainer.config)
 
 
 def build_microbatches(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
@@ -174,26 +140,8 @@ def grpo_train_step(trainer, microbatches: list[dict], settings: GRPOSettings, r
     stats: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                                "update_ok": float(bool(update_ok)), "num_microbatches": float(len(microbatches)),
                                "num_items": float(n)}
-    stats.update(aggregate_stats(results))
+    stats.update(aggregate_stats(results, max_keys=_MAX_KEYS, min_keys=_MIN_KEYS))
     return share_from_last_stage(stats)
-
-
-def aggregate_stats(results: list[dict]) -> dict[str, float]:
-    """Item-weighted means of per-microbatch stats (max/min for extremes); padding-only ones weigh 0."""
-    if not results:
-        return {}
-    w = torch.stack([r["num_real"].reshape(()) for r in results])
-    out = {}
-    for key in results[0]:
-        vals = torch.stack([r[key].float().reshape(()) for r in results])
-        if key == "num_real":
-            continue
-        if key in _MAX_KEYS or key in _MIN_KEYS:
-            vals = vals[w > 0] if bool((w > 0).any()) else vals
-            out[key] = float(vals.max() if key in _MAX_KEYS else vals.min())
-        else:
-            out[key] = float((vals * w).sum() / w.sum().clamp(min=1))
-    return out
 
 
 def _pre_update_log_probs(trainer, trajs, advantages, items, settings: GRPOSettings, device) -> dict:
@@ -294,13 +242,3 @@ def _combine_steps(per_step: list[dict]) -> dict:
         total = sum(s["num_items"] for s in later)
         out["clip_frac_stale"] = sum(s["clip_frac"] * s["num_items"] for s in later) / total
     return out
-
-
-def share_from_last_stage(stats: dict) -> dict:
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return stats
-    box = [stats if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
-    src = torch.distributed.get_global_rank(ps.get_pipeline_model_parallel_group(),
-                                            ps.get_pipeline_model_parallel_world_size() - 1)
-    torch.distributed.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
-    return box[0]

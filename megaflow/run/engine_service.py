@@ -1,8 +1,8 @@
-"""An engine rank's whole run (``rollout.placement = "disaggregated"``): the last ``rollout.engine_ranks`` launched
-ranks host SGLang engines and train nothing.
+"""The engine rank's service, its whole run under ``rollout.placement = "disaggregated"``: the last
+``rollout.engine_ranks`` launched ranks host SGLang engines and train nothing.
 
 Such a rank builds only its rollout (engines + scorer) and its side of the weight sync (a receiver), then
-follows the driver's commands (megaflow.rollout.engine_ranks) until ``stop``: it receives the weights when the
+follows the driver's commands (megaflow.rollout.engine_commands) until ``stop``: it receives the weights when the
 trainer ranks sync, samples and scores its share of an iteration's groups when they collect, samples the
 driver's evaluation requests, and exits with the trainer ranks, as interrupted when they were.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megaflow.config import MegaflowConfig
-from megaflow.rollout.engine_ranks import Commands, exchange_generated
+from megaflow.rollout.engine_commands import Commands, exchange_generated
 from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.roles import Roles
 
