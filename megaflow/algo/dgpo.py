@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DGPOConfig", "DGPO_RECIPES", "GroupScores", "dgpo_group_scores", "dgpo_loss", "matching_error",
-           "noised"]
+__all__ = ["DGPOConfig", "DGPO_RECIPES", "GroupScores", "dgpo_group_scores", "dgpo_loss", "ema_ref_decay",
+           "matching_error", "noised"]
 
 # The authors' recipes (Luo-Yihong/DGPO, SD3.5-M GenEval configs geneval_sd3_4gpu; README "Hyper-parameter
 # Recipes"). "reference" is the policy whose velocity enters the preference as v_ref: the frozen base model
@@ -80,6 +80,11 @@ def matching_error(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor
     """ℓ = mean over the latent's elements of (v − (ε − x0))², per item [B], in float64."""
     err = velocity.double() - (noise.double() - x0.double())
     return err.pow(2).mean(dim=tuple(range(1, err.dim())))
+
+
+def ema_ref_decay(optimizer_steps: int, rate: float = DGPO_EMA_DECAY_RATE, cap: float = DGPO_EMA_DECAY_MAX) -> float:
+    """Decay d of the fast EMA reference, θ_e ← d·θ_e + (1 − d)·θ: min(cap, rate · optimizer steps so far)."""
+    return min(cap, rate * optimizer_steps)
 
 
 def _keep(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

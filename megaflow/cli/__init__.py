@@ -214,7 +214,7 @@ def _add_config_parsers(sub) -> None:
 
 def _add_run_parsers(sub) -> None:
     """``megaflow train``, ``demo`` and ``pretrain``: the commands that run a config."""
-    p_train = sub.add_parser("train", help="RL training (algo.name: flowgrpo or nft): SGLang rollouts -> rewards -> "
+    p_train = sub.add_parser("train", help="RL training (algo.name: flowgrpo, nft, awm or dgpo): SGLang rollouts -> rewards -> "
                              "megatron step -> weight sync. Under torchrun every rank runs it; rank 0 drives the engines.")
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")

@@ -51,8 +51,15 @@ def _cmd_bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAIN_ALGORITHMS = ("flowgrpo", "nft")
+"""The algorithms the plain loop of ``bench learn`` has (megaflow.bench.plain.plain_algorithm)."""
+
+
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
     cfg = run_config(args, "train")
+    if args.side != "megaflow" and cfg.algo.name not in PLAIN_ALGORITHMS:
+        raise ValueError(f"bench learn: the plain baseline has no algo.name = {cfg.algo.name!r} (it has "
+                         f"{', '.join(PLAIN_ALGORITHMS)}); run it with --side megaflow")
     from megaflow.bench.learn import bench_learn
     emit(bench_learn(cfg, side=args.side, eval_every=args.eval_every, eval_num=args.eval_num,
                       target_gain=args.target_gain), args)

@@ -1,6 +1,8 @@
 """Per-algorithm defaults: the value a field takes, by ``algo.name``, when the config leaves it out (neither the
 run file nor a ``--set`` names it). The one place they live; ``megaflow config show`` lists them.
 
+NFT's are the paper's; AWM's and DGPO's their authors' (docs/algorithms/).
+
 The invariant: a resolved config (the run dir's ``config.toml``) names every field, so loading it again
 applies none of these and gives the same config.
 
@@ -24,6 +26,14 @@ class AlgorithmDefault:
     """How ``config show`` states it."""
 
 
+_CLEAN_SAMPLE_SHARED = (  # AWM's and DGPO's authors (docs/algorithms/awm.md, dgpo.md)
+    AlgorithmDefault("algo.kl_beta", lambda c: 1e-3 if c.lora.rank > 0 else 0.0,
+                     "1e-3 (AWM's GenEval beta, DGPO's EMA-reference kl beta) with LoRA, whose reference is the "
+                     "model with the adapters off; else 0 (no second model is built for it)"),
+    AlgorithmDefault("algo.old_decay_max", lambda c: 0.3, "0.3, the fast EMA's d = min(0.3, 0.001 * steps)"),
+    AlgorithmDefault("algo.filter_zero_std", lambda c: False, "false (zero-std groups stay, with advantage 0)"),
+)
+
 DEFAULTS: dict[str, tuple[AlgorithmDefault, ...]] = {
     "flowgrpo": (
         AlgorithmDefault("algo.kl_beta", lambda c: 0.04, "0.04 (flow_grpo)"),
@@ -35,6 +45,21 @@ DEFAULTS: dict[str, tuple[AlgorithmDefault, ...]] = {
         AlgorithmDefault("algo.nft_num_timesteps",
                          lambda c: max(1, int(c.rollout.num_steps * c.algo.timestep_fraction)),
                          "int(rollout.num_steps * algo.timestep_fraction), the published 9 of 10"),
+    ),
+    "awm": (
+        *_CLEAN_SAMPLE_SHARED,
+        AlgorithmDefault("algo.timestep_fraction", lambda c: 0.9, "0.9 (the authors' timestep_fraction)"),
+        AlgorithmDefault("algo.awm_num_timesteps",
+                         lambda c: max(1, min(6, int(c.rollout.num_steps * c.algo.timestep_fraction) - 1)),
+                         "min(6, int(rollout.num_steps * algo.timestep_fraction) - 1), the authors' 6 of 14"),
+    ),
+    "dgpo": (
+        *_CLEAN_SAMPLE_SHARED,
+        AlgorithmDefault("algo.std_mode", lambda c: "group", "'group' (the authors' GenEval global_std = False)"),
+        AlgorithmDefault("algo.dgpo_trunc_steps", lambda c: min(4, c.rollout.num_steps - 1),
+                         "min(4, rollout.num_steps - 1), the authors' trunc_steps 4 of 10"),
+        AlgorithmDefault("algo.dgpo_num_timesteps", lambda c: min(4, c.algo.dgpo_trunc_steps + 1),
+                         "min(4, algo.dgpo_trunc_steps + 1), the authors' num_train_timesteps"),
     ),
 }
 

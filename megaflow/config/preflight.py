@@ -9,6 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from megaflow.config.algo_checks import CLEAN_SAMPLE_ALGORITHMS
 from megaflow.config.dotted import is_dotted_path, unfindable
 from megaflow.config.files import check_pipeline, check_safetensors, check_text_file, os_error
 from megaflow.config.load import ConfigError, run_dir_of
@@ -206,35 +207,14 @@ def _sde_steps(cfg: MegaflowConfig) -> list[int] | None:
     return (list(r.sde_window) or None) if drawn is None else None
 
 
-def check_nft(cfg: MegaflowConfig) -> None:
-    """DiffusionNFT samples deterministically, without CFG, and trains grid timesteps of the sampler (the one
-    home of these rules: preflight and megaflow.run.nft both call it)."""
-    r, a = cfg.rollout, cfg.algo
-    if r.sde_type != "ode":
-        raise ConfigError(f"algo.name = 'nft' trains on clean ODE samples: set rollout.sde_type = 'ode' "
-                          f"(got {r.sde_type!r})")
-    if r.sde_window or r.sde_window_size or r.sde_window_range:
-        raise ConfigError("rollout.sde_window / sde_window_size / sde_window_range are FlowGRPO's; algo.name = 'nft' "
-                          "samples every step with the ODE")
-    if a.nft_num_timesteps > r.num_steps:
-        raise ConfigError(f"algo.nft_num_timesteps = {a.nft_num_timesteps} exceeds rollout.num_steps = {r.num_steps} "
-                          "(the sampler's grid it draws from)")
-    if a.mismatch != "none":
-        raise ConfigError(f"algo.mismatch = {a.mismatch!r} corrects FlowGRPO's log-prob ratio; algo.name = 'nft' "
-                          "has none (use 'none')")
-    if r.guidance_scale > 1.0 and cfg.model.family == "sd3":
-        raise ConfigError(f"rollout.guidance_scale = {r.guidance_scale} turns on CFG; algo.name = 'nft' samples and "
-                          "trains without it (use 1.0)")
-
-
 def _check_rollout(cfg: MegaflowConfig) -> None:
     r, n = cfg.rollout, cfg.rollout.num_steps
-    if cfg.algo.name == "nft":
-        check_nft(cfg)
+    if cfg.algo.name in CLEAN_SAMPLE_ALGORITHMS:
+        CLEAN_SAMPLE_ALGORITHMS[cfg.algo.name](cfg)
         return
     if r.sde_type == "ode":
         raise ConfigError("rollout.sde_type = 'ode' samples no log-probs: nothing for FlowGRPO to train (use 'sde' "
-                          "or 'cps', or algo.name = 'nft')")
+                          "or 'cps', or algo.name = 'nft', 'awm' or 'dgpo')")
     if r.noise_level == 0 and not r.log_prob_no_const:
         raise ConfigError(f"rollout.noise_level: noise_level=0 has std 0: a log-prob with constants needs "
                           f"noise_level > 0 (or rollout.log_prob_no_const = true) with sde_type = {r.sde_type!r}")

@@ -8,22 +8,11 @@ before any work starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-# Upper bounds of integer fields: beyond them a value is a typo, and would overflow or exhaust memory later.
-SEED_MAX = 2**32 - 1  # seeds reach torch.Generator.manual_seed as seed * 1_000_003 + ... (megaflow.seeds)
-MAX_STEPS = 1000  # denoising steps: the sigma grid and the per-step trajectories are built in memory
-MAX_SIDE = 8192  # image side in pixels
-MAX_ITERS = 100_000_000  # iteration and optimizer-step counts
+from megaflow.config.algo_schema import AlgoConfig
+from megaflow.config.fields import MAX_ITERS, MAX_SIDE, MAX_STEPS, SEED_MAX, opt
 
-
-def opt(default: Any, help: str, **checks: Any) -> Any:
-    """A dataclass field with a help string and optional checks (ge, gt, le, lt, choices; ``items``: the
-    type every element of a list must have)."""
-    meta = {"help": help, **checks}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
+__all__ = ["AlgoConfig", "MAX_ITERS", "MAX_SIDE", "MAX_STEPS", "MegaflowConfig", "SEED_MAX", "opt"]
 
 
 @dataclass(kw_only=True)
@@ -148,49 +137,6 @@ class RolloutConfig:
                               "synchronous loop (train.max_staleness = 0) runs one at a time, so the engines and "
                               "the trainer may each use every core; the asynchronous one runs both at once: split "
                               "the cores between run.num_threads and this.", ge=0, le=1024)
-
-
-@dataclass(kw_only=True)
-class AlgoConfig:
-    name: str = opt("flowgrpo", "The RL algorithm. flowgrpo: SDE rollouts with per-step log-probs, PPO-clip on the "
-                    "trainer's recomputed log-probs (flow_grpo). nft: DiffusionNFT, ODE rollouts (rollout.sde_type = "
-                    "ode) of a soft-updated sampling policy, trained on the forward (noising) process of the clean "
-                    "samples with implicit positive / negative policies.", choices=("flowgrpo", "nft"))
-    nft_beta: float = opt(1.0, "nft: beta, how far the implicit policies b*v + (1-b)*v_old and (1+b)*v_old - b*v "
-                          "reach from the sampling policy.", gt=0.0)
-    nft_num_timesteps: int = opt(9, "nft: timesteps of the sampler's grid trained per sample (drawn without "
-                                 "replacement, fresh noise each). Left out: int(rollout.num_steps * "
-                                 "algo.timestep_fraction), the published 9 of 10 (megaflow.config.algo_defaults).",
-                                 ge=1, le=MAX_STEPS)
-    old_decay_rate: float = opt(0.001, "nft: the sampling policy theta_old <- d*theta_old + (1-d)*theta after every "
-                                "iteration, with d = min(old_decay_rate * (n - old_decay_flat_steps), old_decay_max), "
-                                "n = optimizer steps so far (this iteration's included), d = 0 while n < "
-                                "old_decay_flat_steps; 0 keeps theta_old = theta (on-policy). The paper's: 0.001 "
-                                "(max 0.5), and 0.0075 (max 0.999, 75 flat steps) for OCR.", ge=0.0)
-    old_decay_max: float = opt(0.5, "nft: the largest decay d of theta_old (see old_decay_rate).", ge=0.0, lt=1.0)
-    old_decay_flat_steps: int = opt(0, "nft: optimizer steps during which theta_old = theta (d = 0) before "
-                                    "old_decay_rate's ramp starts (see old_decay_rate).", ge=0, le=MAX_ITERS)
-    clip_range: float = opt(0.0, "PPO clip epsilon on the per-step ratio; 0 = auto as flow_grpo: 1e-4 for SDE, "
-                            "1e-5 for CPS or with an SDE window (rollout.sde_window / sde_window_size).",
-                            ge=0.0, lt=1.0)
-    timestep_fraction: float = opt(0.99, "flowgrpo without an SDE window: train steps t < int(num_steps * "
-                                   "fraction) (flow_grpo: 0.99 leaves the last step out); not used with a window. "
-                                   "nft: sets the default of nft_num_timesteps.", gt=0.0, le=1.0)
-    kl_beta: float = opt(0.04, "Weight of the KL penalty to the reference model (0 = off). flowgrpo: the KL of "
-                         "the step Gaussians; nft: mean((v - v_ref)^2) of the velocities. Left out: flowgrpo "
-                         "0.04; nft 1e-4 (the paper's) with LoRA, where the reference is the model with the "
-                         "adapters off, else 0 (no second model is built for it).", ge=0.0)
-    adv_clip: float = opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip]. nft: also the optimality "
-                          "probability r = clip(0.5 + A / (2 adv_clip), 0, 1) and the loss scale; a smaller value puts "
-                          "the loss optimum further from theta_old (toward good samples, away from bad ones).", gt=0.0)
-    std_mode: str = opt("batch", "Advantage std over the whole batch (flow_grpo) or per group.",
-                        choices=("batch", "group"))
-    filter_zero_std: bool = opt(True, "Drop groups whose rewards have zero std.")
-    mismatch: str = opt("none", "Train/rollout mismatch correction: none, tis or mis.", choices=("none", "tis", "mis"))
-    mismatch_level: str = opt("step", "Mismatch weight level: step, trajectory or geometric.",
-                              choices=("step", "trajectory", "geometric"))
-    mismatch_cap: float = opt(2.0, "Upper bound C of the importance weight.", gt=0.0)
-    mismatch_floor: float = opt(0.0, "Lower bound of the importance weight (MIS masks below it).", ge=0.0)
 
 
 @dataclass(kw_only=True)
@@ -371,7 +317,7 @@ class MegaflowConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Trainer parallelism."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "SGLang rollout engines."})
-    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "FlowGRPO objective."})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "The RL algorithm and its objective."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Rewards."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
     bridge: BridgeConfig = field(default_factory=BridgeConfig, metadata={"help": "Weight-update bridge."})

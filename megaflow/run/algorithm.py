@@ -2,7 +2,8 @@
 
 The loop (megaflow.run.loop) does not know which algorithm runs; it asks the run's :class:`Algorithm` for the
 iteration's rollout requests, hands it the scored batch, and syncs the engines inside ``engine_weights()``.
-``algo.name`` picks one: ``flowgrpo`` (megaflow.run.flowgrpo) or ``nft`` (megaflow.run.nft). Adding one takes
+``algo.name`` picks one: ``flowgrpo`` (megaflow.run.flowgrpo), ``nft`` (megaflow.run.nft), ``awm``
+(megaflow.run.awm) or ``dgpo`` (megaflow.run.dgpo). Adding one takes
 three files and a line here (docs/architecture.md, "An algorithm, in three files").
 """
 from __future__ import annotations
@@ -35,7 +36,9 @@ class Algorithm(Protocol):
 def build_algorithm(cfg: MegaflowConfig, trainer, reference=None, ema=None) -> Algorithm:
     """The algorithm of ``algo.name`` on ``trainer`` (``ema``: megaflow.trainer.shadow.EMA stepped after every
     optimizer step, or None)."""
+    from megaflow.run.awm import AWM
+    from megaflow.run.dgpo import DGPO
     from megaflow.run.flowgrpo import FlowGRPO
     from megaflow.run.nft import DiffusionNFT
-    algorithms = {"flowgrpo": FlowGRPO, "nft": DiffusionNFT}
+    algorithms = {"flowgrpo": FlowGRPO, "nft": DiffusionNFT, "awm": AWM, "dgpo": DGPO}
     return algorithms[cfg.algo.name](cfg, trainer, reference, ema)

@@ -22,7 +22,7 @@ OLD = "nft_old"
 def nft_settings(cfg: MegaflowConfig):
     """The trainer's NFT settings from ``algo`` and ``train``; ConfigError (a ValueError) for a config NFT cannot
     run."""
-    from megaflow.config.preflight import check_nft
+    from megaflow.config.algo_checks import check_nft
     from megaflow.trainer.nft import NFTSettings
     check_nft(cfg)
     a, t = cfg.algo, cfg.train

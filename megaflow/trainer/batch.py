@@ -1,6 +1,8 @@
 """What every algorithm's update shares in the trainer: the model family's microbatch conditioning, this DP
 rank's share of an optimizer step's items, the per-microbatch stats reduced to one row, and that row sent from
-the last pipeline stage (where the loss runs) to every stage.
+the last pipeline stage (where the loss runs) to every stage. For the algorithms that train on clean ODE
+samples (nft, awm, dgpo): the microbatches of noised items (``clean_microbatches``), a forward-only pass
+attaching a constant velocity to each (``attach_velocities``), the per-step rows combined (``combine_steps``).
 
 Invariant: every DP rank runs the same number of microbatches (padding items are ``real=False`` and weigh
 nothing), so the collectives of an update line up on every layout.
@@ -16,6 +18,8 @@ from megatron.core import parallel_state as ps
 from megaflow.rollout.types import Trajectory
 
 Item = TypeVar("Item")
+CleanItem = tuple[int, int]
+"""(sample index, grid index k): the sample's final latent x0 noised at t = sigmas[k]."""
 Conditioning = Callable[[Sequence[Trajectory], bool], dict]
 """(trajectories of one microbatch, cfg) -> the model's conditioning keys, batched (a family's
 ``batch_conditioning`` with its model config bound)."""
@@ -69,3 +73,63 @@ def share_from_last_stage(stats: dict) -> dict:
                                             ps.get_pipeline_model_parallel_world_size() - 1)
     torch.distributed.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
     return box[0]
+
+
+def _stack_clean(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[CleanItem],
+                 noise: Sequence[torch.Tensor], real: Sequence[bool], positions: Sequence[int],
+                 conditioning: Conditioning, algorithm: str) -> dict:
+    tr = [trajs[i] for i, _ in items]
+    if any(x.do_cfg for x in tr):
+        raise ValueError(f"{algorithm} trains without classifier-free guidance: sample with guidance off")
+    x0 = torch.stack([x.latents[-1] for x in tr]).float()
+    t = torch.stack([x.sigmas[k] for x, (_, k) in zip(tr, items)]).float()
+    eps = torch.stack(list(noise))
+    te = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
+    is_real = torch.tensor(list(real), dtype=torch.bool)
+    adv = torch.stack([advantages[i] for i, _ in items]).float()
+    return {"latents": (1 - te) * x0 + te * eps, "sigma": t, "x0": x0, "noise": eps, **conditioning(tr, False),
+            "advantages": torch.where(is_real, adv, torch.zeros_like(adv)), "real": is_real,
+            "item": torch.tensor(list(positions), dtype=torch.long)}
+
+
+def clean_microbatches(trajs, advantages, items: Sequence[CleanItem], noise: Sequence[torch.Tensor],
+                       micro_batch_size: int, device, conditioning: Conditioning, *, algorithm: str) -> list[dict]:
+    """This DP rank's microbatches of one optimizer step over ``items`` with their noise (one per item): x_t =
+    (1 − t)·x0 + t·ε as ``latents``, ``sigma`` t, ``x0``, ``noise``, ``advantages``, ``real`` (padding items
+    False) and ``item`` (each row's position in ``items``). ``algorithm`` names the refusal of CFG samples."""
+    mine, real = dp_slice(list(range(len(items))), micro_batch_size)
+    out = []
+    for s in range(0, len(mine), micro_batch_size):
+        idx = mine[s:s + micro_batch_size]
+        mb = _stack_clean(trajs, advantages, [items[j] for j in idx], [noise[j] for j in idx],
+                          real[s:s + micro_batch_size], idx, conditioning, algorithm)
+        out.append({k: v.to(device) for k, v in mb.items()})
+    return out
+
+
+def attach_velocities(model, steps: list[list[dict]], key: str) -> None:
+    """Forward-only pass of ``model`` over every microbatch of every step; the velocity goes to ``mb[key]``
+    (the last pipeline stage gets velocities; other stages run the pass and keep nothing)."""
+    flat = [mb for mbs in steps for mb in mbs]
+    velocities = model.forward_backward(flat, None, forward_only=True)
+    for mb, v in zip(flat, velocities):
+        mb[key] = v.detach().float()
+
+
+def combine_steps(per_step: list[dict]) -> dict:
+    """One row for the optimizer steps of an update: item-weighted means (by ``num_items``), ``update_ok`` the
+    min, ``grad_norm`` the mean, ``num_items`` the total, and ``num_updates``."""
+    total = sum(s["num_items"] for s in per_step)
+    out = {}
+    for key in per_step[0]:
+        vals = [s.get(key, float("nan")) for s in per_step]
+        if key == "num_items":
+            out[key] = total
+        elif key == "update_ok":
+            out[key] = min(vals)
+        elif key == "grad_norm":
+            out[key] = sum(vals) / len(vals)
+        else:
+            out[key] = sum(v * s["num_items"] for v, s in zip(vals, per_step)) / total
+    out["num_updates"] = float(len(per_step))
+    return out

@@ -16,13 +16,11 @@ from typing import Sequence
 import torch
 from megatron.core import parallel_state as ps
 
-from megaflow.algo.nft import NFTConfig, nft_loss, noised
+from megaflow.algo.nft import NFTConfig, nft_loss
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import aggregate_stats, batch_conditioning, dp_slice, share_from_last_stage
-
-Item = tuple[int, int]
-_PRECOMPUTED = ("old_velocity", "ref_velocity")
+from megaflow.trainer.batch import (CleanItem as Item, aggregate_stats, attach_velocities, batch_conditioning,
+                                    clean_microbatches, combine_steps, share_from_last_stage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,42 +60,6 @@ def plan_items(kept: Sequence[int], num_grid: int, settings: NFTSettings,
     return plan
 
 
-def _stack(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Sequence[Item], noise: Sequence[torch.Tensor],
-           real: Sequence[bool], conditioning) -> dict:
-    tr = [trajs[i] for i, _ in items]
-    if any(x.do_cfg for x in tr):
-        raise ValueError("DiffusionNFT trains without classifier-free guidance: sample with guidance off")
-    x0 = torch.stack([x.latents[-1] for x in tr]).float()
-    t = torch.stack([x.sigmas[k] for x, (_, k) in zip(tr, items)]).float()
-    is_real = torch.tensor(list(real), dtype=torch.bool)
-    adv = torch.stack([advantages[i] for i, _ in items]).float()
-    return {"latents": noised(x0, torch.stack(list(noise)), t), "sigma": t, "x0": x0, **conditioning(tr, False),
-            "advantages": torch.where(is_real, adv, torch.zeros_like(adv)), "real": is_real}
-
-
-def microbatches(trajs, advantages, items: Sequence[Item], noise: Sequence[torch.Tensor], micro_batch_size: int,
-                 device, conditioning) -> list[dict]:
-    """This DP rank's microbatches of one optimizer step over ``items`` with their noise ``noise`` (one per
-    item); padding items are ``real=False``."""
-    mine, real = dp_slice(list(range(len(items))), micro_batch_size)
-    out = []
-    for s in range(0, len(mine), micro_batch_size):
-        idx = mine[s:s + micro_batch_size]
-        mb = _stack(trajs, advantages, [items[j] for j in idx], [noise[j] for j in idx], real[s:s + micro_batch_size],
-                    conditioning)
-        out.append({k: v.to(device) for k, v in mb.items()})
-    return out
-
-
-def _attach(model, steps: list[list[dict]], key: str) -> None:
-    """Forward-only pass of ``model`` over every microbatch of every step; the velocity goes to ``mb[key]``
-    (the last pipeline stage gets velocities; other stages run the pass and keep nothing)."""
-    flat = [mb for mbs in steps for mb in mbs]
-    velocities = model.forward_backward(flat, None, forward_only=True)
-    for mb, v in zip(flat, velocities):
-        mb[key] = v.detach().float()
-
-
 def nft_microbatch_loss(velocity: torch.Tensor, mb: dict, *, config: NFTConfig, normalizer: float):
     loss, stats = nft_loss(velocity, mb["old_velocity"], mb["x0"], mb["latents"], mb["sigma"], mb["advantages"],
                            config=config, ref_velocity=mb.get("ref_velocity"), mask=mb["real"],
@@ -121,14 +83,14 @@ def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     shape = trajs[0].latents[-1].shape
     noise = [[torch.randn(shape, generator=generator) for _ in items] for items in plan]
     cond = batch_conditioning(trainer)
-    steps = [microbatches(trajs, advantages, items, eps, settings.micro_batch_size, device, cond)
-             for items, eps in zip(plan, noise)]
+    steps = [clean_microbatches(trajs, advantages, items, eps, settings.micro_batch_size, device, cond,
+                                algorithm="DiffusionNFT") for items, eps in zip(plan, noise)]
     with old.applied() if old is not None else contextlib.nullcontext():
-        _attach(trainer, steps, "old_velocity")
+        attach_velocities(trainer, steps, "old_velocity")
     if settings.loss.kl_beta > 0:
         if ref is None:
             raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
-        _attach(ref, steps, "ref_velocity")
+        attach_velocities(ref, steps, "ref_velocity")
     per_step = []
     for items, mbs in zip(plan, steps):
         normalizer = len(items) / (len(mbs) * ps.get_data_parallel_world_size())
@@ -140,21 +102,4 @@ def nft_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
             ema.step()
         per_step.append({**aggregate_stats(results), "grad_norm": float(grad_norm) if grad_norm is not None else
                          float("nan"), "update_ok": float(bool(update_ok)), "num_items": float(len(items))})
-    return share_from_last_stage(_combine(per_step))
-
-
-def _combine(per_step: list[dict]) -> dict:
-    total = sum(s["num_items"] for s in per_step)
-    out = {}
-    for key in per_step[0]:
-        vals = [s.get(key, float("nan")) for s in per_step]
-        if key == "num_items":
-            out[key] = total
-        elif key == "update_ok":
-            out[key] = min(vals)
-        elif key == "grad_norm":
-            out[key] = sum(vals) / len(vals)
-        else:
-            out[key] = sum(v * s["num_items"] for v, s in zip(vals, per_step)) / total
-    out["num_updates"] = float(len(per_step))
-    return out
+    return share_from_last_stage(combine_steps(per_step))

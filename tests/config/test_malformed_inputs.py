@@ -17,6 +17,9 @@ from malformed_builders import (  # tests/config/malformed_builders.py
 )
 from megaflow.config.preflight import cuda_available
 
+AWM = ["--set", "algo.name=awm", "--set", "rollout.sde_type=ode"]
+DGPO = ["--set", "algo.name=dgpo", "--set", "rollout.sde_type=ode"]
+
 
 CASES = {
     "config file missing": (lambda t: ["config", "show", "-c", str(t / "missing.toml")], "missing.toml"),
@@ -37,6 +40,21 @@ CASES = {
     "nft timesteps beyond the grid": (lambda t: [*DEMO, "--set", "algo.nft_num_timesteps=11"],
                                       "algo.nft_num_timesteps = 11 exceeds rollout.num_steps = 10"),
     "nft with CFG": (lambda t: [*DEMO, "--set", "rollout.guidance_scale=4.5"], "turns on CFG"),
+    "awm with SDE rollouts": (lambda t: [*TRAIN, "--set", "algo.name=awm"],
+                              "algo.name = 'awm' trains on clean ODE samples: set rollout.sde_type = 'ode'"),
+    "awm with CFG": (lambda t: [*TRAIN, *AWM, "--set", "rollout.guidance_scale=4.5"], "algo.name = 'awm' samples"),
+    "awm timesteps beyond the strata": (lambda t: [*TRAIN, *AWM, "--set", "algo.awm_num_timesteps=3"],
+                                        "algo.awm_num_timesteps = 3 needs at most"),
+    "awm with theta_old's flat steps": (lambda t: [*TRAIN, *AWM, "--set", "algo.old_decay_flat_steps=5"],
+                                        "algo.old_decay_flat_steps = 5 is DiffusionNFT's"),
+    "dgpo with an SDE window": (lambda t: [*TRAIN, *DGPO, "--set", "rollout.sde_window_size=2"], "are FlowGRPO's"),
+    "dgpo with minibatches": (lambda t: [*TRAIN, *DGPO, "--set", "train.num_minibatches=2"],
+                              "algo.name = 'dgpo' makes one optimizer step per rollout batch"),
+    "dgpo timesteps beyond trunc_steps": (lambda t: [*TRAIN, *DGPO, "--set", "algo.dgpo_trunc_steps=1", "--set",
+                                                     "algo.dgpo_num_timesteps=3"],
+                                          "algo.dgpo_num_timesteps = 3 exceeds the 2 grid indices"),
+    "dgpo trunc_steps beyond the grid": (lambda t: [*TRAIN, *DGPO, "--set", "algo.dgpo_trunc_steps=4"],
+                                         "algo.dgpo_trunc_steps = 4 must be < rollout.num_steps = 4"),
     "num_steps = 10**20": (lambda t: [*TRAIN, "--set", f"rollout.num_steps={10**20}"],
                            f"rollout.num_steps: value {10**20} out of range (must be <= 1000)"),
     "num_steps = 1e8": (lambda t: [*TRAIN, "--set", "rollout.num_steps=100000000"], "rollout.num_steps: value 100000000"),
