@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megaflow.flow.forward import matching_error, noised
+
 __all__ = ["AWMConfig", "WEIGHTINGS", "awm_loss", "awm_timestep_indices", "kl_ema_decay", "matching_error",
            "noised", "weighted_matching"]
 
@@ -67,18 +69,6 @@ class AWMConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.awm_weighting not in WEIGHTINGS:
             raise ValueError(f"awm_weighting must be one of {WEIGHTINGS}, got {self.awm_weighting!r}")
-
-
-def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε, ``t`` [B] broadcast over the latent dims (σ = t: 1 = noise, 0 = data)."""
-    te = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
-    return (1 - te) * x0 + te * noise
-
-
-def matching_error(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """ℓ = mean over the latent's elements of (v − (ε − x0))², per item [B], in float64 (as the authors)."""
-    err = velocity.double() - (noise.double() - x0.double())
-    return err.pow(2).mean(dim=tuple(range(1, err.dim())))
 
 
 def weighted_matching(error: torch.Tensor, t: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from megaflow.flow.forward import matching_error, noised
+
 __all__ = ["DGPOConfig", "DGPO_RECIPES", "GroupScores", "dgpo_group_scores", "dgpo_loss", "ema_ref_decay",
            "matching_error", "noised"]
 
@@ -68,18 +70,6 @@ class DGPOConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε, ``t`` [B] broadcast over the latent dims (σ = t: 1 = noise, 0 = data)."""
-    te = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
-    return (1 - te) * x0 + te * noise
-
-
-def matching_error(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """ℓ = mean over the latent's elements of (v − (ε − x0))², per item [B], in float64."""
-    err = velocity.double() - (noise.double() - x0.double())
-    return err.pow(2).mean(dim=tuple(range(1, err.dim())))
 
 
 def ema_ref_decay(optimizer_steps: int, rate: float = DGPO_EMA_DECAY_RATE, cap: float = DGPO_EMA_DECAY_MAX) -> float:

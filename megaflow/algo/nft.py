@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megaflow.flow.forward import noised
+
 __all__ = ["NFTConfig", "nft_loss", "noised", "old_policy_decay", "optimality"]
 
 
@@ -46,12 +48,6 @@ def old_policy_decay(steps: int, *, rate: float, max_decay: float, flat_steps: i
 def optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
     """r = clip(0.5 + A / (2·adv_clip), 0, 1): 1 for the best samples, 0 for the worst, 0.5 at A = 0."""
     return (0.5 + advantages.float() / (2.0 * adv_clip)).clamp(0.0, 1.0)
-
-
-def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 − t)·x0 + t·ε, ``t`` [B] broadcast over the latent dims (the forward process)."""
-    te = _expand(t, x0)
-    return (1 - te) * x0 + te * noise
 
 
 def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from megaflow.flow import forward
+
 
 def random_model(model_class: type, config: dict[str, Any], *, seed: int, is_norm_scale: Callable[[str], bool]):
     """``model_class(**config)`` (fp32, eval mode) with weights redrawn from N(0, 0.05) and q/k
@@ -29,8 +31,7 @@ def random_model(model_class: type, config: dict[str, Any], *, seed: int, is_nor
 
 def noised(b: dict) -> torch.Tensor:
     """x_t = (1 - sigma) x0 + sigma noise for a batch from a family's ``sft_batches``."""
-    s = b["sigma"].view(-1, *[1] * (b["x0"].ndim - 1))
-    return (1 - s) * b["x0"] + s * b["noise"]
+    return forward.noised(b["x0"], b["noise"], b["sigma"])
 
 
 def sft_reference(model, batches: list[dict],
