@@ -24,7 +24,7 @@ MAX_LOOSE_MODULES = 4
 MAX_LINES = 400
 ALGORITHMS = ("flowgrpo", "nft", "awm", "dgpo")
 ALGORITHM_ROOMS = ("algo", "trainer", "run")
-ALGORITHM_SHARED = ("megaflow.algo.advantages", "megaflow.run.requests", "megaflow.trainer.batch")
+ALGORITHM_SHARED = ("megaflow.algo.advantages", "megaflow.algo.masked", "megaflow.run.requests", "megaflow.trainer.batch")
 
 
 def module_name(path: Path) -> str:

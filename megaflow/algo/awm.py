@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megaflow.algo.masked import keep_mask, reduce, select
 from megaflow.flow.forward import matching_error, noised
 
 __all__ = ["AWMConfig", "WEIGHTINGS", "awm_loss", "awm_timestep_indices", "kl_ema_decay", "matching_error",
@@ -109,21 +110,6 @@ def awm_timestep_indices(num_steps: int, num_timesteps: int = AWM_NUM_TIMESTEPS,
     return (lower + (u * (upper - lower)).long()).tolist()
 
 
-def _select(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` where ``keep`` (per item), else 0: masked-out items never reach the arithmetic."""
-    k = keep.view(-1, *([1] * (value.dim() - 1)))
-    return torch.where(k, value.double(), torch.zeros((), dtype=torch.float64, device=value.device))
-
-
-def _reduce(per_item: torch.Tensor, keep: torch.Tensor, normalizer: float | None) -> torch.Tensor:
-    total = torch.where(keep, per_item, torch.zeros_like(per_item)).sum()
-    if normalizer is None:
-        return total / keep.sum().clamp(min=1)
-    if not float(normalizer) > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
-    return total / float(normalizer)
-
-
 def awm_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              advantages: torch.Tensor, *, config: AWMConfig, old_velocity: torch.Tensor | None = None,
              ref_velocity: torch.Tensor | None = None, ema_velocity: torch.Tensor | None = None,
@@ -140,30 +126,30 @@ def awm_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: t
         raise ValueError(f"kl_beta = {config.kl_beta} > 0 needs ref_velocity")
     if config.awm_ema_kl_beta > 0 and ema_velocity is None:
         raise ValueError(f"awm_ema_kl_beta = {config.awm_ema_kl_beta} > 0 needs ema_velocity")
-    keep = torch.ones(velocity.shape[0], dtype=torch.bool, device=velocity.device) if mask is None else mask.bool()
-    v, target_x0, eps = _select(keep, velocity), _select(keep, x0), _select(keep, noise)
-    tt = _select(keep, t)
+    keep = keep_mask(mask, velocity)
+    v, target_x0, eps = select(keep, velocity), select(keep, x0), select(keep, noise)
+    tt = select(keep, t)
     c, eps_clip = config.adv_clip, config.awm_clip_range
-    adv = _select(keep, advantages).clamp(-c, c) / c * config.awm_advantage_max
+    adv = select(keep, advantages).clamp(-c, c) / c * config.awm_advantage_max
     error = matching_error(v, target_x0, eps)
     weighted = weighted_matching(error, tt, config.awm_weighting, config.awm_ghuber_power)
     log_prob = -weighted
     if old_velocity is None:
         old_log_prob = log_prob.detach()
     else:
-        old_err = matching_error(_select(keep, old_velocity.detach()), target_x0, eps)
+        old_err = matching_error(select(keep, old_velocity.detach()), target_x0, eps)
         old_log_prob = -weighted_matching(old_err, tt, config.awm_weighting, config.awm_ghuber_power)
     ratio = torch.exp(log_prob - old_log_prob)
     policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_clip, 1 + eps_clip))
     dims = tuple(range(1, v.dim()))
     zero = torch.zeros_like(policy)
-    kl = (v - _select(keep, ref_velocity.detach())).pow(2).mean(dim=dims) if ref_velocity is not None else zero
-    ema_kl = (v - _select(keep, ema_velocity.detach())).pow(2).mean(dim=dims) if ema_velocity is not None else zero
+    kl = (v - select(keep, ref_velocity.detach())).pow(2).mean(dim=dims) if ref_velocity is not None else zero
+    ema_kl = (v - select(keep, ema_velocity.detach())).pow(2).mean(dim=dims) if ema_velocity is not None else zero
     per_item = policy + config.kl_beta * kl + config.awm_ema_kl_beta * ema_kl
     out = torch.float64 if velocity.dtype == torch.float64 else torch.float32
-    loss = _reduce(per_item, keep, normalizer).to(out)
+    loss = reduce(per_item, keep, normalizer).to(out)
     with torch.no_grad():
-        mean = lambda x: _reduce(x.detach(), keep, None).float()  # noqa: E731
+        mean = lambda x: reduce(x.detach(), keep, None).float()  # noqa: E731
         stats = {"policy_loss": mean(policy), "kl": mean(kl), "ema_kl": mean(ema_kl),
                  "matching_loss": mean(error), "weighted_matching": mean(weighted),
                  "ratio_mean": mean(ratio), "clip_frac": mean(((ratio - 1).abs() > eps_clip).double()),

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from megaflow.algo.masked import keep_mask, reduce, select
 from megaflow.flow.forward import matching_error, noised
 
 __all__ = ["DGPOConfig", "DGPO_RECIPES", "GroupScores", "dgpo_group_scores", "dgpo_loss", "ema_ref_decay",
@@ -77,16 +78,6 @@ def ema_ref_decay(optimizer_steps: int, rate: float = DGPO_EMA_DECAY_RATE, cap: 
     return min(cap, rate * optimizer_steps)
 
 
-def _keep(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.ones(like.shape[0], dtype=torch.bool, device=like.device) if mask is None else mask.bool()
-
-
-def _select(keep: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` where ``keep`` (per item), else 0: masked-out items never reach the arithmetic."""
-    k = keep.view(-1, *([1] * (value.dim() - 1)))
-    return torch.where(k, value.double(), torch.zeros((), dtype=torch.float64, device=value.device))
-
-
 def _check_group_size(group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
@@ -110,24 +101,15 @@ def dgpo_group_scores(error: torch.Tensor, ref_error: torch.Tensor, advantages: 
     item. ``error`` / ``ref_error`` are ``matching_error`` of θ and of the reference; ``group_ids`` [B] ints
     name the preference groups (one prompt's samples at one timestep)."""
     _check_group_size(group_size)
-    keep = _keep(mask, error)
-    adv = _select(keep, advantages).clamp(-config.adv_clip, config.adv_clip)
-    delta = _select(keep, error.detach()) - _select(keep, ref_error.detach())
+    keep = keep_mask(mask, error)
+    adv = select(keep, advantages).clamp(-config.adv_clip, config.adv_clip)
+    delta = select(keep, error.detach()) - select(keep, ref_error.detach())
     _, inverse = torch.unique(group_ids, return_inverse=True)
     sums = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.float64, device=error.device)
     counts = torch.zeros_like(sums)
     sums.index_add_(0, inverse, adv * delta)
     counts.index_add_(0, inverse, keep.double())
     return GroupScores(sums[inverse] * (config.dgpo_beta / group_size), counts[inverse])
-
-
-def _reduce(per_item: torch.Tensor, keep: torch.Tensor, normalizer: float | None) -> torch.Tensor:
-    total = torch.where(keep, per_item, torch.zeros_like(per_item)).sum()
-    if normalizer is None:
-        return total / keep.sum().clamp(min=1)
-    if not float(normalizer) > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
-    return total / float(normalizer)
 
 
 def dgpo_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, advantages: torch.Tensor,
@@ -148,33 +130,33 @@ def dgpo_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, adv
         raise ValueError(f"dgpo_clip_range = {config.dgpo_clip_range} > 0 needs old_velocity")
     if config.kl_beta > 0 and kl_velocity is None:
         raise ValueError(f"kl_beta = {config.kl_beta} > 0 needs kl_velocity")
-    keep = _keep(mask, velocity)
-    x0s, eps = _select(keep, x0), _select(keep, noise)
-    v = _select(keep, velocity)
+    keep = keep_mask(mask, velocity)
+    x0s, eps = select(keep, x0), select(keep, noise)
+    v = select(keep, velocity)
     error = matching_error(v, x0s, eps)
-    ref_error = matching_error(_select(keep, ref_velocity.detach()), x0s, eps)
+    ref_error = matching_error(select(keep, ref_velocity.detach()), x0s, eps)
     if scores is None:
         scores = dgpo_group_scores(error, ref_error, advantages, group_ids, config=config, group_size=group_size,
                                    mask=keep)
     zero = torch.zeros((), dtype=torch.float64, device=v.device)
     s = torch.where(keep, scores.score.detach().double(), zero)
     share = group_size / torch.where(keep, scores.count.double(), zero).clamp(min=1)
-    adv = _select(keep, advantages).clamp(-config.adv_clip, config.adv_clip)
+    adv = select(keep, advantages).clamp(-config.adv_clip, config.adv_clip)
     pull = torch.ones_like(keep)
     if config.dgpo_clip_range > 0:
-        ratio = torch.exp(matching_error(_select(keep, old_velocity.detach()), x0s, eps) - error.detach())
+        ratio = torch.exp(matching_error(select(keep, old_velocity.detach()), x0s, eps) - error.detach())
         eps_clip = config.dgpo_clip_range
         pull = ~torch.where(adv > 0, ratio > 1 + eps_clip, ratio < 1 - eps_clip)
     gradient_part = torch.where(pull, torch.sigmoid(s) * adv * (error - error.detach()), torch.zeros_like(error))
     preference = share * F.softplus(s) / config.dgpo_beta + gradient_part
     kl = torch.zeros_like(error)
     if kl_velocity is not None:
-        kl = (v - _select(keep, kl_velocity.detach())).pow(2).mean(dim=tuple(range(1, v.dim())))
+        kl = (v - select(keep, kl_velocity.detach())).pow(2).mean(dim=tuple(range(1, v.dim())))
     per_item = preference + config.kl_beta * kl
     out = torch.float64 if velocity.dtype == torch.float64 else torch.float32
-    loss = _reduce(per_item, keep, normalizer).to(out)
+    loss = reduce(per_item, keep, normalizer).to(out)
     with torch.no_grad():
-        mean = lambda x: _reduce(x.detach().double(), keep, None).float()  # noqa: E731
+        mean = lambda x: reduce(x.detach().double(), keep, None).float()  # noqa: E731
         stats = {"policy_loss": mean(preference), "kl": mean(kl), "matching_loss": mean(error),
                  "ref_deviation": mean(error - ref_error), "group_weight": mean(torch.sigmoid(s)),
                  "clip_frac": mean((~pull).double())}
