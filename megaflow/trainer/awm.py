@@ -25,7 +25,7 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.awm import AWMConfig, awm_loss, awm_timestep_indices
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning,
+from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning, check_counts,
                                     clean_microbatches, combine_steps, share_from_last_stage)
 
 
@@ -42,10 +42,7 @@ class AWMSettings:
     """Optimizer steps per pass: kept samples are shuffled and split into this many minibatches."""
 
     def __post_init__(self) -> None:
-        for name in ("num_timesteps", "micro_batch_size", "num_inner_epochs", "num_minibatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, "num_timesteps", "micro_batch_size", "num_inner_epochs", "num_minibatches")
         if not 0.0 < self.timestep_fraction <= 1.0:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction!r}")
 

@@ -133,3 +133,11 @@ def combine_steps(per_step: list[dict]) -> dict:
             out[key] = sum(v * s["num_items"] for v, s in zip(vals, per_step)) / total
     out["num_updates"] = float(len(per_step))
     return out
+
+
+def check_counts(settings: object, *names: str) -> None:
+    """ValueError unless each named field of ``settings`` is an int >= 1 (the algorithms' settings' shared rule)."""
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")

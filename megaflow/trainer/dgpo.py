@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.dgpo import DGPOConfig, GroupScores, dgpo_group_scores, dgpo_loss, matching_error
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning,
+from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning, check_counts,
                                     clean_microbatches, combine_steps, share_from_last_stage)
 
 
@@ -41,10 +41,7 @@ class DGPOSettings:
     micro_batch_size: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "num_timesteps", "micro_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, "group_size", "num_timesteps", "micro_batch_size")
         if self.trunc_steps < 0 or self.num_timesteps > self.trunc_steps + 1:
             raise ValueError(f"num_timesteps = {self.num_timesteps} needs trunc_steps >= num_timesteps - 1, "
                              f"got {self.trunc_steps}")

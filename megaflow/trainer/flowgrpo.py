@@ -19,7 +19,7 @@ from megaflow.algo.flowgrpo import LossConfig, MismatchConfig, flow_grpo_loss, m
 from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import aggregate_stats, batch_conditioning, share_from_last_stage
+from megaflow.trainer.batch import aggregate_stats, batch_conditioning, check_counts, share_from_last_stage
 from megaflow.trainer.flowgrpo_batches import (
     guided_velocity,
     microbatches_for,
@@ -44,10 +44,7 @@ class GRPOSettings:
     """Optimizer steps per pass: kept samples are shuffled and split into this many minibatches."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "num_inner_epochs", "num_minibatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, "micro_batch_size", "num_inner_epochs", "num_minibatches")
 
 
 def build_microbatches(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,

@@ -20,7 +20,7 @@ from megaflow.algo.nft import NFTConfig, nft_loss
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
 from megaflow.trainer.batch import (CleanItem as Item, aggregate_stats, attach_velocities, batch_conditioning,
-                                    clean_microbatches, combine_steps, share_from_last_stage)
+                                    check_counts, clean_microbatches, combine_steps, share_from_last_stage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,10 +35,7 @@ class NFTSettings:
     """Optimizer steps per pass: kept samples are shuffled and split into this many minibatches."""
 
     def __post_init__(self) -> None:
-        for name in ("num_timesteps", "micro_batch_size", "num_inner_epochs", "num_minibatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, "num_timesteps", "micro_batch_size", "num_inner_epochs", "num_minibatches")
 
 
 def plan_items(kept: Sequence[int], num_grid: int, settings: NFTSettings,
