@@ -12,8 +12,8 @@
 #
 # GPU_CHECK_INSTALL_ONLY=1: install the wheelhouse, print the site directory and stop (scripts/gpu_mirror_check.sh).
 # GPU_CHECK_PACK=1: pack logs/ into logs.tgz afterwards ($OUT then holds 4 files: a device call returns at most 8).
-# The prepared run of a lease (the engine group, ~7 min; the checks past the budget skip, in CHECKS' order):
-#   GPU_CHECK_ONLY=engine GPU_CHECK_BUDGET_S=420 GPU_CHECK_PACK=1 bash scripts/gpu_check.sh   (carry gpu_wheels)
+# The prepared run of a lease (the engine group, ~8 min, most wanted check first; what the budget leaves out skips):
+#   GPU_CHECK_ONLY=engine GPU_CHECK_BUDGET_S=480 GPU_CHECK_PACK=1 bash scripts/gpu_check.sh   (carry gpu_wheels)
 #
 # Install: pip --target into a fresh directory put first on PYTHONPATH (works with any base interpreter, venv or
 # not, and leaves the image's own packages untouched): megatron-core, diffusers, sglang (slim), the sgl_kernel

@@ -133,6 +133,10 @@ class RolloutConfig:
                                  "larger than this still runs whole).", ge=1, le=4096)
     precision: str = opt("fp32", "Engine precision for DiT, VAE and text encoders (fp32 on CPU).",
                          choices=("fp32", "bf16", "fp16"))
+    attention_backend: str = opt("auto", "SGLang's attention backend in the engine (its server argument "
+                                 "attention_backend); auto: SGLang's choice (FlashAttention on CUDA in bf16/fp16 "
+                                 "with sglang[diffusion], torch SDPA otherwise).",
+                                 choices=("auto", "torch_sdpa", "fa", "fa2", "torch_cudnn_sdpa", "sage_attn"))
     engine_threads: int = opt(0, "torch intra-op threads of each engine worker process; 0: run.num_threads. The "
                               "synchronous loop (train.max_staleness = 0) runs one at a time, so the engines and "
                               "the trainer may each use every core; the asynchronous one runs both at once: split "

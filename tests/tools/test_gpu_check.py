@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from megaflow.testing.gpu import run
-from megaflow.testing.gpu.common import Skip
+from megaflow.testing.gpu.common import Skip, error_summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,6 +74,10 @@ def test_driver_reports_failures_and_skips(monkeypatch):
     monkeypatch.setitem(run.CHECKS, "skip", run.Check("fake_checks:skip", 5, ()))
     failed = run.run_in_process("boom")
     assert failed["status"] == "fail" and failed["error"] == "the last line", failed
+    exit_warning = "RuntimeError: the cause\n[rank0]:[W1128 14:42:27] Warning: destroy_process_group() was not called"
+    assert error_summary(exit_warning) == "RuntimeError: the cause"  # a warning at exit does not hide the error
+    assert error_summary("megaflow: config error: bad\nbye") == "megaflow: config error: bad"
+    assert error_summary("no error named\nlast") == "last"
     assert run.run_in_process("skip") == {"check": "skip", "status": "skipped", "reason": "nothing to do here",
                                           "seconds": pytest.approx(0, abs=1)}
     env = {"torch": "2", "cuda_available": True, "imports": {"diffusers": {"ok": False, "error": "not installed"}}}

@@ -184,6 +184,8 @@ def test_standin_refuses_without_cuda_and_raises_when_used(tmp_path):
 def test_only_groups_and_installed_versions():
     assert run.expand_only(["engine"]) == run.GROUPS["engine"] and "sd35m_loop_nft" in run.GROUPS["engine"]
     assert run.expand_only(["nccl", "engine_sd3"]) == ["nccl", "engine_sd3"] and run.expand_only([]) is None
+    assert run.expand_only(["sd35m_rollout", "engine"])[:2] == ["sd35m_rollout", "engine_sd3"]  # given order, once
+    assert len(run.expand_only(["sd35m_rollout", "engine"])) == len(run.GROUPS["engine"])
     assert set(run.GROUPS["trainer"]) | set(run.GROUPS["engine"]) == set(run.CHECKS)
     with pytest.raises(SystemExit):
         run.expand_only(["no_such_check"])
@@ -274,21 +276,42 @@ def test_prepared_engine_run_skips_without_cuda_and_packs_its_logs(tmp_path):
     assert records[0]["versions"]["torch"] and records[0]["packages"]
 
 
+FAKE_CUDA = """
+import types, torch
+props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=140 * 2**30,
+                              multi_processor_count=132, uuid="fake", gcnArchName="")
+torch.cuda.is_available = lambda: True
+torch.version.cuda = "13.0"
+torch.cuda.get_device_name = lambda *a, **k: props.name
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_properties = lambda *a, **k: props
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+"""
+"""torch made to report an H200 (no CUDA call is made by an import): sglang then takes its CUDA import paths."""
+ENGINE_IMPORTS = ("megaflow.rollout.sglang.server", "megaflow.rollout.sglang.engine", "megaflow.rollout.sglang.plugin",
+                  "megaflow.rollout.sglang.weights", "sglang.multimodal_gen.runtime.layers.activation",
+                  "sglang.multimodal_gen.runtime.models.dits.stablediffusion3",
+                  "sglang.multimodal_gen.runtime.models.dits.flux", "sglang.multimodal_gen.runtime.models.encoders.t5",
+                  "sglang.multimodal_gen.runtime.models.encoders.clip")
+
+
 @pytest.mark.slow  # ~20-40 s: imports sglang
-def test_standin_lets_the_cuda_time_imports_of_the_dits_succeed(tmp_path):
-    """With SGLang's platform faked as CUDA (its layers then import sgl_kernel's names unguarded), the SD3 and
-    FLUX DiT modules import against the stand-in, which hands out placeholders for exactly the names they import."""
+def test_standin_lets_the_engines_cuda_time_imports_succeed(tmp_path):
+    """With torch faked as CUDA (sglang's layers, quantization and KV-cache modules then import sgl_kernel's names
+    and two of its submodules unguarded), megaflow's engine modules and the SD3 / FLUX models and encoders import
+    against the stand-in, which hands out placeholders for exactly what they import (on an H200 the engine's import
+    failed on ``sgl_kernel.quantization`` before the stand-in had it)."""
     log = tmp_path / "standin.log"
-    proc = _standin(
-        "import importlib, megaflow\nfrom sglang.multimodal_gen.runtime.platforms import current_platform\n"
-        "type(current_platform).is_cuda = lambda self: True\n"
-        "type(current_platform).is_cuda_alike = lambda self: True\n"
-        "for m in ('layers.layernorm', 'layers.activation', 'models.dits.stablediffusion3', 'models.dits.flux'):\n"
-        "    importlib.import_module('sglang.multimodal_gen.runtime.' + m)\nprint('imported')",
-        SGL_KERNEL_STANDIN_FORCE="1", SGL_KERNEL_STANDIN_LOG=str(log))
+    proc = _standin(FAKE_CUDA + "import importlib, megaflow\n"
+                    f"for m in {ENGINE_IMPORTS!r}:\n    importlib.import_module(m)\nprint('imported')",
+                    SGL_KERNEL_STANDIN_FORCE="1", SGL_KERNEL_STANDIN_LOG=str(log))
     assert "imported" in proc.stdout, proc.stderr[-3000:]
     looked_up = {line.split()[2] for line in log.read_text().splitlines() if line.split()[1] == "lookup"}
-    assert looked_up == {"sgl_kernel.rmsnorm", "sgl_kernel.fused_add_rmsnorm"}, looked_up
+    assert {"sgl_kernel.rmsnorm", "sgl_kernel.fused_add_rmsnorm", "sgl_kernel.quantization.ggml_dequantize"} \
+        <= looked_up, looked_up
+    namespaces = {"sgl_kernel", "sgl_kernel.quantization", "sgl_kernel.kvcacheio"}  # the stand-in's and its submodules'
+    assert all(n.rsplit(".", 1)[0] in namespaces for n in looked_up), looked_up
 
 
 @pytest.mark.slow
@@ -347,3 +370,5 @@ def test_train_step_check_body_on_cpu(bodies):
     rec = _record(bodies, "train_step")
     assert rec["status"] == "pass" and len(rec["losses"]) == 1 + sd35m.TIMED and rec["mfu"] is None, rec
     assert rec["losses"][-1] < rec["losses"][0] and rec["batch"] == 2 and rec["model_tflops_per_step"] > 0, rec
+    assert rec["forward_backward_s"] > 0 and rec["optimizer_s"] > 0 and rec["mfu_forward_backward"] is None, rec
+    assert rec["optimizer_classes"] == ["torch.optim.adamw.AdamW"] and "optimizer_fused_s" not in rec, rec  # CPU

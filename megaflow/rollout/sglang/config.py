@@ -88,4 +88,6 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
                               device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
                               log_level="info", log_dir=log_dir,
                               checksum=cfg.bridge.checksum,
-                              num_threads=r.engine_threads or cfg.run.num_threads)
+                              num_threads=r.engine_threads or cfg.run.num_threads,
+                              server_kwargs={} if r.attention_backend == "auto" else
+                              {"attention_backend": r.attention_backend})

@@ -12,6 +12,14 @@ class EngineCallFailed(RuntimeError):
     """The engine answered a call with an error (a bad request, not a crash)."""
 
 
+def generator_device() -> str:
+    """Where the request's seeded generators live: the engine's device. SGLang 0.5.23 draws the SDE noise of a
+    rollout step with them straight into a buffer on the model's device, so a CPU generator fails under CUDA
+    (measured on an H200); the initial latents come from the same generators, so a seed's image is the same on
+    every run of one device type, not across CPU and GPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def build_request(server_args, family: str, requests: list[RolloutRequest], *, log_request: bool):
     """One SGLang generation request for ``requests``: merged ones become a prompt list with one seed per
     sample; the per-step velocities (SGLang's rollout debug mode) only when a request asks for them."""
@@ -24,7 +32,7 @@ def build_request(server_args, family: str, requests: list[RolloutRequest], *, l
         num_outputs_per_prompt=1 if merged else r0.num_outputs, num_inference_steps=r0.num_steps,
         height=r0.height, width=r0.width,
         guidance_scale=r0.guidance_scale if (r0.do_cfg or family == "flux") else 1.0,
-        generator_device="cpu", rollout=True, rollout_sde_type=sde_type,
+        generator_device=generator_device(), rollout=True, rollout_sde_type=sde_type,
         rollout_noise_level=r0.noise_level,
         rollout_log_prob_no_const=r0.log_prob_no_const or sde_type == "ode",  # SGLang asserts it for ODE
         rollout_sde_step_indices=list(r0.sde_step_indices) if r0.sde_step_indices is not None else None,

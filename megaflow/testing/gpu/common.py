@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import traceback
 
 
@@ -15,6 +16,14 @@ def last_line(text: str) -> str:
     """The last non-empty line of ``text`` (an error's summary), at most 500 characters."""
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
     return (lines[-1] if lines else "")[:500]
+
+
+def error_summary(text: str) -> str:
+    """The last line of ``text`` that names an error (``...Error: ...``, ``...Exception: ...``, or megaflow's
+    ``error: ...`` line), else its last line: a warning printed at exit does not hide the error before it."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    named = [ln for ln in lines if re.match(r"^([\w.]*(Error|Exception)\b|error:|megaflow:[\w ]*error)", ln)]
+    return ((named or lines or [""])[-1])[:500]
 
 
 def error_line(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megaflow.testing.gpu.common import Skip, last_line, require_cuda, require_module
+from megaflow.testing.gpu.common import Skip, error_summary, require_cuda, require_module
 
 TOLERANCE = 0.1
 """Largest relative difference of the two devices' DiT updates."""
@@ -47,7 +47,7 @@ def _run(device: str, repo: Path, out: Path, timeout_s: float, settings: tuple[s
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode:
-        raise RuntimeError(f"pretrain on {device} exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}")
+        raise RuntimeError(f"pretrain on {device} exited {proc.returncode}: {error_summary(proc.stderr or proc.stdout)}")
     return time.perf_counter() - t0
 
 

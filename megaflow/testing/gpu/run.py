@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaflow.testing.gpu.common import Skip, error_line, last_line, probe_import
+from megaflow.testing.gpu.common import Skip, error_line, error_summary, probe_import
 
 PROBED = ("megatron.core", "diffusers", "transformer_engine", "sglang")
 ENGINE_NEEDS = ("cuda", "sglang", "megatron.core", "diffusers")
@@ -58,9 +58,11 @@ CHECKS = {
     "sd35m_loop_flowgrpo": Check("megaflow.testing.gpu.sd35m:sd35m_loop_flowgrpo", 200, ENGINE_NEEDS),
 }
 GROUPS = {"trainer": [n for n in CHECKS if not n.startswith(("engine_", "sd35m_"))],
-          "engine": [n for n in CHECKS if n.startswith(("engine_", "sd35m_"))]}
-"""``--only`` names a check or one of these groups. engine: the SGLang engine checks and the SD3.5-M table (the
-prepared run of a GPU lease: ``GPU_CHECK_ONLY=engine bash scripts/gpu_check.sh``, ~7 min)."""
+          "engine": ["engine_sd3", "sd35m_rollout", "sd35m_loop_nft", "sd35m_train_step", "engine_sync",
+                     "engine_release", "engine_flux", "sd35m_loop_flowgrpo"]}
+"""``--only`` names a check or one of these groups; checks run in the order named. engine: the SGLang engine checks
+and the SD3.5-M table, most wanted first (the prepared run of a GPU lease: ``GPU_CHECK_ONLY=engine bash
+scripts/gpu_check.sh``, ~8 min; what the budget leaves out skips)."""
 VERSIONS = ("torch", "triton", "transformers", "diffusers", "megatron-core", "sglang", "numpy", "huggingface-hub",
             "pydantic", "tokenizers", "safetensors")
 
@@ -103,14 +105,15 @@ def installed_versions() -> dict:
 
 
 def expand_only(names: list[str] | None) -> list[str] | None:
-    """``--only``'s names with each group of ``GROUPS`` replaced by its checks; an unknown name is an error."""
+    """``--only``'s names with each group of ``GROUPS`` replaced by its checks (each check once, first mention
+    first); an unknown name is an error."""
     if not names:
         return None
     out = []
     for n in names:
         if n not in CHECKS and n not in GROUPS:
             raise SystemExit(f"--only: unknown check or group {n!r} (groups: {', '.join(GROUPS)})")
-        out.extend(GROUPS.get(n, [n]))
+        out.extend(c for c in GROUPS.get(n, [n]) if c not in out)
     return out
 
 
@@ -156,7 +159,7 @@ def spawn(args: list[str], timeout_s: float, log: Path) -> tuple[dict | None, st
             return None, f"timed out after {timeout_s:.0f} s (killed)"
     if result.is_file():
         return json.loads(result.read_text()), ""
-    tail = last_line(log.read_bytes()[-20000:].decode(errors="replace"))
+    tail = error_summary(log.read_bytes()[-20000:].decode(errors="replace"))
     return None, f"exit code {rc} without a result: {tail}"
 
 
@@ -185,7 +188,8 @@ def summary(records: list[dict]) -> str:
 
 
 def run_all(out: Path, budget_s: float, only: list[str] | None) -> list[dict]:
-    """The environment record, then each check (``only``: these), within ``budget_s`` seconds overall."""
+    """The environment record, then each check (``only``: these, in that order), within ``budget_s`` seconds
+    overall."""
     deadline = time.monotonic() + budget_s
     (out / "logs").mkdir(parents=True, exist_ok=True)
     jsonl = out / "gpu_check.jsonl"
@@ -201,9 +205,8 @@ def run_all(out: Path, budget_s: float, only: list[str] | None) -> list[dict]:
     env = env or {"check": "env", "status": "fail", "error": why, "cuda_available": False, "torch": None}
     records = [env]
     emit(env)
-    for name, check in CHECKS.items():
-        if only and name not in only:
-            continue
+    for name in only or CHECKS:
+        check = CHECKS[name]
         left = deadline - time.monotonic()
         reason = unmet_need(check, env) or (None if left > 20 else f"overall budget of {budget_s:.0f} s spent")
         if reason:

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from megaflow.testing.gpu import throughput
-from megaflow.testing.gpu.common import Skip, last_line, require_cuda, require_module
+from megaflow.testing.gpu.common import Skip, error_summary, require_cuda, require_module
+from megaflow.testing.gpu.engine import ENGINE_ENV
 
 HEIGHT = WIDTH = 512
 STEPS, BATCH, TIMED = 10, 8, 3
@@ -34,7 +35,7 @@ LOOP_SETTINGS = ["rollout.height=512", "rollout.width=512", f"rollout.num_steps=
                  "rollout.group_size=4", "rollout.prompts_per_iter=2", "rollout.max_batch_outputs=8",
                  "rollout.guidance_scale=1.0", "model.dtype=bfloat16", "train.micro_batch_size=4",
                  "train.offload=optimizer", "train.iterations=3", "bridge.mode=colocated", "run.num_threads=8",
-                 "parallel.tp=1"]
+                 "parallel.tp=1", "rollout.attention_backend=torch_sdpa"]
 """``--set`` overrides of the loop checks on configs/cpu_demo.toml (its reward: color_target, cheap)."""
 ALGO_SETTINGS = {"nft": ["algo.name=nft", "rollout.sde_type=ode"], "flowgrpo": ["algo.name=flowgrpo"]}
 """Per algorithm (DiffusionNFT trains on ODE samples; FlowGRPO keeps cpu_demo's SDE rollouts)."""
@@ -171,15 +172,55 @@ def train_step_body(dev, conf: dict, batch: int, recompute: str, device_name: st
         mb = rectified_flow_microbatch(x0, noise, torch.full((batch,), 0.5, device=dev), ehs, pooled)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        losses = []
-        times = _timed_calls(lambda: losses.append(float(trainer.train_step([mb])["loss"])),
-                             torch.cuda.synchronize if cuda else (lambda: None))
+        losses, sync = [], torch.cuda.synchronize if cuda else (lambda: None)
+        times = _timed_calls(lambda: losses.append(float(trainer.train_step([mb])["loss"])), sync)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
+        split = step_split(trainer, mb, sync)
     finally:
         destroy_distributed()
-    rec = step_record(dims_from_config("sd3", conf, "check"), times, batch, recompute, device_name, peak)
+    dims = dims_from_config("sd3", conf, "check")
+    rec = step_record(dims, times, batch, recompute, device_name, peak)
     finite = all(loss == loss and abs(loss) < float("inf") for loss in losses)
-    return {**rec, "status": "pass" if finite else "fail", "losses": losses}
+    util = throughput.mfu(throughput.train_step_flops(dims, 1024, 333, batch), split["forward_backward_s"],
+                          throughput.peak_flops(device_name))
+    return {**rec, **split, "mfu_forward_backward": util, "status": "pass" if finite else "fail", "losses": losses}
+
+
+def step_split(trainer, mb: dict, sync) -> dict:
+    """Where a step's time goes: forward + backward alone, the optimizer step alone (its class named), and, where
+    it is torch's AdamW (no Transformer Engine or apex: megatron falls back to it, multi-tensor ``foreach``), the
+    same step with ``fused=True`` (measured only; the trainer's step is unchanged). Median seconds of ``TIMED``."""
+    import torch
+
+    from megaflow.trainer.runner import rectified_flow_loss
+
+    def forward_backward():
+        trainer.optimizer.zero_grad()
+        trainer.forward_backward([mb], rectified_flow_loss)
+
+    out = {"forward_backward_s": statistics.median(_timed_calls(forward_backward, sync)),
+           "optimizer_s": statistics.median(_timed_calls(trainer.optimizer.step, sync))}
+    inner = list(_leaf_optimizers(trainer.optimizer))
+    out["optimizer_classes"] = sorted({f"{type(o).__module__}.{type(o).__name__}" for o in inner})
+    adams = [o for o in inner if isinstance(o, torch.optim.AdamW)]
+    if adams and all(p.is_cuda for o in adams for g in o.param_groups for p in g["params"]):
+        for g in (g for o in adams for g in o.param_groups):
+            g.update(fused=True, foreach=False)
+        out["optimizer_fused_s"] = statistics.median(_timed_calls(trainer.optimizer.step, sync))
+    return out
+
+
+def _leaf_optimizers(opt):
+    """The torch optimizers inside megatron's wrappers (chained, distributed, mixed-precision)."""
+    import torch
+
+    for child in getattr(opt, "chained_optimizers", None) or [getattr(opt, "optimizer", None)]:
+        if child is None:
+            continue
+        if isinstance(child, torch.optim.Optimizer):
+            yield child
+        else:
+            yield from _leaf_optimizers(child)
 
 
 def step_record(dims, times: list[float], batch: int, recompute: str, device: str, peak_bytes: int) -> dict:
@@ -246,16 +287,26 @@ def loop_body(algo: str, pipeline: Path, config: Path, extra: tuple[str, ...] = 
         peak = _DevicePeak() if cuda else None
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "megaflow.cli", "train", *args, "--json"], capture_output=True,
-                              text=True, env={**os.environ})
+                              text=True, env={**os.environ, **ENGINE_ENV})
         wall, device_peak = time.perf_counter() - t0, peak.stop() if peak else 0
-    if proc.returncode != 0:
-        raise RuntimeError(f"megaflow train exited {proc.returncode}: {last_line(proc.stderr)}")
+        if proc.returncode != 0:
+            _log_failed_run(proc.stderr, Path(runs))
+            raise RuntimeError(f"megaflow train exited {proc.returncode}: {error_summary(proc.stderr)}")
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     cfg = load_config(config, [s for s in sets if not s.startswith("run.output_dir=")])
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
     (group,) = plan(cfg, gpus=1, gpu_mem_gib=memory)["groups"]
     return loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall,
                        prompts=cfg.rollout.prompts_per_iter, group_size=cfg.rollout.group_size)
+
+
+def _log_failed_run(stderr: str, runs: Path, lines: int = 200) -> None:
+    """Into this check's log (stderr): the tail of ``megaflow train``'s stderr and of every log of its run dir
+    (the engines' among them), which go with the temporary run dir."""
+    print(f"--- megaflow train stderr (last {lines} lines)", *stderr.splitlines()[-lines:], sep="\n", file=sys.stderr)
+    for log in sorted(runs.rglob("*.log")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {log.relative_to(runs)} (last {lines} lines)", *text, sep="\n", file=sys.stderr)
 
 
 def loop_record(algo: str, metrics: dict, planned: dict, device_peak: int, wall_s: float, prompts: int = 2,

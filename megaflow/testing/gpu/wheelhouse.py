@@ -29,9 +29,11 @@ TRAINER_IF_MISSING = {
     "httpx": "httpx", "httpcore": "httpcore", "h11": "h11", "anyio": "anyio", "sniffio": "sniffio", "idna": "idna",
     "certifi": "certifi", "requests": "requests", "urllib3": "urllib3", "charset_normalizer": "charset_normalizer",
     "regex": "regex", "safetensors": "safetensors", "huggingface_hub": "huggingface_hub", "PIL": "pillow",
-    "einops": "einops", "tqdm": "tqdm", "typing_extensions": "typing_extensions"}
+    "einops": "einops", "tqdm": "tqdm", "typing_extensions": "typing_extensions",
+    "rapidfuzz": "rapidfuzz"}
 """import name -> distribution of what megatron-core, diffusers and megaflow import, installed only where the
-image cannot import it (psutil: megatron's dist_checkpointing; the rest: diffusers' pure-Python dependencies)."""
+image cannot import it (psutil: megatron's dist_checkpointing; rapidfuzz: the ocr reward, which megaflow's reward
+registry imports; the rest: diffusers' pure-Python dependencies)."""
 ENGINE_IF_MISSING = {
     "orjson": "orjson", "pybase64": "pybase64", "msgspec": "msgspec", "zmq": "pyzmq", "pydantic": "pydantic",
     "pydantic_core": "pydantic_core", "annotated_types": "annotated_types", "typing_inspection": "typing_inspection",

@@ -4,8 +4,9 @@ sglang 0.5.23 imports names of ``sgl_kernel`` at module level, unguarded, wherev
 sampler and quantization layers); the real package is a 356 MiB wheel pinned to torch 2.14, more than the 64 MiB a
 GPU check can carry. With CUDA, this package lets those imports succeed: every top-level name is a placeholder, and
 calling one, or reading anything off it, raises ``SglKernelUnavailable`` naming the kernel, so a run that finishes
-used no kernel of it. Its submodules (``sgl_kernel.flash_attn``, ``.scalar_type``, ...) do not exist, so sglang's
-guarded imports of them take their fallbacks, as without the package. Without CUDA it refuses to import
+used no kernel of it. Of its submodules only ``UNGUARDED_SUBMODULES`` exist (stand-ins the same way: sglang imports
+them unguarded); the others (``sgl_kernel.flash_attn``, ``.scalar_type``, ...) do not, so sglang's guarded imports
+of them take their fallbacks, as without the package. Without CUDA it refuses to import
 (ImportError), as the real CUDA package does on a CPU host: sglang then runs exactly as it would without it. A real
 GPU install keeps the real ``sglang[diffusion]`` (with sglang-kernel) and never sees this package.
 
@@ -22,6 +23,10 @@ import types
 __version__ = "0.0.0+megaflow.standin"
 STANDIN = True
 """Marks this package as megaflow's stand-in (``getattr(sgl_kernel, "STANDIN", False)``)."""
+UNGUARDED_SUBMODULES = ("quantization", "kvcacheio")
+"""Submodules sglang 0.5.23 imports at module level without a fallback on the engine's import path with CUDA
+(``sglang.srt.layers.quantization.gguf``: ``from sgl_kernel.quantization import ...``; the CLIP encoder, through
+``sglang.srt.model_executor`` and the LLM KV cache: ``from sgl_kernel.kvcacheio import ...``)."""
 
 
 class SglKernelUnavailable(RuntimeError):
@@ -81,4 +86,6 @@ if os.environ.get("SGL_KERNEL_STANDIN_FORCE") != "1" and not _cuda():
     _note(f"refused {__name__} (no CUDA)")
     raise ImportError("sgl_kernel: megaflow's stand-in imports only where torch sees CUDA (here it does not)")
 sys.modules[__name__].__class__ = _StandinModule
+for _sub in UNGUARDED_SUBMODULES:
+    sys.modules[f"{__name__}.{_sub}"] = _StandinModule(f"{__name__}.{_sub}")
 _note(f"import {__name__}")
