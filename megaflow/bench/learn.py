@@ -155,7 +155,16 @@ def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     run(cfg, evaluate=evaluate, evaluate_every=eval_every)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     tracker.rewards = [r["reward/total"] for r in rows if r.get("iteration", 0) > 0 and "reward/total" in r]
-    return {**tracker.summary(target_gain), "setup_s": setup.get("s")}
+    return {**tracker.summary(target_gain), "setup_s": setup.get("s"), "peak_rss_mib": peak_rss_mib()}
+
+
+def peak_rss_mib() -> dict:
+    """Peak resident memory of this process (the trainer) and of its finished children (the engine workers: the
+    largest one), MiB."""
+    import resource
+
+    return {"trainer": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            "engine_workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024}
 
 
 def bench_learn(cfg: MegaflowConfig, *, side: str = "both", eval_every: int = 0, eval_num: int = 100,

@@ -56,6 +56,12 @@ PLAIN_ALGORITHMS = ("flowgrpo", "nft")
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    if args.algos:
+        from megaflow.bench.leaderboard import leaderboard
+        algos = [a for a in args.algos.split(",") if a]
+        emit(leaderboard(algos, config_dir=Path(args.config).parent, overrides=args.overrides,
+                         out_dir=Path(args.out_dir), eval_every=args.eval_every, eval_num=args.eval_num), args)
+        return 0
     cfg = run_config(args, "train")
     if args.side != "megaflow" and cfg.algo.name not in PLAIN_ALGORITHMS:
         raise ValueError(f"bench learn: the plain baseline has no algo.name = {cfg.algo.name!r} (it has "
@@ -102,6 +108,12 @@ def add_bench_parsers(sub) -> None:
     p_bl.add_argument("--eval-every", type=int, default=0, help="Held-out eval every N iterations (0 = off).")
     p_bl.add_argument("--eval-num", type=int, default=100, help="Held-out prompts of those intermediate evals.")
     p_bl.add_argument("--target-gain", type=float, default=0.05, help="Report the RL time to this held-out gain.")
+    p_bl.add_argument("--algos", default="", help="Comma-separated algorithms (flowgrpo, nft, awm, dgpo): each runs "
+                      "its own recipe, configs/shapes_demo_<algo>.toml (nft: shapes_demo.toml) from -c's directory, "
+                      "megaflow side only, one after the other, with the same --set overrides; a leaderboard table, "
+                      "plot and JSON result.")
+    p_bl.add_argument("--out-dir", default="runs/leaderboard", help="With --algos: where each algorithm's report, "
+                      "leaderboard.md and leaderboard.png go.")
     p_bh = bench_sub.add_parser("hosts", help="Whole-loop images/s of megaflow train with 2 engine hosts / 1 "
                                 "(two torchrun runs on this machine, rollout.engine_hosts = rank).")
     add_config_args(p_bh, default="configs/cpu_demo.toml")
