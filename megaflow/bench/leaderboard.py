@@ -48,7 +48,7 @@ def run_one(algo: str, config: Path, overrides: list[str], out: Path, *, eval_ev
     cmd = [sys.executable, "-m", "megaflow.cli", "bench", "learn", "--side", "megaflow", "-c", str(config),
            "--eval-every", str(eval_every), "--eval-num", str(eval_num), "--out", str(out),
            *(x for s in overrides for x in ("--set", s))]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, stdout=sys.stderr)  # its progress lines; this process prints the JSON
     if proc.returncode != 0:
         raise RuntimeError(f"bench learn for {algo} exited {proc.returncode} (command: {' '.join(cmd)})")
     return json.loads(out.read_text())
