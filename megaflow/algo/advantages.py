@@ -1,10 +1,5 @@
-"""Group-normalised FlowGRPO advantages with a zero-std group filter and masked (NaN) rewards.
-
-Source formula (FlowGRPO, flow_grpo ``flow_grpo/stat_tracking.py`` ``PerPromptStatTracker.update`` with
-``type='grpo'``, clipped in ``scripts/train_sd3.py``):
-
-    A_i = clip((r_i − mean_{g(i)} r) / (std + 1e-4), −c, c)
-
+"""Group-normalised FlowGRPO advantages with a zero-std group filter and masked (NaN) rewards:
+A_i = clip((r_i − mean_{g(i)} r) / (std + 1e-4), −c, c) (flow_grpo's ``PerPromptStatTracker``, type 'grpo').
 Design notes: docs/design/algo.md.
 """
 from __future__ import annotations
@@ -43,11 +38,8 @@ class AdvantageConfig:
 
 @dataclass(frozen=True)
 class Advantages:
-    """Result of ``group_advantages``; tensors are ``[N]``.
-
-    ``advantages`` is 0 wherever ``keep`` is False. ``keep`` = valid reward and (if filtering) a group
-    with non-zero std: the samples to train on. ``stats`` holds floats to log.
-    """
+    """Result of ``group_advantages`` (tensors ``[N]``): ``advantages`` 0 where ``keep`` is False; ``keep`` = valid
+    reward and (if filtering) non-zero group std; ``stats`` floats to log."""
 
     advantages: torch.Tensor
     keep: torch.Tensor

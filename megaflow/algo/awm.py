@@ -1,10 +1,6 @@
-"""AWM loss: Advantage Weighted Matching, advantage-weighted flow matching on clean ODE samples. Pure torch.
-
-Owns the objective of Xue et al., "Advantage Weighted Matching" (arXiv 2509.25050), as the authors'
-``train_sd3_awm.py`` computes it: the weighted matching log-likelihood logp = −W(mean((v − (ε − x0))²), t),
-a PPO-clipped ratio exp(logp_θ − logp_old), and velocity KLs to the frozen reference and to a fast EMA.
-Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching, mean(A'·W). Reduction and
-masking as ``megaflow.algo.flowgrpo``. Derivation, defaults and sources: docs/algorithms/awm.md.
+"""AWM loss (Advantage Weighted Matching, arXiv 2509.25050): advantage-weighted flow matching on clean ODE
+samples, a PPO-clipped ratio and velocity KLs to the reference and a fast EMA. Pure torch.
+Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching. Details: docs/algorithms/awm.md.
 """
 from __future__ import annotations
 
@@ -115,13 +111,9 @@ def awm_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: t
              ref_velocity: torch.Tensor | None = None, ema_velocity: torch.Tensor | None = None,
              mask: torch.Tensor | None = None,
              normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The AWM loss of a batch of items (one clean sample x0 at one timestep t with noise ε each).
-
-    ``velocity`` [B, ...] carries grads: v_θ at x_t = noised(x0, ε, t). The others are constants at the
-    same x_t: ``old_velocity`` (the policy the ratio is taken to; None = θ itself, on-policy: ratio 1,
-    as the authors' single optimizer step per batch), ``ref_velocity`` (needed iff kl_beta > 0),
-    ``ema_velocity`` (needed iff awm_ema_kl_beta > 0). ``t`` [B] in [0, 1]; ``advantages`` [B]; ``mask``
-    [B] bool. Returns (loss, detached stats); the loss is float64 for float64 input, else float32."""
+    """The AWM loss of a batch of items (x0, t, ε each). ``velocity`` [B, ...] carries grads; ``old_velocity``
+    (None = on-policy, ratio 1), ``ref_velocity`` (iff kl_beta > 0), ``ema_velocity`` (iff awm_ema_kl_beta > 0) are
+    constants; ``t``, ``advantages``, ``mask`` [B]. Returns (loss, detached stats), float64 for float64 input else float32."""
     if config.kl_beta > 0 and ref_velocity is None:
         raise ValueError(f"kl_beta = {config.kl_beta} > 0 needs ref_velocity")
     if config.awm_ema_kl_beta > 0 and ema_velocity is None:

@@ -1,11 +1,6 @@
-"""DGPO loss: Direct Group Preference Optimization, a group-level DPO on clean ODE samples. Pure torch.
-
-Owns the objective of Luo, Hu & Tang, "Reinforcing Diffusion Models by Direct Group Preference Optimization"
-(arXiv 2510.08425, ICLR 2026): per group g (one prompt's samples at one timestep, same noise)
-s_g = (β/G)·Σ_{i∈g} A_i·(ℓ_i − ℓ_ref,i) with ℓ = mean((v − (ε − x0))²), and the loss (1/β)·softplus(s_g) =
-(1/β)·(−log σ(R(G⁺) − R(G⁻))). Invariant: its gradient is σ(s_g)·A_i·∇ℓ_i per item, the authors'
-``train_sd3_dgpo.py``, whatever the split of a group over calls (pass ``scores``). Reduction and masking as
-``megaflow.algo.flowgrpo``. Derivation, defaults and sources: docs/algorithms/dgpo.md.
+"""DGPO loss (Direct Group Preference Optimization, arXiv 2510.08425): a group-level DPO on clean ODE samples,
+(1/β)·softplus(s_g) per group. Pure torch. Invariant: its gradient is σ(s_g)·A_i·∇ℓ_i per item whatever the
+split of a group over calls (pass ``scores``). Details: docs/algorithms/dgpo.md.
 """
 from __future__ import annotations
 
@@ -117,15 +112,9 @@ def dgpo_loss(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, adv
               old_velocity: torch.Tensor | None = None, kl_velocity: torch.Tensor | None = None,
               scores: GroupScores | None = None, mask: torch.Tensor | None = None,
               normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DGPO loss of a batch of items (one clean sample x0 at one timestep with noise ε each).
-
-    ``velocity`` [B, ...] carries grads: v_θ at x_t = noised(x0, ε, t). Constants at the same x_t:
-    ``ref_velocity`` (the preference reference), ``old_velocity`` (the clip's old policy; needed iff
-    dgpo_clip_range > 0), ``kl_velocity`` (frozen reference; needed iff kl_beta > 0). Without ``scores`` every
-    group must be whole in this call (its s_g is computed here); with ``scores`` (``dgpo_group_scores`` over
-    the whole batch, ``take``-n per microbatch) a group may span calls. A kept item carries (G/n_g)·(1/β)·
-    softplus(s_g) in the value and σ(s_g)·A_i·∇ℓ_i in the gradient: summed over the batch, G·L_g per group.
-    Returns (loss, detached stats), float64 for float64 input, else float32."""
+    """The DGPO loss of a batch of items. ``velocity`` carries grads; ``ref_velocity``, ``old_velocity`` (iff
+    dgpo_clip_range > 0), ``kl_velocity`` (iff kl_beta > 0) are constants. Without ``scores`` every group must be
+    whole in this call; with them (``dgpo_group_scores``) a group may span calls. Returns (loss, detached stats)."""
     if config.dgpo_clip_range > 0 and old_velocity is None:
         raise ValueError(f"dgpo_clip_range = {config.dgpo_clip_range} > 0 needs old_velocity")
     if config.kl_beta > 0 and kl_velocity is None:

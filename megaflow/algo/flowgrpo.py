@@ -1,9 +1,6 @@
-"""FlowGRPO loss: PPO-clip over per-step log-probs, the Gaussian KL to a frozen reference, and train/rollout
-mismatch correction (TIS / MIS); the trained steps. Pure torch functions of tensors.
-
-Invariant: masked-out entries never reach the arithmetic (replaced with ``torch.where`` before use), so NaN / inf
-there cannot reach the loss or the gradient; with ``normalizer=N`` the loss is the sum over masked-in entries / N.
-Formulas, shapes and sources: docs/algorithms/flowgrpo.md.
+"""FlowGRPO loss: PPO-clip over per-step log-probs, the Gaussian KL to a reference, TIS / MIS mismatch
+correction, and the trained steps. Pure torch. Invariant: masked-out entries never reach the arithmetic, so NaN
+/ inf there cannot reach loss or gradient. Formulas and sources: docs/algorithms/flowgrpo.md.
 """
 from __future__ import annotations
 
@@ -173,13 +170,8 @@ def flow_grpo_loss(policy: StepResult, *, old_log_prob: torch.Tensor, advantages
                    config: LossConfig, ref_mean: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                    is_weights: torch.Tensor | None = None,
                    normalizer: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total FlowGRPO loss ``L_pg + β·KL`` of a recomputed step (or stacked steps).
-
-    ``policy`` is ``transition_log_prob`` under the trained weights (its log_prob/mean carry the graph);
-    ``ref_mean`` is the reference model's μ for the same x (needed iff β > 0). KL on a kept step with
-    std 0 (CPS last step, ODE) raises ValueError: such steps must be masked out. Both terms are reduced
-    the same way (mean over ``mask``, or sum / ``normalizer``); stats are means over ``mask``.
-    """
+    """``L_pg + β·KL`` of a recomputed step (or stacked steps); ``ref_mean`` needed iff β > 0 (KL on a kept std-0
+    step raises ValueError). Reduced as mean over ``mask`` or sum / ``normalizer``; stats are means over ``mask``."""
     loss, stats = ppo_clip_loss(policy.log_prob, old_log_prob, advantages, clip_range=config.clip_range,
                                 mask=mask, weights=is_weights, normalizer=normalizer)
     if config.kl_beta > 0:
@@ -213,13 +205,8 @@ def _aggregate_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str
 
 def mismatch_weights(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, config: MismatchConfig,
                      mask: torch.Tensor | None = None) -> MismatchWeights:
-    """TIS/MIS weights from the trainer's old log-probs and the engine's log-probs.
-
-    Shapes: ``[B]`` (one step per entry; step level only) or ``[B, T]`` (all trained steps of each sample:
-    trajectory and geometric levels aggregate over dim 1, so they refuse a ``[B]`` input rather than act
-    per step). ``mask`` marks the trained steps (e.g. the SDE window); masked-out steps get weight 0, keep
-    False and do not enter the trajectory/geometric aggregate.
-    """
+    """TIS/MIS weights from old and engine log-probs, ``[B]`` (step level only) or ``[B, T]``; masked-out steps get
+    weight 0, keep False and stay out of trajectory/geometric aggregates."""
     if train_log_prob.shape != rollout_log_prob.shape:
         raise ValueError(f"train {tuple(train_log_prob.shape)} and rollout {tuple(rollout_log_prob.shape)} "
                          "log-prob shapes differ")
@@ -253,14 +240,8 @@ def mismatch_weights(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
 def train_step_indices(num_steps: int, transition: TransitionConfig,
                        sde_step_indices: Sequence[int] | None = None, *,
                        timestep_fraction: float = 1.0) -> list[int]:
-    """The denoising steps to train: the stochastic ones (FlowGRPO-Fast: only the SDE window).
-
-    ODE steps have log-prob 0 and no policy ratio; with CPS the last step (σ' = 0) is deterministic
-    (std 0) and is left out as well. An all-ODE rollout has nothing to train: ValueError.
-    Without a window only steps ``t < int(num_steps · timestep_fraction)`` are trained (flow_grpo
-    ``train_sd3.py``: 0.99 leaves the last step out); with a window every window step is trained and
-    ``timestep_fraction`` is not used (flow_grpo ``train_sd3_fast.py``).
-    """
+    """The denoising steps to train: the stochastic ones (CPS's std-0 last step left out); ValueError for an
+    all-ODE rollout. Without a window only ``t < int(num_steps · timestep_fraction)``; with one, every window step."""
     if transition.kind == "ode":
         raise ValueError("an ode rollout has no stochastic step to train on; use kind 'sde' or 'cps'")
     if not 0 < timestep_fraction <= 1:

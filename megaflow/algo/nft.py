@@ -1,9 +1,6 @@
-"""DiffusionNFT loss: negative-aware fine-tuning on the forward (noising) process, with the implicit positive and
-negative policies v± around the sampling policy v_old, and θ_old's decay schedule (``old_policy_decay``). Pure
-torch functions.
-
-Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching (tests/algo/test_nft.py checks
-it). Reduction and masking as megaflow.algo.flowgrpo. Formulas, defaults and sources: docs/algorithms/nft.md.
+"""DiffusionNFT loss: negative-aware fine-tuning with implicit policies v± around v_old, and θ_old's decay
+schedule. Pure torch. Invariant: at θ = θ_old the gradient is that of advantage-weighted flow matching.
+Details: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 
@@ -67,12 +64,8 @@ def nft_loss(velocity: torch.Tensor, old_velocity: torch.Tensor, x0: torch.Tenso
              t: torch.Tensor, advantages: torch.Tensor, *, config: NFTConfig,
              ref_velocity: torch.Tensor | None = None, mask: torch.Tensor | None = None,
              normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DiffusionNFT loss of a batch of items (docs/algorithms/nft.md).
-
-    ``velocity`` [B, ...] carries grads (v_θ at (x_t, t)); ``old_velocity`` (v_old) and ``ref_velocity``
-    (v_ref, needed iff ``kl_beta`` > 0) are treated as constants. ``t`` [B] in [0, 1]; ``advantages`` [B];
-    ``mask`` [B] bool selects the items that count. Returns (loss, detached stats: ``policy_loss``,
-    ``kl``, ``old_deviation`` = mean((v_θ − v_old)²), ``optimality`` = mean r, ``x0_error`` = mean w⁺)."""
+    """The DiffusionNFT loss of a batch of items: ``velocity`` carries grads, ``old_velocity`` / ``ref_velocity``
+    (iff kl_beta > 0) constants; ``t``, ``advantages``, ``mask`` [B]. Returns (loss, detached stats)."""
     if config.kl_beta > 0 and ref_velocity is None:
         raise ValueError(f"kl_beta = {config.kl_beta} > 0 needs ref_velocity")
     b, c = config.nft_beta, config.adv_clip

@@ -1,11 +1,6 @@
-"""``megaflow bench learn --algos``: the algorithms side by side on one model, prompt set, reward and seeds.
-
-Each algorithm runs its own recipe (``ALGO_CONFIGS``: one config per algorithm, chosen on TRAIN prompts) through
-``megaflow bench learn --side megaflow`` in a process of its own (its peak memory is its own), with the same
-``--set`` overrides and evaluation settings. The report: one JSON object, a markdown table and a plot of held-out
-accuracy against RL minutes, every algorithm on one figure. The invariant: every algorithm is scored on the same
-held-out and train prompts with the same seeds (the configs' ``[eval]``, model and prompt set are checked equal
-before any run starts).
+"""``megaflow bench learn --algos``: the algorithms side by side, each its recipe (``ALGO_CONFIGS``) in a
+process of its own; JSON, a markdown table and a plot. Invariant: every algorithm is scored on the same prompts
+and seeds (checked equal before any run).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow.
-
-Both sides start from the same pipeline and run the same iterations of ``algo.name`` on the same prompts
-(``run.build.prompt_stream``), request seeds (``run.requests.make_requests``), reward and group advantages
-(``run.requests.generate_and_score``), item plans and learning-rate schedule (design notes: docs/design/bench.md).
+"""``megaflow bench learn``: the demo's RL recipe through a plain single-process loop vs megaflow, from the same
+pipeline, prompts, seeds, reward and plans. Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Whole-loop benchmarks: two real ``megaflow train`` runs of the same config that differ in one setting, compared
-by images/s (``megaflow bench hosts``, ``megaflow bench async``).
-
-Design notes: docs/design/bench.md.
+"""Whole-loop benchmarks: two ``megaflow train`` runs differing in one setting, by images/s
+(``bench hosts``, ``bench async``). Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The plain single-process side of ``megaflow bench learn``: each algorithm's update written in plain torch on the
-diffusers DiT (no megatron, no engine, no weight sync), sharing only the loss functions and the item plans with
-megaflow (the math the trainer is tested against elsewhere).
-
-Design notes: docs/design/bench.md.
+"""The plain side of ``megaflow bench learn``: each update in plain torch on the diffusers DiT, sharing only the
+losses and item plans with megaflow. Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

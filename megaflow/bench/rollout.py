@@ -1,11 +1,5 @@
-"""``megaflow bench rollout``: rollout images/s of 1..N SGLang engines (through the balancer) vs a plain loop.
-
-Every configuration samples the same work per call: ``groups`` prompt groups of ``group_size`` samples
-(one ``RolloutRequest`` each), ``steps`` denoising steps at ``res`` x ``res``, SDE with per-step
-log-probs, images decoded. The baseline is ``megaflow.rollout.baseline.DiffusersEngine``: the same
-pipeline directory loaded with diffusers, all samples of a call in one batched loop.
-
-Design notes: docs/design/bench.md.
+"""``megaflow bench rollout``: rollout images/s of 1..N SGLang engines (through the balancer) vs the plain
+``DiffusersEngine`` loop, the same work per call. Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 
@@ -55,12 +49,8 @@ def _timed_call(engine: RolloutEngine, requests: Sequence[RolloutRequest]) -> tu
 
 def time_calls(contenders: dict[str, RolloutEngine], requests: Sequence[RolloutRequest], *, warmup: int,
                repeats: int) -> dict[str, dict]:
-    """Warm each contender up, then time ``repeats`` rounds that call every contender once, in turn.
-
-    Interleaving makes the comparison fair on a shared machine: load from other processes hits every
-    contender alike. images/s = images / summed call seconds, per contender. ``last_call_timings``: the
-    engine-reported per-sample timings of the last call (seconds; e.g. queueing, engine call, stages).
-    """
+    """Warm up, then time ``repeats`` interleaved rounds; images/s per contender and the last call's engine
+    timings (docs/design/bench.md)."""
     for engine in contenders.values():
         for _ in range(warmup):
             engine.generate(requests)
@@ -82,24 +72,15 @@ def time_calls(contenders: dict[str, RolloutEngine], requests: Sequence[RolloutR
 
 
 def _start_engine(factory: EngineFactory, pipeline_dir: str, engine_id: str) -> tuple[RolloutEngine, float]:
-    """Start one engine in the calling thread (which must outlive it); returns it and its start seconds.
-
-    Not from a short-lived thread: SGLang workers arm PR_SET_PDEATHSIG, which fires when the *thread* that
-    spawned them exits, so an engine started from a pool thread loses its workers when the pool closes.
-    """
+    """Start one engine in the calling thread (which must outlive it); returns it and its start seconds."""
     t0 = time.perf_counter()
     engine = factory(pipeline_dir, engine_id)
     return engine, round(time.perf_counter() - t0, 2)
 
 
 def sglang_factory(**engine_kwargs) -> EngineFactory:
-    """Factory for ``SGLangEngine``; ``engine_kwargs`` are ``SGLangEngineConfig`` fields (max_batch_outputs,
-    num_inflight_calls, server_kwargs, ...).
-
-    ``server_kwargs`` defaults to ``{"sleep_on_idle": True}``: without it an idle SGLang scheduler
-    busy-polls (measured: 4.4 CPU-seconds per 5 s idle), which would steal a core from whatever runs
-    beside it (the other engine, the baseline, other users of the machine).
-    """
+    """Factory for ``SGLangEngine`` (``engine_kwargs``: SGLangEngineConfig fields); ``server_kwargs`` defaults
+    to ``{"sleep_on_idle": True}`` (docs/design/bench.md)."""
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
 
     kwargs = dict(engine_kwargs)
@@ -115,18 +96,9 @@ def bench_rollout(pipeline_dir: str, *, engines: Sequence[int] = (1, 2), groups:
                   steps: int = 4, res: int = 64, sde_type: str = "sde", warmup: int = 1, repeats: int = 5,
                   seed: int = 0, baseline: bool = True, baseline_threads: int = 1,
                   engine_factory: EngineFactory | None = None, engine_kwargs: dict | None = None) -> dict:
-    """Images/s for each engine count in ``engines`` (balancer over that many SGLang engines) and for the
-    diffusers baseline; ``ratio`` = images/s of the largest engine count / baseline images/s.
-
-    Each engine count is timed interleaved with the baseline (``time_calls``); ``baseline_images_per_s`` is
-    the baseline's rate next to the largest engine count, ``ratio_per_engine_count`` compares each count
-    with the baseline timed beside it; ``ratio_median`` is ``ratio`` from median call times (robust to
-    load spikes on a shared machine). ``engine_kwargs`` go to ``SGLangEngineConfig`` (ignored when
-    ``engine_factory`` is given). ``baseline_threads``: torch threads of this process (the baseline) and,
-    unless ``engine_kwargs`` sets ``num_threads``, of each engine worker process, so both sides compute with
-    equal threads (left to SGLang, a worker takes ``cpu_count`` threads: on a small shared host that
-    oversubscribes the cores and the engine loses by up to 10x for that reason alone).
-    """
+    """Images/s per engine count in ``engines`` and for the diffusers baseline, each timed beside it; ``ratio`` =
+    largest count / baseline (``ratio_median`` from median times). ``baseline_threads``: torch threads of the
+    baseline and of each worker unless ``engine_kwargs`` sets ``num_threads`` (docs/design/bench.md)."""
     if not engines or any(n < 1 for n in engines):
         raise ValueError(f"engines must be a non-empty list of counts >= 1, got {list(engines)}")
     if groups < 1 or group_size < 1 or repeats < 1 or warmup < 0:

@@ -1,12 +1,5 @@
-"""``megaflow bench sync``: weight-sync seconds into SGLang engines vs a plain copy of the same bytes.
-
-Two models, both random-weight SD3 pipelines built offline (``megaflow.models.tiny_pipeline``):
-
-- ``large``: the tiny pipeline with its DiT scaled up (``layers`` joint blocks, ``heads`` x ``head_dim``
-  hidden; the defaults give ~110M parameters, ~0.44 GB fp32);
-- ``tiny``: the tiny pipeline itself (the CPU demo's model, ~1.2 MB DiT).
-
-Design notes: docs/design/bench.md.
+"""``megaflow bench sync``: weight-sync seconds into SGLang engines vs a plain copy of the same bytes, on a
+scaled-up (``large``, ~110M params by default) and the ``tiny`` SD3 pipeline. Design notes: docs/design/bench.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``megaflow bench train``: one SFT training step of the megatron SD3 MMDiT vs the same step in
-diffusers, on CPU at TP=1 with identical weights and batches.
-
+"""``megaflow bench train``: one SFT step of the megatron SD3 MMDiT vs the same step in diffusers (CPU, TP=1).
 Design notes: docs/design/bench.md.
 """
 from __future__ import annotations

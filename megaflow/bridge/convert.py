@@ -1,8 +1,5 @@
-"""Megatron names -> engine (diffusers) names: the convert stage of the sync pipeline
-(gather -> convert -> bucket -> push).
-
-The gather is the trainer's ``iter_full_params`` (TP all-gather, PP broadcast, one tensor at a time);
-the per-family weight map renames and splits fused tensors (e.g. QKV) into the engine's names.
+"""Megatron names -> engine (diffusers) names: the convert stage of gather -> convert -> bucket -> push;
+the family's weight map renames and splits fused tensors.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Disk path: write a diffusers ``transformer/`` directory of safetensors shards, then reload.
-
-Useful when engines cannot share memory with the trainer (other hosts with a shared filesystem) and
-as the robust fallback: the engine's disk reload is all-or-nothing with rollback. Writes are atomic
-(a temp directory renamed into place), so a crash never leaves a half-written snapshot; only the
-newest ``keep`` snapshots are kept.
+"""Disk path: write a diffusers ``transformer/`` of safetensors shards, then reload (other hosts; the robust
+fallback). Writes are atomic (temp dir renamed); only the newest ``keep`` snapshots stay.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Weight sync to every engine host of the run: the loop's entry to the sync pipeline.
-
-Every rank calls ``RunSync.push(engine_named_params(trainer))`` (the gather is collective). What a
-rank does with the stream depends on ``bridge.mode`` and the placement (megaflow.parallel.placement)
-(design notes: docs/design/bridge.md).
+"""Weight sync to every engine host: every rank calls ``RunSync.push(engine_named_params(trainer))`` (collective).
+Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 

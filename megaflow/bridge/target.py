@@ -1,9 +1,5 @@
-"""A local ``nn.Module`` as a weight-update target (same methods the bridge calls on an engine).
-
-Used by the diffusers baseline engine (megaflow.rollout.baseline) for its weight loading and
-verification, and by the bridge tests on CPU. Loading is all-or-nothing per bucket:
-unknown names or shape/dtype mismatches reject the whole bucket before anything is copied -- the
-opposite of an engine that silently skips unknown names.
+"""A local ``nn.Module`` as a weight-update target (the methods the bridge calls on an engine). Loading is
+all-or-nothing per bucket: unknown names or shape/dtype mismatches reject it before anything is copied.
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The ``megaflow`` command line. argparse lives in this package only: no Namespace escapes it
-(megaflow.cli.common: the shared arguments; megaflow.cli.bench: ``megaflow bench``).
-
-Subcommands call plain functions with keyword arguments; heavy imports (torch, megatron, sglang)
+"""The ``megaflow`` command line; argparse lives in this package only (no Namespace escapes it). Heavy imports
 happen inside the handlers so ``megaflow --help`` is instant.
 """
 from __future__ import annotations
@@ -329,11 +326,7 @@ def _command_environment() -> None:
 
 
 def _no_collection_at_exit() -> None:
-    """At exit, freeze the heap first (``gc.freeze``): the interpreter's last collections then skip the ~1M
-    objects torch, megatron, diffusers and SGLang leave (3.6 s of a tiny run's exit, measured; 0.35 s frozen).
-    Everything megaflow writes is closed before (run dir files, checkpoints, reporter; engines and children
-    stopped); atexit handlers still run and module teardown still frees by reference count. Only objects in
-    reference cycles are left to the OS, whose finalizers Python does not promise to run at exit anyway."""
+    """At exit, ``gc.freeze`` first so the last collections skip the libraries' objects (docs/design/run.md)."""
     import atexit
     import gc
     atexit.unregister(gc.freeze)  # once per process, however often main runs in it

@@ -1,6 +1,4 @@
-"""The cross-field rules of the algorithms that train on clean ODE samples (nft, awm, dgpo): the one home of
-each, which preflight and the algorithm's run module (megaflow.run.<name>) both call.
-
+"""The cross-field rules of the clean-sample algorithms (nft, awm, dgpo), called by preflight and the run module.
 Invariant: each check raises one ConfigError line naming the key and the value it needs, before anything heavy.
 """
 from __future__ import annotations

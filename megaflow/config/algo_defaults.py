@@ -1,11 +1,5 @@
-"""Per-algorithm defaults: the value a field takes, by ``algo.name``, when the config leaves it out (neither the
-run file nor a ``--set`` names it). The one place they live; ``megaflow config show`` lists them.
-
-NFT's are the paper's; AWM's and DGPO's their authors' (docs/algorithms/).
-
-The invariant: a resolved config (the run dir's ``config.toml``) names every field, so loading it again
-applies none of these and gives the same config.
-
+"""Per-algorithm defaults: a field's value, by ``algo.name``, when the config leaves it out; ``megaflow config
+show`` lists them. Invariant: a resolved config names every field, so reloading it applies none of these.
 Design notes: docs/design/config.md.
 """
 from __future__ import annotations

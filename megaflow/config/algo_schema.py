@@ -1,7 +1,5 @@
-"""The ``[algo]`` section of the config: which algorithm runs and the fields of its objective.
-
-A field named ``<algorithm>_*`` is read by that algorithm only; the others say in their help which algorithms
-read them. Per-algorithm defaults of shared fields live in megaflow.config.algo_defaults.
+"""The ``[algo]`` section: which algorithm runs and its objective's fields (``<algorithm>_*`` read by that
+algorithm only; per-algorithm defaults in megaflow.config.algo_defaults).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""``'pkg.mod:fn'`` paths a config names (``model.spec``, custom rewards in ``reward.weights``): checked before the
-run imports them (the syntax, and that the module can be found on this process's Python path, without running
-it), and resolved to the object (``resolve``: imported; a missing attribute is named with a did-you-mean) when the
-run needs it -- or, for a custom reward, already in preflight (megaflow.config.reward_check)."""
+"""``'pkg.mod:fn'`` paths a config names: checked before the run imports them (syntax, module findable, not run),
+and resolved (``resolve``, with a did-you-mean for a missing attribute) when needed.
+"""
 from __future__ import annotations
 
 import importlib

@@ -1,5 +1,4 @@
 """The field helper of megaflow's config dataclasses and the upper bounds of their integer fields.
-
 Invariant: standard library only, so a config is checked before torch, megatron or sglang load.
 """
 from __future__ import annotations

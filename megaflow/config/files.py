@@ -1,8 +1,5 @@
-"""Cheap checks of the files a run or a tool reads, with the standard library only (no torch).
-
-Each check raises :class:`~megaflow.config.load.ConfigError` with ONE line naming the file and what is
-wrong, so a broken input stops a command before any heavy import or any engine starts
-(design notes: docs/design/config.md).
+"""Cheap checks of the files a run or a tool reads, standard library only: each raises ONE ConfigError line
+naming the file and what is wrong, before any heavy import. Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Run files that build on another: a top-level ``base = "other.toml"`` (a path relative to the file that names it)
-makes ``other.toml`` the starting point, and every table of this file then sets its keys over the base's, key by
-key (a key's value replaces the base's whole: ``reward.weights = {...}`` is the new table, not a merge; a file
-that sets ``reward.weights`` and not ``reward.kwargs`` starts from no reward arguments, since the base's belong to
-the base's rewards).
-A base may have a base of its own.
-
+"""Run files that build on another: ``base = "other.toml"`` (relative to the naming file) starts from the base,
+then this file's keys replace the base's, key by key (a table value replaces the whole table, not a merge).
 Design notes: docs/design/config.md.
 """
 from __future__ import annotations

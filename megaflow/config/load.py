@@ -1,11 +1,8 @@
 """Load, override, validate and save megaflow configs.
 
-``load_config(path, overrides)`` reads a TOML run file, applies ``--set section.key=value``
-overrides (values parsed as TOML literals, bare words as strings) and validates everything
-before any work starts: an unknown key, a wrong type, an out-of-range value, or a value nested more than
-``MAX_NESTING`` deep or with more than ``MAX_ITEMS`` entries raises :class:`ConfigError` with one line naming the
-key and the value (a run file over ``MAX_CONFIG_BYTES`` is refused unread). ``save_config`` writes the
-resolved config (TOML) into the run directory atomically; ``run_dir_of`` says where that directory is.
+``load_config(path, overrides)`` reads a TOML run file, applies ``--set section.key=value`` (TOML literals, bare
+words as strings) and validates everything before any work: each mistake is one ConfigError line naming key and
+value. ``save_config`` writes the resolved config atomically; ``run_dir_of`` says where.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The inputs of ``megaflow eval reward``, checked with the standard library only (no torch).
-
-A folder of images to score holds ``manifest.jsonl``: one JSON object a line,
-``{"file": "<path relative to the folder>", "prompt": "<prompt>", ...}``; every other key of a line is that
-image's metadata dict (what a reward gets as ``metadata[i]``, e.g. ``{"text": "OPEN"}`` for ``ocr``).
-Blank lines are skipped. Each mistake raises ``ValueError`` with one line naming the file and line.
+"""The inputs of ``megaflow eval reward``, standard library only: ``manifest.jsonl``, one JSON object a line
+(``file``, ``prompt``, other keys = that image's metadata); each mistake one ValueError line naming file and line.
 """
 from __future__ import annotations
 
@@ -67,11 +63,8 @@ def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
 
 
 def check_reward_args(name: str, kwargs_json: str | None) -> dict:
-    """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown built-in
-    name or argument, a ``pkg.module:callable`` that does not import, exist or take them (megaflow.config.
-    reward_check), kwargs that are not a JSON object or (``clipscore``,
-    ``pickscore``, ``aesthetic``, ``imagereward``, ``hpsv2``) a missing or malformed model directory, head,
-    checkpoint or tokenizer."""
+    """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown name or argument,
+    a custom reward that does not resolve or bind, or a missing/malformed model reward directory."""
     check_reward_name(name, "--reward: ")
     if kwargs_json is None:
         kwargs_json = "{}"

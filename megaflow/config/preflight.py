@@ -1,7 +1,5 @@
-"""Everything about a run that can be checked before the work starts, with the standard library only (and
-pyarrow / datasets only to read a prompt table the config names).
-
-Design notes: docs/design/config.md.
+"""Everything about a run that can be checked before the work starts, with the standard library only
+(pyarrow / datasets to read a prompt table). Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 
@@ -35,12 +33,8 @@ _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
-    """Check ``cfg`` for ``command`` (see the module's design notes); returns it unchanged or raises ConfigError.
-
-    ``files=False`` (``config show --no-files``, ``megaflow plan``; only with "show") skips every check of a
-    file the config names (``model.pretrained`` and what depends on its configs, a ``data.prompts`` file, the
-    model rewards' directories) and a model reward's CUDA ``device`` against this machine: a config for another
-    machine can be shown and planned where its weights are not downloaded and no GPU is."""
+    """Check ``cfg`` for ``command``; returns it unchanged or raises ConfigError. ``files=False`` (only with "show")
+    skips checks of the files the config names and of model rewards' CUDA device."""
     if not files and command != "show":
         raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
     if command not in COMMANDS:

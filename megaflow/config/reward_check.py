@@ -1,9 +1,6 @@
-"""The rewards a config (``reward.weights``, ``reward.kwargs``: ``check_rewards``, preflight's) or ``megaflow eval
-reward`` names, checked before anything starts: a built-in reward's name and its argument names (standard library
-only: ``REWARD_ARGS`` mirrors the constructors in megaflow.rewards.registry, which import torch;
-tests/config/test_user_config.py keeps them equal), and a custom ``'pkg.mod:fn'`` reward resolved in full: its
-module imported, the callable found, the arguments bound to its signature. Every mistake is one ConfigError line,
-with a did-you-mean where one is close.
+"""The rewards a config or ``megaflow eval reward`` names, checked before anything starts: a built-in's name and
+argument names (``REWARD_ARGS`` mirrors megaflow.rewards.registry; a test keeps them equal), a custom
+``'pkg.mod:fn'`` resolved and bound in full. Every mistake is one ConfigError line, with a did-you-mean.
 """
 from __future__ import annotations
 

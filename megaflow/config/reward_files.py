@@ -1,9 +1,5 @@
-"""The local files a model-based reward reads (``clipscore``, ``pickscore``, ``aesthetic``, ``imagereward``,
-``hpsv2``), checked with the standard library only (no torch): preflight calls ``check_model_reward`` for each such
-reward in ``reward.weights``, and each reward calls it again before it loads anything, so a missing or malformed
-directory is one line naming the key and the path.
-
-Design notes: docs/design/config.md.
+"""The local files a model-based reward reads, checked with the standard library only, by preflight and again by
+the reward before it loads: a missing or malformed directory is one line. Design notes: docs/design/config.md.
 """
 from __future__ import annotations
 

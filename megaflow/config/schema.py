@@ -1,9 +1,5 @@
-"""megaflow's typed configuration tree.
-
-One kw-only dataclass per component (torchtitan style): runtime objects (process groups, models,
-engines) are never config fields. Every field carries a one-line ``help`` and, where it has one, a
-valid range (``ge``/``gt``/``le``) or a ``choices`` set; :mod:`megaflow.config.load` enforces them
-before any work starts.
+"""megaflow's typed configuration tree: one kw-only dataclass per component, no runtime objects as fields; every
+field has a one-line ``help`` and its range or choices, enforced by :mod:`megaflow.config.load`.
 """
 from __future__ import annotations
 

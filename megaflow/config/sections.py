@@ -1,9 +1,5 @@
-"""Component settings built from a config section BY FIELD NAME: no second set of names.
-
-A component's config dataclass (``AdvantageConfig``, ``LossConfig``, ``MismatchConfig``, ``GRPOSettings``)
-names its fields exactly like the schema section it is built from, and :func:`from_section` copies every
-field the two share. Renaming a schema field therefore breaks the build loudly instead of leaving a stale
-mapping, and the field-coverage test counts a field copied here as read.
+"""Component settings built from a config section BY FIELD NAME (:func:`from_section` copies every shared field),
+so renaming a schema field breaks the build loudly instead of leaving a stale mapping.
 """
 from __future__ import annotations
 

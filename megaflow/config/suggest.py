@@ -1,8 +1,5 @@
-"""Did-you-mean suggestions for names a user mistyped: config keys, reward names, reward arguments, the attribute
-of a ``'pkg.mod:fn'`` path (standard library only: difflib).
-
-Every function returns the text to append to a one-line error, `` (did you mean 'x'?)``, or ``""`` when nothing
-is close: a suggestion is only ever a hint, the error is raised either way.
+"""Did-you-mean hints for mistyped names (config keys, rewards, arguments, dotted attributes), via difflib:
+each returns `` (did you mean 'x'?)`` or ``""``; the error is raised either way.
 """
 from __future__ import annotations
 
@@ -26,11 +23,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 
 def suggest_key(cfg, section: str, key: str) -> str:
-    """The hint for an unknown ``section.key`` of config ``cfg`` (a MegaflowConfig), the first of: a close key of the
-    same section (``group_sise`` -> ``group_size``); a key of the section that starts with it (``warmup`` ->
-    ``warmup_iterations``); the same key in another section (``train.group_size`` -> ``rollout.group_size``); a key
-    of the section whose help text holds the key's words (``learning_rate`` -> ``lr``: "AdamW learning rate."); a
-    close key of another section."""
+    """The hint for an unknown ``section.key`` of ``cfg``: a close key of the section, a key it prefixes, the same key
+    in another section, a key whose help holds its words, else a close key elsewhere."""
     sections = {f.name: {g.name: g for g in dataclasses.fields(getattr(cfg, f.name))} for f in dataclasses.fields(cfg)}
     own = sections.get(section, {})
     words = key.replace("_", " ").replace("-", " ").lower().strip()

@@ -1,9 +1,5 @@
-"""ShapeEval prompts: a GenEval-like compositional benchmark for tiny images (32x32, 64x64, ...).
-
-A scene is one or two *groups* of identical objects ("two red circles") optionally joined by a
-spatial relation ("... left of a blue square"). Prompts are generated from a closed grammar, so
-every prompt parses back into its :class:`Scene` (``parse_prompt``) and its category follows from
-the scene's structure (``category_of``). Categories mirror GenEval (design notes: docs/design/data.md).
+"""ShapeEval prompts: a GenEval-like compositional benchmark for tiny images, from a closed grammar, so every
+prompt parses back into its :class:`Scene` and category. Design notes: docs/design/data.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""A procedurally generated text-rendering prompt set (for the ``ocr`` reward), in flow_grpo's layout: a
-directory with ``train.txt`` and ``test.txt``, one prompt per line, each naming the text to render between
-double quotes (``A shop sign that says "OPEN"``). ``train.jsonl`` / ``test.jsonl`` beside them hold the same
-prompts as ``{"prompt": ..., "text": ...}`` objects, for runs that hand the target text to the reward as
-metadata (``data.prompts = ".../train.jsonl"``).
-
-The words are split once, with the seed, into disjoint train and test sets (compared case-insensitively);
-each word appears in several templates and letter cases. Standard library only.
+"""A generated text-rendering prompt set (for ``ocr``) in flow_grpo's layout (``train.txt`` / ``test.txt``, plus
+``.jsonl`` twins with the target text). Train and test words are disjoint. Standard library only.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Sigma grids for flow-matching sampling: pure functions, no scheduler state.
-
-Convention (shared with ``megaflow.flow.step``): σ = 1 is pure noise, σ = 0 is data, a grid of N steps
-is a strictly decreasing fp32 tensor ``[N + 1]`` whose last entry is exactly 0, and step ``i`` goes from
-``sigmas[i]`` to ``sigmas[i + 1]``. The DiT timestep of step ``i`` is ``sigmas[i] * num_train_timesteps``.
-
-Design notes: docs/design/flow.md.
+"""Sigma grids for flow-matching sampling: pure functions. σ = 1 is noise, σ = 0 data; a grid of N steps is a
+strictly decreasing fp32 ``[N + 1]`` ending in exactly 0. Design notes: docs/design/flow.md.
 """
 from __future__ import annotations
 
@@ -24,22 +19,14 @@ __all__ = [
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """SD3/Flux static shift ``σ ↦ shift·σ / (1 + (shift − 1)·σ)``; keeps 0 and 1 fixed, dtype preserved.
-
-    ``shift > 1`` spends more steps at high noise (SD3 uses 3.0). Source: diffusers
-    ``FlowMatchEulerDiscreteScheduler`` (``shift * sigmas / (1 + (shift - 1) * sigmas)``).
-    """
+    """SD3/Flux static shift ``σ ↦ shift·σ / (1 + (shift − 1)·σ)`` (diffusers' FlowMatchEulerDiscreteScheduler)."""
     if not (shift > 0 and math.isfinite(shift)):
         raise ValueError(f"shift must be a positive finite number, got {shift!r}")
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
 def time_shift_exponential(sigmas: torch.Tensor, mu: float, exponent: float = 1.0) -> torch.Tensor:
-    """Resolution-dependent (Flux) shift ``σ ↦ e^μ / (e^μ + (1/σ − 1)^exponent)``; needs σ > 0.
-
-    e^μ is rounded to the tensor's dtype first and divided tensor-by-tensor (torch's ``scalar / tensor``
-    multiplies by a reciprocal, one rounding more than numpy, which diffusers uses).
-    """
+    """Flux shift ``σ ↦ e^μ / (e^μ + (1/σ − 1)^exponent)``, σ > 0, rounded as diffusers' numpy arithmetic."""
     e_mu = torch.full_like(sigmas, math.exp(mu))
     return e_mu / (e_mu + (1 / sigmas - 1) ** exponent)
 
@@ -50,11 +37,7 @@ def _check_num_steps(num_steps: int) -> None:
 
 
 def _linspace64(start: float, stop: float, num: int) -> torch.Tensor:
-    """float64 ``start + i * (stop - start) / (num - 1)`` with the last point set to ``stop``.
-
-    This is numpy.linspace's arithmetic (diffusers builds its grids with numpy); torch.linspace fills
-    the second half from the end and can differ in the last bit.
-    """
+    """float64 ``start + i * (stop - start) / (num - 1)``, last point ``stop``: numpy.linspace's arithmetic."""
     if num == 1:
         return torch.tensor([start], dtype=torch.float64)
     grid = torch.arange(num, dtype=torch.float64) * ((stop - start) / (num - 1)) + start
@@ -63,12 +46,7 @@ def _linspace64(start: float, stop: float, num: int) -> torch.Tensor:
 
 
 def sd3_sigmas(num_steps: int, *, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """The ``[num_steps + 1]`` fp32 grid of diffusers' FlowMatchEulerDiscreteScheduler(shift=shift).
-
-    Equals ``scheduler.set_timesteps(num_steps); scheduler.sigmas`` for a scheduler without dynamic
-    shifting (SD3 / SD3.5: shift 3.0), terminal 0 included. ``shift = 1`` gives the plain linear grid
-    ``linspace(1, 1/num_train_timesteps, N)`` + 0.
-    """
+    """The ``[num_steps + 1]`` fp32 grid of diffusers' FlowMatchEulerDiscreteScheduler(shift=shift), terminal 0."""
     _check_num_steps(num_steps)
     if num_train_timesteps < 1:
         raise ValueError(f"num_train_timesteps must be >= 1, got {num_train_timesteps!r}")
@@ -91,11 +69,7 @@ def flux_mu(image_seq_len: int, *, base_seq_len: int = 256, max_seq_len: int = 4
 
 
 def flux_sigmas(num_steps: int, *, mu: float) -> torch.Tensor:
-    """The ``[num_steps + 1]`` fp32 grid of the diffusers Flux pipeline (dynamic shifting with ``mu``).
-
-    The pipeline passes ``sigmas = linspace(1, 1/N, N)`` (float64); the scheduler casts them to fp32,
-    applies ``time_shift_exponential(mu, 1.0)`` in fp32 and appends 0.
-    """
+    """The ``[num_steps + 1]`` fp32 grid of the diffusers Flux pipeline (dynamic shifting with ``mu``)."""
     _check_num_steps(num_steps)
     base = _linspace64(1.0, 1.0 / num_steps, num_steps).to(torch.float32)
     sigmas = time_shift_exponential(base, mu)

@@ -1,11 +1,5 @@
-"""One flow-matching transition x(σ) → x(σ') and its per-step log-probability: pure tensor functions.
-
-These are the numbers the SGLang engine produces in a rollout (sglang 0.5.23,
-``runtime/post_training/flow_rollout_controller.py``: ``FlowRolloutController.flow_sde_sampling``), written
-so that the trainer can recompute them from a stored trajectory with its own velocity. The math is
-FlowGRPO's (flow_grpo ``diffusers_patch/sd3_sde_with_logprob.py``, ``sde_step_with_logprob``).
-
-Design notes: docs/design/flow.md.
+"""One flow-matching transition x(σ) → x(σ') and its per-step log-probability: pure tensor functions, the
+numbers SGLang's rollout produces (FlowGRPO's math), recomputable by the trainer. Design notes: docs/design/flow.md.
 """
 from __future__ import annotations
 
@@ -158,12 +152,8 @@ def _draw_noise(x: torch.Tensor, noise, generator) -> torch.Tensor:
 def step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, sigma_max, config: TransitionConfig,
          noise: torch.Tensor | None = None,
          generator: torch.Generator | Sequence[torch.Generator] | None = None) -> StepResult:
-    """Sample x' for one step and its log-prob, as the engine does.
-
-    sde/cps need exactly one of ``noise`` (ε, shape of x) or ``generator`` (one → ε of x's full shape;
-    a list → one draw of shape ``[1, ...]`` per sample, the engine's per-request scheme). ODE draws
-    nothing. The log-prob uses the residual std·ε (engine arithmetic); it does not depend on ``v``.
-    """
+    """Sample x' for one step and its log-prob, as the engine does; sde/cps need exactly one of ``noise`` or
+    ``generator`` (a list: one draw per sample). ODE draws nothing."""
     _check_step(sigma, sigma_next, config)
     mean, std, std_dev_t = transition_mean_std(x, v, sigma, sigma_next, sigma_max=sigma_max, config=config)
     if config.kind == "ode":
@@ -179,11 +169,7 @@ def step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, *, sigma_max, conf
 
 def transition_log_prob(x: torch.Tensor, v: torch.Tensor, x_next: torch.Tensor, sigma, sigma_next, *,
                         sigma_max, config: TransitionConfig) -> StepResult:
-    """log p(x_next | x, v) of one step (the trainer's recomputation); differentiable in ``v``.
-
-    ``x`` and ``x_next`` are trajectory data and are detached. ODE steps return log-prob 0 (and
-    ``sample`` = the Euler x', which need not equal ``x_next``).
-    """
+    """log p(x_next | x, v) of one step, differentiable in ``v``; ODE steps return 0."""
     _check_step(sigma, sigma_next, config)
     x = x.detach()
     mean, std, std_dev_t = transition_mean_std(x, v, sigma, sigma_next, sigma_max=sigma_max, config=config)
@@ -196,12 +182,8 @@ def transition_log_prob(x: torch.Tensor, v: torch.Tensor, x_next: torch.Tensor, 
 
 
 def sde_step_mask(num_steps: int, sde_step_indices: Sequence[int] | None = None) -> torch.Tensor:
-    """Bool ``[num_steps]``: True where a step is stochastic (the engine's ``rollout_sde_step_indices``).
-
-    ``None`` = every step; otherwise step i is SDE/CPS iff i is listed (0-indexed denoising-loop steps) and
-    all other steps are ODE with log-prob 0. The engine silently ignores indices outside
-    ``[0, num_steps)``; here they raise ValueError (a window for another step count is a config mistake).
-    """
+    """Bool ``[num_steps]``: True where a step is stochastic (``None`` = every step); ValueError for indices
+    outside ``[0, num_steps)``."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps!r}")
     mask = torch.zeros(num_steps, dtype=torch.bool)

@@ -1,11 +1,5 @@
-"""The SDE window: which denoising steps of a rollout are stochastic (and trained), and the rules its settings
-follow.
-
-FlowGRPO samples every step with the SDE, or a fixed set of steps (``rollout.sde_window``); FlowGRPO-Fast
-draws a window of ``rollout.sde_window_size`` consecutive steps anew every iteration inside
-``rollout.sde_window_range`` (:func:`sample_sde_window`). :func:`check_sde_window` is the one home of the rules
-these settings follow, in the config's words: the config preflight applies it before anything heavy is
-imported and the loop before it draws a window. Standard library at import (torch only to draw a window).
+"""The SDE window: which denoising steps are stochastic (and trained). :func:`check_sde_window` is the one home
+of its settings' rules (preflight and the loop apply it); :func:`sample_sde_window` draws FlowGRPO-Fast's.
 """
 from __future__ import annotations
 
@@ -41,13 +35,8 @@ def check_sde_window(*, num_steps: int, window: Sequence[int], window_size: int,
 
 def sample_sde_window(num_steps: int, window_size: int, *, window_range: tuple[int, int] | None = None,
                       generator=None) -> list[int]:
-    """FlowGRPO-Fast window: ``window_size`` consecutive step indices starting uniformly in
-    ``[lo, hi − window_size]`` of ``window_range = (lo, hi)`` (default ``(0, num_steps)``), drawn from the
-    ``torch.Generator`` ``generator``; ValueError (:func:`check_sde_window`) for a window that does not fit.
-
-    Same distribution as flow_grpo's ``random.randint(lo, hi - size)`` start; the result is meant for
-    ``rollout_sde_step_indices`` and for selecting the steps to train.
-    """
+    """FlowGRPO-Fast window: ``window_size`` consecutive indices starting uniformly in ``[lo, hi − window_size]``,
+    from ``generator``; ValueError when it does not fit."""
     import torch
 
     lo, hi = check_sde_window(num_steps=num_steps, window=(), window_size=window_size,

@@ -1,6 +1,6 @@
-"""What a megaflow-made diffusers pipeline declares about itself, in ``megaflow.json`` beside its
-model_index.json: ``max_sequence_length`` (the prompt length every text encoder is padded to, which
-SGLang applies per request) and ``pretrain`` (the recipe and curve of ``megaflow pretrain``)."""
+"""``megaflow.json`` beside a megaflow-made pipeline's model_index.json: ``max_sequence_length``
+(applied per SGLang request) and ``pretrain`` (recipe and curve of ``megaflow pretrain``).
+"""
 from __future__ import annotations
 
 import json

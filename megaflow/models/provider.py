@@ -1,12 +1,6 @@
-"""Build a model family's megatron model from a layer spec name or a user callable.
-
-``spec`` is one of:
-- ``"auto"`` | ``"local"`` | ``"te"``: the family's own block spec with that implementation;
-- ``"pkg.mod:fn"``: a callable invoked as ``fn(config=..., pp_rank=..., vp_stage=...)`` that returns
-  either a megatron ``ModuleSpec`` for one block (the family's model is built around it) or a whole
-  ``torch.nn.Module`` for this pipeline chunk (used as is) -- slime's ``model_provider`` pattern.
-
-Design notes: docs/design/models.md.
+"""Build a family's megatron model from a spec name (``auto`` | ``local`` | ``te``) or a user
+``"pkg.mod:fn"`` called as ``fn(config=, pp_rank=, vp_stage=)`` returning a block ``ModuleSpec`` or
+a whole ``torch.nn.Module`` for this chunk. Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Model families by name: an explicit table, no dispatch on substrings of model ids.
-
-A family bundles everything model-specific that the rest of megaflow needs: the diffusers class
-its weights come from, the config mapping, the layer spec, the megatron model class and the
-weight map (megatron <-> diffusers names). Families are imported on first use.
+A family bundles the diffusers class, config mapping, layer spec, model class and weight map;
+imported on first use.
 """
 from __future__ import annotations
 
@@ -52,9 +50,7 @@ class ModelFamily:
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
                      weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type,
                      embedded_guidance: bool = False) -> ModelFamily:
-        """The family of a package laid out like ``megaflow.models.sd3``: ``config`` has
-        ``from_diffusers`` / ``to_diffusers``, ``model`` has ``pipeline_seq_length``, ``model_inputs``,
-        ``microbatch_seq_length`` and ``batch_conditioning``."""
+        """The family of a package laid out like ``megaflow.models.sd3`` (``config`` and ``model`` modules)."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,

@@ -1,12 +1,7 @@
 """Write a tiny, randomly initialised diffusers pipeline (SD3 or FLUX.1) to a directory, offline.
 
-The result loads with diffusers (``StableDiffusion3Pipeline`` / ``FluxPipeline``) and with SGLang's
-native diffusion path on CPU (``model_id="stable-diffusion-3-medium-diffusers"`` resp. ``"FLUX.1-dev"``,
-``backend="sglang"``, fp32 precisions). Everything is built from configs: no download, seeded and
-deterministic (same seed => bit-identical weights), a few MB. Tokenizers are built in memory from a
-small word list (byte-level BPE for CLIP, a unigram vocab for T5) and survive save/load.
-
-Design notes: docs/design/models.md.
+Loads with diffusers and SGLang's native path on CPU; seeded and deterministic, a few MB, tokenizers
+built in memory. Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

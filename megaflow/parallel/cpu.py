@@ -1,12 +1,6 @@
-"""The ONLY place that adapts megatron-core (pinned 0.19.2) to CPU + gloo.
-
-megatron-core assumes a CUDA device in a handful of places. On a machine without one we apply the
-shims below, each a named, documented, idempotent patch that can be switched off on its own
-(``apply_cpu_shims(skip={...})``) and undone (``remove_cpu_shims()``). tests/parallel/test_cpu_shims.py
-switches each one off and checks that its named failure comes back, so a megatron upgrade that
-makes a shim unnecessary or insufficient fails the test suite instead of going unnoticed.
-
-Design notes: docs/design/parallel.md.
+"""The ONLY place that adapts megatron-core (pinned 0.19.2) to CPU + gloo: named, idempotent shims, each
+switchable (``apply_cpu_shims(skip=...)``) and undoable. Invariant: tests/parallel/test_cpu_shims.py turns each
+off and checks its failure returns. Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 

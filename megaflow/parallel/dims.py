@@ -1,9 +1,5 @@
-"""Parallel degrees (TP/PP/CP/SP/VPP, DP derived): ``ParallelDims`` is the one object that knows the layout
-and the one place its rules are checked.
-
-Standard library only: ``megaflow.config`` checks a config's layout with it before anything heavy is
-imported, ``megaflow plan`` plans with it, and ``megaflow.parallel.distributed.init_distributed`` builds
-the process groups from it. Its rules are listed in the design notes (docs/design/parallel.md).
+"""Parallel degrees (TP/PP/CP/SP/VPP, DP derived): ``ParallelDims`` is the one object that knows the layout and
+checks its rules (docs/design/parallel.md). Standard library only.
 """
 from __future__ import annotations
 

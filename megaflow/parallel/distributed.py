@@ -1,12 +1,5 @@
 """The process-wide distributed setup: the device, torch.distributed + megatron parallel_state from a
-``ParallelDims``, and this rank's place in it.
-
-``init_distributed`` turns the layout into a torch.distributed process group plus megatron-core
-``parallel_state`` groups and the seeded model-parallel RNG tracker. On a machine without a CUDA device it
-uses gloo and applies the CPU shims from ``megaflow.parallel.cpu`` first, so the same code runs on a laptop
-and on GPUs.
-
-Design notes: docs/design/parallel.md.
+``ParallelDims`` (gloo and the CPU shims without CUDA). Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 
@@ -31,15 +24,8 @@ def barrier() -> None:
 
 
 def select_device(choice: str) -> torch.device:
-    """Apply ``run.device`` to this process and every process it starts (trainer ranks' megatron, SGLang
-    engine workers); returns ``current_device()``. Call it before anything queries CUDA.
-
-    - "auto": CUDA when torch sees a device, else CPU (nothing to change);
-    - "cpu": hide every CUDA device (``CUDA_VISIBLE_DEVICES=""``, inherited by engine workers), so the
-      whole stack takes its CPU path (gloo, CPU shims, CPU engines) even on a GPU machine;
-    - "cuda": ValueError unless torch sees a CUDA device.
-    Everything else asks ``torch.cuda.is_available()`` / ``current_device()``, so this is the one switch.
-    """
+    """Apply ``run.device`` to this process and every process it starts; returns ``current_device()``. Call it
+    before anything queries CUDA. "cpu" hides every CUDA device; "cuda" raises ValueError without one."""
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"run.device = {choice!r}: expected auto, cpu or cuda")
     if choice == "cpu":
@@ -82,15 +68,9 @@ def init_distributed(
     dims: ParallelDims, *, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0,
     trainers: int | None = None,
 ) -> None:
-    """Initialise torch.distributed (if needed), megatron parallel_state and its RNG tracker.
-
-    backend: None = nccl with CUDA, gloo without. seed: base seed for megatron's model-parallel
-    RNG tracker (``model_parallel_cuda_manual_seed``) and torch's default generator (on CPU the
-    tracker's states live in that same generator). Calling it again, e.g. with other dims, rebuilds
-    parallel_state on the existing process group. ValueError if the world does not fit ``dims``.
-    ``trainers``: the default group (megatron's world) is launch ranks ``0 .. trainers-1`` only (the other
-    launched ranks only sample: rollout.placement = disaggregated); None = every launched rank.
-    """
+    """Initialise torch.distributed (if needed), megatron parallel_state and its RNG tracker (seeded by ``seed``);
+    again rebuilds parallel_state. ValueError if the world does not fit ``dims``. ``trainers``: megatron's world is
+    launch ranks ``0 .. trainers-1`` (None = all)."""
     from megaflow.parallel import cpu
 
     if not torch.cuda.is_available():

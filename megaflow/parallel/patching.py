@@ -1,12 +1,5 @@
-"""Confined patching of megatron-core: the two mechanisms the CPU shims (``megaflow.parallel.cpu``) and
-the performance patches (``megaflow.parallel.perf_patches``) are built from.
-
-- ``torch_view_patch``: for the listed megatron modules only, the module-global name ``torch`` is replaced
-  by a ``_TorchView`` that forwards every attribute to the real torch except the overrides of the applied
-  patches (layered, so removing one patch never removes another's override). torch itself is never modified.
-- ``set_attrs``: set attributes on owners (functions in a module, methods on a class) and return an undo.
-
-Every patch body returns its undo; the tables in the two modules above apply and remove them by name.
+"""Confined patching of megatron-core: ``torch_view_patch`` (a layered ``torch`` stand-in in listed megatron
+modules only; torch itself never modified) and ``set_attrs``. Every patch body returns its undo.
 """
 from __future__ import annotations
 
@@ -41,14 +34,8 @@ class _CudaView:
 
 
 class _TorchView:
-    """Stands in for ``torch`` inside one megatron module; overrides win, rest forwards.
-
-    Overrides come in layers, one per applied shim, so removing one shim never removes another's
-    override of the same name. A name, once resolved, is cached in the view's ``__dict__`` (a plain
-    attribute hit afterwards: megatron looks up e.g. ``torch.no_grad`` ~100 times per training
-    step); the cache is dropped whenever a layer is added or removed. So a torch attribute rebound
-    after a module first used it is not seen by that module until the next layer change.
-    """
+    """Stands in for ``torch`` inside one megatron module: layered overrides win, the rest forwards; resolved names
+    are cached until a layer changes."""
 
     def __init__(self):
         self._layers: dict[object, dict[str, dict]] = {}  # shim token -> {"torch"|"cuda": overrides}
@@ -85,11 +72,7 @@ _VIEWS: dict[str, _TorchView] = {}
 
 
 def torch_view_patch(modules: tuple[str, ...], *, torch_attrs=None, cuda_attrs=None):
-    """A shim body: give each module a torch view with these overrides; returns its undo.
-
-    The view is installed as the module's global ``torch`` while any shim has a layer in it and
-    removed (the real torch put back) when the last layer goes.
-    """
+    """A shim body giving each module a torch view with these overrides; returns its undo."""
     layer = {"torch": dict(torch_attrs or {}), "cuda": dict(cuda_attrs or {})}
 
     def apply() -> Callable[[], None]:

@@ -1,12 +1,6 @@
-"""Performance patches of megatron-core (separate from the CPU correctness shims in ``megaflow.parallel.cpu``).
-
-Not needed for anything to work: each replaces a slow megatron code path with one that computes
-bit-identical results, and each only touches a path that is a fallback (no apex / Transformer
-Engine) or an identity (a size-1 process group), so layouts that really communicate are
-unchanged. Applied by ``Trainer`` on any device (``apply_perf_patches(skip={...})``),
-individually switchable and removable. tests/parallel/test_perf_patches.py checks, per patch,
-that the slow path it replaces is still megatron's (still needed) and that grads / norms /
-updates are bit-identical with and without it.
+"""Performance patches of megatron-core: each replaces a slow fallback or identity path with bit-identical
+results, individually switchable and removable. Invariant: tests/parallel/test_perf_patches.py checks each is
+still needed and bit-identical.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Where the rollout engines live: decided once per run from the launch and the ``[rollout]`` section.
-
-Every rank computes the same :class:`Placement` from the launcher's environment (torchrun's RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so no communication is needed to agree on it.
-
-``rollout.placement = "colocated"``: every launched rank trains, and ``rollout.engine_hosts`` says which
-of them also start engines (design notes: docs/design/parallel.md).
+"""Where the rollout engines live: every rank computes the same :class:`Placement` from the launch environment
+and ``[rollout]``, without communication. Design notes: docs/design/parallel.md.
 """
 from __future__ import annotations
 

@@ -5,15 +5,8 @@ import torch
 
 
 class SPTorchNorm:
-    """Torch LayerNorm/RMSNorm usable with sequence parallelism (megatron's WrappedTorchNorm refuses SP).
-
-    With ``config.sequence_parallel`` each rank normalises its own sequence slice with replicated
-    weights, so their grads are partial sums: the params are tagged ``sequence_parallel=True`` and
-    ``finalize_model_grads`` all-reduces them over the TP group. A class (constructing it returns
-    the torch norm) because megatron's ``build_module`` returns plain functions uncalled. Use it
-    wherever a spec takes a norm: input_layernorm, pre_mlp_layernorm, TransformerBlock's layer_norm.
-    Extra spec kwargs (persist_layer_norm, ...) are accepted and ignored.
-    """
+    """Torch LayerNorm/RMSNorm usable with sequence parallelism: params tagged ``sequence_parallel=True`` so their
+    partial grads are all-reduced over TP. A class whose construction returns the torch norm; extra kwargs ignored."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}

@@ -1,12 +1,5 @@
-"""What ``megaflow plan`` counts with: the DiT's dimensions and parameter counts, and activation sizes.
-
-Standard library only. Dimensions come from a diffusers ``transformer/config.json`` (``dims_from_config``)
-or, when the pipeline is not on this machine, from the built-in table ``BUILTIN`` of the published configs
-(SD3.5-Medium, FLUX.1-dev). Parameter counts follow the diffusers modules layer by layer (a test holds them
-equal to the real models' ``numel``); ``sharded`` is what tensor parallelism splits (attention and MLP
-linears), ``replicated`` what every TP rank holds whole (adaLN, norms, embeddings, final layer).
-
-Design notes: docs/design/plan.md.
+"""What ``megaflow plan`` counts with: DiT dimensions, parameter counts (``sharded`` by TP / ``replicated``),
+activation sizes; from a config.json or ``BUILTIN``. Standard library only. Design notes: docs/design/plan.md.
 """
 from __future__ import annotations
 

@@ -51,11 +51,7 @@ ROLLOUT_RESIDENT = {
     "optimizer": ("weights", "LoRA adapters", "KL reference", "runtime"),
     "all": ("KL reference", "runtime"),
 }
-"""The trainer items that stay on the GPU while its engines sample, per ``train.offload`` (megaflow.trainer.offload:
-"optimizer" moves the Adam states, fp32 main params and grad buffers; "all" the model's parameters too, the
-adapters with them; the frozen KL reference stays). The activations, the optimizer step's temporaries and the
-step's microbatches exist only in training. The reward models stay in both phases; their scoring activations
-exist only in rollout (megaflow.plan.rewards)."""
+"""Trainer items that stay on the GPU while engines sample, per ``train.offload``."""
 
 
 def phase_bytes(items: dict[str, float], offload: str, buffers: float) -> dict[str, float]:

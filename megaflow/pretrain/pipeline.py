@@ -1,11 +1,5 @@
-"""The ShapeEval pipeline: an SD3-family diffusers pipeline sized and prepared for ShapeEval on CPU.
-
-Components (all built offline from configs, then partly trained by ``megaflow pretrain``):
-* tokenizers whose vocabulary is the ShapeEval grammar (every word one token);
-* two 3-layer CLIP text encoders trained on the grammar (``pretrain.text``), a T5 stand-in switched off;
-* a 2-level AutoencoderKL trained on renders (``pretrain.vae``: 32 px <-> 4x16x16 latents);
-* an SD3 MMDiT (patch 2 -> 64 image tokens) trained by rectified flow through megatron-core.
-The saved directory loads with diffusers' ``StableDiffusion3Pipeline`` and SGLang's native SD3 path.
+"""The ShapeEval pipeline: an SD3-family diffusers pipeline sized for ShapeEval on CPU (grammar tokenizers,
+2 CLIP encoders, a small VAE, an SD3 MMDiT); loads with diffusers and SGLang's native SD3 path.
 """
 from __future__ import annotations
 

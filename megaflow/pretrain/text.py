@@ -1,9 +1,5 @@
-"""Text encoders that understand ShapeEval prompts: whole-word tokenizers and a scene-parsing objective.
-
-A real SD3 starts from CLIP and T5 encoders that already know language; the tiny pipeline's random
-encoders do not, and a DiT trained on them must learn to parse words through noise. Here
-the two CLIP stand-ins are pretrained on the TRAIN prompts' grammar with a small supervised objective
-(a stand-in for CLIP's language pretraining), then frozen (design notes: docs/design/pretrain.md).
+"""Text encoders that understand ShapeEval prompts: whole-word tokenizers and two CLIP stand-ins pretrained on
+the grammar, then frozen. Design notes: docs/design/pretrain.md.
 """
 from __future__ import annotations
 

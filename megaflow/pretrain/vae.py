@@ -1,11 +1,5 @@
-"""A small AutoencoderKL trained to reconstruct ShapeEval renders (so decoded latents can be scored).
-
-A random VAE does not reconstruct (round trips of ground truth score 0.000). This one has
-two levels (spatial factor 2: 32 px -> 16x16 latents), four latent channels, and is trained as an
-autoencoder (MSE + a small KL) on ground-truth renders of TRAIN prompts. Its ``scaling_factor`` and
-``shift_factor`` are set from the latent statistics, as SD3's are, so latents are ~unit variance.
-SGLang's SD3 pipeline sizes latents by ``spatial_compression_ratio`` (default 8), so the saved
-config carries ``spatial_compression_ratio = 2`` (diffusers ignores the extra key).
+"""A small AutoencoderKL trained to reconstruct ShapeEval renders (32 px -> 4x16x16 latents), with SD3-style
+scaling/shift factors; the saved config carries ``spatial_compression_ratio = 2`` for SGLang.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Where a run's numbers and images go besides its own files: the metrics backends.
-
-``megaflow.report.metrics.MetricsLog`` (driven by ``megaflow.report.progress.RunReporter``) writes every
-metrics row to ``metrics.jsonl`` and hands the same numbers, the sample images and the evaluations to each
-backend ``open_backends`` made from ``logging``: W&B (``logging.wandb``, megaflow.report.wandb_backend) and
-TensorBoard (``logging.tensorboard``, megaflow.report.tensorboard_backend). A backend gets steps in
-non-decreasing order (the iteration; an evaluation shares its iteration's step: 0 before training).
+"""The metrics backends (W&B, TensorBoard) a run's numbers, images and evaluations go to besides its files.
+Invariant: a backend gets steps in non-decreasing order (an evaluation shares its iteration's step).
 """
 from __future__ import annotations
 

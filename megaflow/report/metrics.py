@@ -1,8 +1,5 @@
-"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, and the same numbers, the sample images
-and the evaluations to the metrics backends (W&B, TensorBoard: megaflow.report.backends); image grids.
-
-``megaflow.report.progress.RunReporter`` writes through ``MetricsLog`` and prints what a person reads; a
-resumed run first rewrites ``metrics.jsonl`` with its checkpoint's rows (``write_metrics_rows``).
+"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, the same to the backends; image grids.
+A resumed run first rewrites ``metrics.jsonl`` with its checkpoint's rows.
 """
 from __future__ import annotations
 

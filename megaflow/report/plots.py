@@ -1,10 +1,5 @@
-"""Line charts of curves over iterations, drawn with matplotlib (its object API: no pyplot state, so threads and
-processes that draw never share a figure).
-
-``line_plot`` draws one chart; ``panel_plot`` a grid of ``Panel`` charts in one image. Legends sit below each chart,
-outside the axes, so they never cover a curve; a flat series gets a visible y range around its value (not the
-±1e-6 band of its rounding). Both write the PNG atomically (a temporary file in the same directory, then a
-rename), so a reader never sees half a file.
+"""Line charts over iterations with matplotlib's object API (no pyplot state): ``line_plot``, ``panel_plot``;
+legends below the axes; PNGs written atomically.
 """
 from __future__ import annotations
 

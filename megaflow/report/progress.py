@@ -1,7 +1,5 @@
-"""What a person sees of a training run: a progress bar, a summary line now and then, curves and samples.
-
-``RunReporter`` is driven by the loop (megaflow.run.loop), one ``iteration`` call per iteration (rank 0 only does
-anything). It owns the files it writes under the run directory (design notes: docs/design/report.md).
+"""What a person sees of a training run: progress bar, summary lines, curves and samples (``RunReporter``,
+rank 0 only). Design notes: docs/design/report.md.
 """
 from __future__ import annotations
 

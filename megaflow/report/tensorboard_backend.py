@@ -1,7 +1,4 @@
-"""The TensorBoard metrics backend (``logging.tensorboard``): event files in ``<run dir>/tensorboard/``
-(``tensorboard --logdir <output dir>`` shows each run dir as a run), written with
-``torch.utils.tensorboard.SummaryWriter``.
-
+"""The TensorBoard metrics backend (``logging.tensorboard``): event files in ``<run dir>/tensorboard/``.
 Design notes: docs/design/report.md.
 """
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The W&B metrics backend (``logging.wandb``): one W&B run per run dir, continued by ``--resume``.
-
-Numbers go to ``run.log(values, step=step)``; images as a list of ``wandb.Image`` (each with its caption) under
-their tag (``samples``: the iteration's samples; ``eval/images``: an evaluation's). W&B merges what is logged at
-one step into one history row and ignores (with a warning) a step below one it already has: after a resume from
-an older checkpoint, the iterations a previous session had logged past it keep their first values there.
+"""The W&B metrics backend (``logging.wandb``): one W&B run per run dir, continued by ``--resume``; W&B ignores
+steps below one it has, so after resuming from an older checkpoint the earlier-logged values stay.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Rewards: score generated images (sync or async), with failures masked, never fatal.
-
-Entry points: ``build_multi_reward(specs)`` (registry keys or ``"pkg.module:callable"``) ->
-``MultiReward.score(images, prompts, metadata) -> RewardScores``; ``AsyncScorer(reward).submit(...)``
--> Future of the same (``RewardScores``: megaflow.rollout.types). Registry: ``REWARDS`` in ``registry.py``.
+"""Rewards: score generated images (sync or async), failures masked, never fatal: ``build_multi_reward(specs)``
+-> ``MultiReward.score`` -> ``RewardScores``; ``AsyncScorer``. Registry: ``REWARDS`` in ``registry.py``.
 """
 from megaflow.rewards.base import Reward, safe_score, to_float, to_pil, to_uint8
 from megaflow.rewards.registry import REWARDS, RewardSpec, build_multi_reward, build_reward

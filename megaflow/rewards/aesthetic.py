@@ -1,10 +1,5 @@
-"""``aesthetic``: the LAION aesthetic predictor v2 shape: a CLIP image embedding, L2-normalised, through a small
-head read from a local weights file; the prompt is unused.
-
-The CLIP model and processor come from ``clip_path`` (the published head was trained on ViT-L/14 embeddings:
-``hf download openai/clip-vit-large-patch14 --local-dir DIR``). ``head_path`` (``.safetensors``, or a torch
-``.pt`` / ``.pth`` / ``.bin`` state dict, loaded with ``weights_only=True``) holds one of two layouts
-(design notes: docs/design/rewards.md).
+"""``aesthetic``: the LAION aesthetic predictor v2 shape: a normalised CLIP image embedding (``clip_path``)
+through a small head (``head_path``, tensors only). Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

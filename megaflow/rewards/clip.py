@@ -1,6 +1,4 @@
-"""CLIP-based rewards that read real models from a local directory (model hubs are never contacted):
-``clipscore``, ``pickscore`` and ``aesthetic``.
-
+"""CLIP-based rewards from a local directory (hubs never contacted): ``clipscore``, ``pickscore``, ``aesthetic``.
 Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Colour-target reward: how close every pixel is to a target colour.
-
-Reward = 1 - mean over pixels of ||pixel - target||_2 / sqrt(3), in [0, 1] (RGB in [0, 1]). The
-target is fixed by config (a colour name, ``#rrggbb``, or 3 floats in [0, 1]) or, when not set,
-read from the prompt: the first colour name in it (a prompt with none masks that sample).
+"""Colour-target reward: 1 - mean ||pixel - target||_2 / sqrt(3), in [0, 1]; target from config or the prompt's
+first colour name (none: sample masked).
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Score a folder of images with one reward (``megaflow eval reward``).
-
-The folder's ``manifest.jsonl`` is read and checked by ``megaflow.config.manifest.read_manifest``; each image
-is scored on its own (images may differ in size) through ``safe_score``, so an image the reward fails on gets
-``None`` and is left out of the mean rather than stopping the command. The scoring of the whole folder has a
-deadline (``timeout_s``): a call still running then is abandoned (megaflow.rewards.scorer.call_within) and it and
-the images not scored yet are ``None``. :func:`score_folder` raises one line when no image was scored.
+"""Score a folder of images with one reward (``megaflow eval reward``): each image on its own via ``safe_score``
+(failures ``None``), within a deadline (``timeout_s``); one line raised when no image was scored.
 """
 from __future__ import annotations
 

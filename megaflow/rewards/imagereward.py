@@ -1,6 +1,4 @@
-"""``imagereward``: ImageReward (Xu et al. 2023), a BLIP model fine-tuned on human preferences, read from the
-directory a user downloaded (``hf download THUDM/ImageReward --local-dir DIR``; hubs are never contacted).
-
+"""``imagereward``: ImageReward (Xu et al. 2023) from a user-downloaded directory; hubs never contacted.
 Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""JPEG (in)compressibility rewards (DDPO): the size of the image saved as JPEG, in kB.
-
-``jpeg_compressibility`` = -size (smoother, simpler images score higher);
-``jpeg_incompressibility`` = +size (busier, more detailed images score higher).
+"""JPEG (in)compressibility rewards (DDPO), from the JPEG size in kB: ``jpeg_compressibility`` = -size,
+``jpeg_incompressibility`` = +size.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""OCR reward: how closely the text read from an image matches the text the prompt asks for.
-
-Target text: ``metadata[key]`` (``key`` defaults to ``"text"``) when the sample's metadata has it, else the
-text between the first pair of double quotes (``"``) of the prompt (``A sign that says "OPEN"`` -> ``OPEN``).
-A sample with neither (or whose target normalises to nothing) raises, so ``safe_score`` masks it.
-
-Design notes: docs/design/rewards.md.
+"""OCR reward: how closely the text read from an image matches the target: ``metadata[key]``, else the prompt's
+first double-quoted text; neither raises (masked). Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

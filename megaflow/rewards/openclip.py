@@ -1,9 +1,5 @@
-"""OpenCLIP checkpoints as transformers ``CLIPModel``s, and the inference image transform HPSv2 uses (no open_clip
-package needed; used by ``megaflow.rewards.hps``).
-
-A checkpoint is a torch-saved dict (``.pt`` / ``.pth`` / ``.bin``, loaded with ``weights_only=True``; the tensors
-may sit under a ``"state_dict"`` key and carry a ``module.`` prefix) or a ``.safetensors`` file, holding the
-OpenCLIP ViT + text-transformer layout (design notes: docs/design/rewards.md).
+"""OpenCLIP checkpoints as transformers ``CLIPModel``s (no open_clip needed), and HPSv2's inference transform.
+Checkpoints: tensors only (``weights_only=True`` or safetensors). Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 
@@ -162,11 +158,8 @@ def load_openclip(path: str | Path, **config_kwargs):
 
 def openclip_pixels(arrays: Sequence[np.ndarray], size: int, mean: Sequence[float] = OPENAI_MEAN,
                     std: Sequence[float] = OPENAI_STD) -> torch.Tensor:
-    """The inference transform of uint8 [H, W, 3] images as HPSv2 composes OpenCLIP's (``preprocess_val``: the image
-    becomes a float tensor in [0, 1] FIRST, then torchvision's tensor resize, then the crop): the shorter side
-    resized to ``size`` (the longer to ``int(size * long / short)``) by antialiased bicubic interpolation of the
-    float image (no rounding, no clamping), the centre ``size`` x ``size`` crop (offsets ``round((side - size) /
-    2)``), normalised per channel; float32 [B, 3, size, size]. (OpenCLIP itself resizes the 8-bit PIL image.)"""
+    """HPSv2's inference transform of uint8 [H, W, 3] images: to float [0, 1] FIRST, antialiased bicubic resize of the
+    shorter side to ``size``, centre crop, per-channel normalisation; float32 [B, 3, size, size]."""
     out = []
     for a in arrays:
         x = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1).float().div(255.0)

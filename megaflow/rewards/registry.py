@@ -1,8 +1,5 @@
-"""Reward registry: an explicit name -> factory table, custom rewards by dotted path, and the
-builder that turns reward specs (from the config) into one ``MultiReward``.
-
-A spec's ``name`` is a registry key, or ``"pkg.module:attr"`` for a custom reward
-(design notes: docs/design/rewards.md).
+"""Reward registry: an explicit name -> factory table, custom rewards by ``"pkg.module:attr"``, and the
+builder of one ``MultiReward`` from specs. Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Weighted multi-reward and the asynchronous scorer that keeps rewards off the critical path.
-
-``MultiReward`` runs each component through ``safe_score`` and returns ``RewardScores``: the total
-sum_i w_i * r_i plus every raw component, its wall time and the info it reported (``(scores, info)``
-rewards: ``info["<label>/<key>"]``, logged as ``reward/<label>/<key>``). A sample masked (NaN) by any weighted
-component is NaN in the total, so the mask propagates to advantages (the caller drops NaN samples);
-a weight-0 component is only reported.
-
+"""Weighted multi-reward and the asynchronous scorer. ``MultiReward`` returns the total sum_i w_i * r_i plus each
+component, its time and info. Invariant: a sample masked (NaN) by any weighted component is NaN in the total.
 Design notes: docs/design/rewards.md.
 """
 from __future__ import annotations

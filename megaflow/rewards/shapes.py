@@ -1,7 +1,5 @@
-"""ShapeEval reward: the pixel checker's verdict on each image against its prompt.
-
-``shapeeval`` gives 0/1 (exact pass), ``shapeeval_partial`` the graded score in [0, 1] (denser
-signal for RL). A prompt outside the ShapeEval grammar masks that sample.
+"""ShapeEval reward: ``shapeeval`` 0/1 (exact pass), ``shapeeval_partial`` graded in [0, 1]; a prompt outside
+the grammar masks the sample.
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Data-parallel rollouts: N engines behind the one ``RolloutEngine`` protocol.
-
-Design notes: docs/design/rollout.md.
-"""
+"""Data-parallel rollouts: N engines behind the one ``RolloutEngine`` protocol. Design notes: docs/design/rollout.md."""
 from __future__ import annotations
 
 import random
@@ -65,11 +62,7 @@ class Balancer:
 
     # ---------------------------------------------------------------- dispatch
     def _acquire(self, request: RolloutRequest, *, block: bool) -> int | None:
-        """Pick the engine for ``request`` and count it in flight.
-
-        Returns None instead of waiting when ``block`` is False and no engine has a free slot (or a
-        control call is running).
-        """
+        """Pick the engine for ``request`` and count it in flight; None instead of waiting when not ``block`` and no slot is free."""
         with self._cond:
             while True:
                 if not self._controlling:
@@ -135,14 +128,8 @@ class Balancer:
         return [t for f in futures for t in f.result()]
 
     def submit(self, requests: Sequence[RolloutRequest]) -> list[Future]:
-        """Dispatch every request (group-atomic); one future per request, resolved when its engine call returns.
-
-        Each request is assigned on its own (least in-flight at that moment); the requests of this call
-        that land on the same engine go to it in ONE ``engine.generate`` call, so the engine sees them
-        together and can batch them. When a cap leaves no free slot, what was assigned so far is started
-        and dispatch waits for a slot (so this returns once every request is dispatched). Thread-safe:
-        concurrent callers share engines and in-flight counts.
-        """
+        """Dispatch every request (group-atomic, least in-flight engine each); one future per request. Requests of one
+        call on the same engine go in ONE ``engine.generate``; returns once all are dispatched. Thread-safe."""
         futures: list[Future] = []
         pending: dict[int, list[tuple[RolloutRequest, Future]]] = {}
         for request in requests:
@@ -178,11 +165,7 @@ class Balancer:
 
     # ---------------------------------------------------------------- control fan-out
     def _fan_out(self, fn: Callable[[RolloutEngine], object]) -> list:
-        """Run ``fn(engine)`` on every engine concurrently once nothing is in flight; results in engine order.
-
-        New dispatches wait until the call returns. Every engine is called even if one raises; the
-        first error is then raised.
-        """
+        """Run ``fn(engine)`` on every engine once nothing is in flight; results in engine order, first error raised after all ran."""
         with self._cond:
             while self._controlling or any(s.in_flight for s in self._stats):
                 self._cond.wait()

@@ -1,11 +1,6 @@
 """A plain single-process diffusers sampling loop with FlowGRPO log-probs: the rollout baseline.
-
-``DiffusersEngine`` loads the components of an SD3 pipeline directory (DiT, VAE, text encoders) with
-diffusers and samples every request of a ``generate`` call in ONE batched denoising loop: all samples
-of all compatible requests go through each DiT forward together, the transition and its per-step
-log-prob come from ``megaflow.flow.step`` (same math as the engine). It is
-
-Design notes: docs/design/rollout.md.
+``DiffusersEngine`` samples every request of a ``generate`` call in ONE batched loop, transitions and log-probs
+from ``megaflow.flow.step``. Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -150,11 +145,8 @@ class DiffusersEngine:
         return trajs
 
     def _encode(self, requests: list[RolloutRequest]) -> dict[str, torch.Tensor]:
-        """Text conditioning, one row per request (each prompt encoded once, shared by its group).
-
-        With a prompt length (the request's ``max_sequence_length``, else the pipeline's declared one) every
-        text encoder, CLIP included, gets prompts padded to it, as SGLang encodes such a request
-        (``megaflow.models.sd3.text.encode_prompts``); otherwise diffusers' ``encode_prompt``."""
+        """Text conditioning, one row per request; padded to the prompt length as SGLang encodes it when there is one,
+        else diffusers' ``encode_prompt``."""
         r0 = requests[0]
         seq_len = r0.max_sequence_length or self.text_len
         if seq_len:

@@ -1,12 +1,8 @@
 """The rollout engine protocol: the one interface the loop, balancer and bridge talk to.
 
-An engine samples trajectories (``generate``), takes new DiT weights (``update_weights`` with
-tensors, ``update_weights_from_disk`` with a diffusers-format directory), reports a weight
-checksum to verify an update, frees/retakes accelerator memory around training (``release`` /
-``resume``), answers ``health`` and stops the processes it started (``shutdown``). The SGLang
-implementation is ``megaflow.rollout.sglang.SGLangEngine``; the balancer wraps N engines behind
-the same protocol. All methods but ``submit`` are blocking; ``generate`` and ``submit`` are thread-safe
-(concurrent callers are allowed, an engine may batch them).
+An engine samples (``generate``), takes weights, reports checksums, frees/retakes memory (``release`` /
+``resume``), answers ``health`` and stops its processes (``shutdown``). All methods but ``submit`` block;
+``generate`` and ``submit`` are thread-safe.
 """
 from __future__ import annotations
 
@@ -57,10 +53,8 @@ class RolloutEngine(Protocol):
 
     def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
                     ) -> WeightUpdateResult:
-        """Load one ``megaflow.bridge.buckets.Bucket`` (flat bytes + metadata) of DiT tensors. ``digests``: the
-        sender's digests of the bucket's tensors (``checksum``, ``megaflow.checksum``); the engine re-hashes
-        the tensors it now holds and the load fails (ok False, naming them) on a mismatch or a tensor it did not
-        load. None: no check and no hashing (the weight bridge then verifies a whole sync once, or not at all)."""
+        """Load one ``Bucket`` of DiT tensors; ``digests``: the sender's, checked against the engine's re-hash (ok False
+        naming mismatches or tensors not loaded). None: no check."""
         ...
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:

@@ -1,9 +1,5 @@
-"""The driver's commands to the engine ranks of a disaggregated run (``rollout.placement = "disaggregated"``).
-
-An engine rank trains nothing, so it cannot follow the loop by itself: the driver (launch rank 0) tells it,
-over the gloo ``control`` group (the driver and the engine ranks, megaflow.parallel.groups), what the
-trainer ranks are about to do (what an engine rank does with each command: megaflow.run.engine_service)
-(design notes: docs/design/rollout.md).
+"""The driver's commands to the engine ranks of a disaggregated run, over the gloo ``control`` group: an engine
+rank trains nothing, so the driver tells it what the trainer ranks are about to do. Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 

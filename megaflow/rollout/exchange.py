@@ -1,5 +1,4 @@
 """A host's share of a rollout (trajectories + rewards) as tensors, and its broadcast to every rank.
-
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """Rollout over every engine host: each rank calls ``HostedRollout.collect(requests)`` and gets the whole batch.
-
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
@@ -34,11 +33,8 @@ def plan_groups(requests: Sequence[RolloutRequest], hosts: Sequence[int], engine
 
 
 def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
-    """(trajectories in request order, their RewardScores, timings): every group goes to the scorer, with its
-    request's metadata (None when it has none), as soon as it is back while the others still sample
-    (``rollout.submit`` gives one future per group); scores
-    are put back in request order. Rewards scored image by image give exactly the result of one batch; a
-    batched network may differ in the last bits with the batch size."""
+    """(trajectories in request order, RewardScores, timings): each group is scored as soon as it is back, while the
+    others still sample; scores put back in request order."""
     t0 = time.perf_counter()
     pending = {future: g for g, future in enumerate(rollout.submit(requests))}
     groups: list = [None] * len(requests)

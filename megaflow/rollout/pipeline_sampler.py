@@ -1,11 +1,6 @@
-"""Diffusers' own sampling of an SD3 pipeline: an independent reference sampler for evaluations.
-
-``PipelineSampler.generate(requests)`` runs ``StableDiffusion3Pipeline.__call__`` -- diffusers' scheduler and
-denoising loop, none of megaflow's or SGLang's sampling code -- for deterministic (ODE) requests without guidance,
-each sample with its own ``torch.Generator`` seeded with its seed. Prompts are encoded as SGLang encodes a request
-with a prompt length (``megaflow.models.sd3.text.encode_prompts``): diffusers' ``prompt=`` path pads the CLIP
-prompts to 77 tokens, which a model trained through the engine never saw. ``megaflow eval shapes --sampler
-diffusers`` evaluates a pipeline with it.
+"""Diffusers' own sampling of an SD3 pipeline: an independent reference sampler for evaluations
+(``megaflow eval shapes --sampler diffusers``). ODE requests without guidance, one seeded generator per sample,
+prompts encoded as SGLang encodes them (diffusers' ``prompt=`` path pads CLIP to 77).
 """
 from __future__ import annotations
 

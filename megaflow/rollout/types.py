@@ -1,5 +1,4 @@
 """Rollout data types: what is asked of an engine, what comes back, and the rewards of what came back.
-
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """An iteration's scored batch, and the batch sampled ahead by the asynchronous loop (``train.max_staleness = 1``).
-
 Design notes: docs/design/run.md.
 """
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The algorithm seam of the loop: what to sample, how to update, what the engines hold.
 
-The loop (megaflow.run.loop) does not know which algorithm runs; it asks the run's :class:`Algorithm` for the
-iteration's rollout requests, hands it the scored batch, and syncs the engines inside ``engine_weights()``.
-``algo.name`` picks one: ``flowgrpo`` (megaflow.run.flowgrpo), ``nft`` (megaflow.run.nft), ``awm``
-(megaflow.run.awm) or ``dgpo`` (megaflow.run.dgpo). Adding one takes
-three files and a line here (docs/architecture.md, "An algorithm, in three files").
+The loop asks the run's :class:`Algorithm` (``algo.name``) for the iteration's requests and hands it the scored
+batch. Adding one: docs/architecture.md, "An algorithm, in three files".
 """
 from __future__ import annotations
 

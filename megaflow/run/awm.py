@@ -1,11 +1,8 @@
-"""AWM as the run's algorithm: ODE rollouts of θ, trained with advantage-weighted flow matching on the clean
-samples (megaflow.trainer.awm, the loss in megaflow.algo.awm), with a velocity KL to a fast EMA of θ.
+"""AWM as the run's algorithm: ODE rollouts of θ, advantage-weighted flow matching on the clean samples
+(megaflow.trainer.awm, loss in megaflow.algo.awm), with a velocity KL to a fast EMA of θ.
 
-The fast EMA is a shadow of θ (megaflow.trainer.shadow.ShadowWeights), initialised to θ and blended after every
-iteration's update: θ_ema ← d·θ_ema + (1 − d)·θ with d = min(algo.old_decay_max, algo.old_decay_rate · n), n the
-optimizer steps so far, this iteration's included (the authors' ``kl_ema_decay``: min(0.3, 0.001·step), blended
-after each rollout batch's single step). It lives in checkpoints (with its clock), so a resumed run continues
-exactly. The engines sample with θ (the authors' ``off_policy = False``).
+Invariant: the fast EMA (a ShadowWeights, blended after every update) lives in checkpoints with its clock, so a
+resumed run continues exactly. Decay schedule and engine weights: docs/algorithms/awm.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The one composition root: a validated config becomes this rank's running pieces.
 
-:func:`build_run` builds everything the loop needs on a trainer rank, as a :class:`Run`: the trainer (megatron
-``Trainer``, plus the frozen KL reference when ``algo.kl_beta > 0``), the EMA (``train.ema_decay``) and the
-algorithm (``algo.name``), restored from the run dir's checkpoint when resuming; this rank's rollout (its SGLang
-engines, DP replicas behind the least-loaded balancer, on the ranks megaflow.parallel.placement names, and its
-reward scorer); the weight sync; the prompt stream; the engines' memory phases; the reporter. The component builders below take the config
-sections they need and return plain objects; benches and tests use them alone.
+:func:`build_run` builds a trainer rank's :class:`Run` (trainer, KL reference, EMA, algorithm, rollout, weight
+sync, prompts, memory phases, reporter), restored when resuming; the component builders below take the config
+sections they need and return plain objects that benches and tests use alone.
 """
 from __future__ import annotations
 
@@ -80,10 +77,8 @@ class Run:
 def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
               resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False,
               warm: dict | None = None) -> Run:
-    """This trainer rank's :class:`Run` of ``cfg`` (pipeline defaults applied) on ``pipeline_dir``; resumed from
-    the checkpoint ``resume_from`` (after iteration ``start``) when given (``trust_checkpoint``: one without a
-    manifest is loaded unchecked). ``verbose``: the engines' logs go to the terminal. ``warm``: this rank's
-    engine workers started ahead (:func:`start_engine_workers`), taken by the engines they belong to."""
+    """This trainer rank's :class:`Run` of ``cfg`` on ``pipeline_dir``, resumed from ``resume_from`` (after
+    iteration ``start``) when given; ``warm``: engine workers from :func:`start_engine_workers`."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
     from megaflow.run.ahead import read_batch
@@ -193,9 +188,8 @@ def with_pipeline_defaults(cfg: MegaflowConfig, pipeline_dir: Path) -> MegaflowC
 
 
 def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
-    """(Trainer with optimizer, the KL reference when algo.kl_beta > 0 else None), loaded from the pipeline's
-    DiT (and ``lora.init``). The reference: a frozen ReferenceModel (the trainer's TP/PP layout, no DDP, grad
-    buffer or optimizer), or under LoRA the trainer itself with its adapters off (``BaseReference``)."""
+    """(Trainer with optimizer, KL reference or None) loaded from the pipeline's DiT (and ``lora.init``); the
+    reference is a frozen ReferenceModel, or under LoRA the trainer with adapters off (``BaseReference``)."""
     from safetensors.torch import load_file
 
     from megaflow.models.common.finite import refuse_non_finite
@@ -229,9 +223,7 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
 
 def _engine_configs(cfg: MegaflowConfig, pipeline_dir: Path | None, placement, *, verbose: bool,
                     announce: bool) -> list:
-    """The SGLangEngineConfig of every engine this rank hosts (``pipeline_dir`` None: not known yet, for
-    :func:`start_engine_workers`, which reads only what the workers are spawned with); ``announce``: the driver
-    says that they start."""
+    """The SGLangEngineConfig of every engine this rank hosts (``pipeline_dir`` None: not known yet)."""
     from megaflow.parallel.placement import placement_from_env
     from megaflow.rollout.sglang.config import engine_config
 
@@ -246,10 +238,8 @@ def _engine_configs(cfg: MegaflowConfig, pipeline_dir: Path | None, placement, *
 
 
 def start_engine_workers(cfg: MegaflowConfig, placement, *, verbose: bool = False) -> dict:
-    """Start the worker of every engine this rank hosts now, before its pipeline exists
-    (megaflow.rollout.sglang.warm: each imports SGLang while this process makes the pipeline and builds its
-    trainer); by engine id, for :func:`build_engines` ({} on a rank hosting none). The caller discards the
-    workers no engine took (``WarmWorker.discard``)."""
+    """Start the worker of every engine this rank hosts before its pipeline exists, by engine id ({} on a rank
+    hosting none); the caller discards the workers no engine took (``WarmWorker.discard``)."""
     from megaflow.rollout.sglang.warm import WarmWorker
 
     workers: dict = {}
@@ -267,10 +257,8 @@ def start_engine_workers(cfg: MegaflowConfig, placement, *, verbose: bool = Fals
 
 def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, verbose: bool = False,
                   warm: dict | None = None) -> list:
-    """The SGLang engines this rank hosts (``placement``: megaflow.parallel.placement.Placement; None = a 1-process
-    run's): ``rollout.num_engines`` on an engine host, pinned to its local GPU when CUDA is present, none
-    elsewhere (each starts its own worker processes, or takes its worker from ``warm``: by engine id, from
-    :func:`start_engine_workers`); their logs go to <run dir>/logs/, or with ``verbose`` to the terminal."""
+    """The SGLang engines this rank hosts (``rollout.num_engines`` on an engine host, none elsewhere), pinned to
+    its local GPU when CUDA is present; workers taken from ``warm`` by engine id."""
     from megaflow.rollout.sglang import SGLangEngine
 
     warm = warm if warm is not None else {}
@@ -280,9 +268,8 @@ def build_engines(cfg: MegaflowConfig, pipeline_dir: Path, placement=None, *, ve
 
 def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *, verbose: bool = False,
                   warm: dict | None = None):
-    """This rank's HostedRollout: its engines behind one Balancer (several) or alone, its scorer, the gloo
-    group over every launched rank, and on a disaggregated driver the commands to the engine ranks
-    (``groups``: megaflow.parallel.groups.RunGroups; ``warm``: see :func:`build_engines`)."""
+    """This rank's HostedRollout: its engines (behind a Balancer when several), scorer, gloo group and, on a
+    disaggregated driver, the commands to the engine ranks."""
     from megaflow.rollout.balancer import Balancer
     from megaflow.rollout.engine_commands import Commands
     from megaflow.rollout.hosted import HostedRollout

@@ -1,12 +1,8 @@
-"""Run checkpoints: the layout of ``<run_dir>/checkpoints`` (no heavy imports; the CLI and export read it).
+"""Run checkpoints: the layout of ``<run_dir>/checkpoints/iter_<n>/`` (``model/``: megatron dist checkpoint;
+``state.json``). No heavy imports.
 
-    <run_dir>/checkpoints/iter_000010/model/       megatron dist checkpoint (any TP/PP layout) + optimizer,
-                                                   with megaflow_model.json (megaflow.trainer.checkpoint)
-    <run_dir>/checkpoints/iter_000010/state.json   iteration, prompt-stream position, RNG states, metrics rows
-
-A checkpoint is written into ``.staging-<iteration>`` and renamed to ``iter_<iteration>`` only once
-complete, so a directory named ``iter_*`` with a ``state.json`` is always a whole checkpoint; anything
-else (a staging dir left by a killed writer) is ignored and removed by the next writer.
+Invariant: a checkpoint is written into ``.staging-<iteration>`` and renamed only once complete, so an ``iter_*``
+directory with a ``state.json`` is always whole; anything else is removed by the next writer.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """``megaflow demo``: held-out ShapeEval before -> FlowGRPO on TRAIN prompts -> held-out ShapeEval after.
 
-From the shipped pretrained model (``model.pretrained``), the demo evaluates the engine on a fixed set of
-held-out prompts and seeds, runs the FlowGRPO loop (megaflow.run.loop.run) with a ShapeEval reward on TRAIN
-prompts, and evaluates the same prompts and seeds again. It writes ``<run dir>/summary.json``, the
-before/after images and grids (``eval_before/``, ``eval_after/``) beside the run's ``curves.png`` (and hands
-both evaluations to the metrics backends at steps 0 and ``train.iterations``) and ends with one line:
-``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
+Writes ``<run dir>/summary.json`` and the before/after images (``eval_before/``, ``eval_after/``) and ends with one
+line: ``ShapeEval (held-out, 300 prompts): 0.42 -> 0.71 in 13m20s``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""DGPO as the run's algorithm: ODE rollouts of θ, trained with a group-level DPO on the clean samples
-(megaflow.trainer.dgpo, the loss in megaflow.algo.dgpo) against a fast EMA of θ as the preference reference (the
-authors' CFG-free EMA-reference recipe, ``config/dgpo_wocfg_emaref.py``).
+"""DGPO as the run's algorithm: ODE rollouts of θ, a group-level DPO on the clean samples (megaflow.trainer.dgpo,
+loss in megaflow.algo.dgpo) against a fast EMA of θ as the preference reference.
 
-The fast EMA is a shadow of θ (megaflow.trainer.shadow.ShadowWeights), initialised to θ and blended after every
-iteration's single optimizer step: θ_e ← d·θ_e + (1 − d)·θ with d = min(algo.old_decay_max, algo.old_decay_rate ·
-n), n the optimizer steps so far (the authors' ``ema_ref``: min(0.3, 0.001·step)). It lives in checkpoints
-(with its clock), so a resumed run continues exactly. The engines sample with θ (the authors' later switch to
-sampling with the fast EMA, ``switch_ema_ref``, is not done).
+Invariant: the fast EMA (a ShadowWeights, blended after every optimizer step) lives in checkpoints with its clock,
+so a resumed run continues exactly. Decay schedule and engine weights: docs/algorithms/dgpo.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The engine rank's service, its whole run under ``rollout.placement = "disaggregated"``: the last
-``rollout.engine_ranks`` launched ranks host SGLang engines and train nothing.
-
-Such a rank builds only its rollout (engines + scorer) and its side of the weight sync (a receiver), then
-follows the driver's commands (megaflow.rollout.engine_commands) until ``stop``: it receives the weights when the
-trainer ranks sync, samples and scores its share of an iteration's groups when they collect, samples the
-driver's evaluation requests, and exits with the trainer ranks, as interrupted when they were.
+"""The engine rank's service under ``rollout.placement = "disaggregated"``: the last ``rollout.engine_ranks``
+ranks host engines, train nothing, and follow the driver's commands (megaflow.rollout.engine_commands) until
+``stop``, exiting with the trainer ranks, as interrupted when they were.
 """
 from __future__ import annotations
 
@@ -18,10 +14,8 @@ from megaflow.run.roles import Roles
 
 def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, stop: StopRequests,
                       verbose: bool = False, warm: dict | None = None) -> None:
-    """Build this rank's rollout and weight receiver, follow the driver until it stops the run; raises
-    :class:`Interrupted` when a signal ended it (every rank exits as the trainer ranks do). ``stop``: this
-    rank's signal handlers, restored before the engines shut down; ``warm``: its engine workers started ahead
-    (megaflow.run.build.build_engines)."""
+    """Build this rank's rollout and weight receiver and follow the driver until it stops the run; raises
+    :class:`Interrupted` when a signal ended it."""
     from megaflow.config import run_dir_of
     from megaflow.run.build import build_rollout, build_sync
 
@@ -37,9 +31,7 @@ def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, 
 
 
 def follow(hosted, sync, commands: Commands) -> dict:
-    """Follow the driver's commands until ``stop``; returns the stop's payload (``interrupted``: the driver's
-    Interrupted arguments when a signal ended the run). ``hosted``: this rank's HostedRollout; ``sync``: its
-    RunSync (a receiver)."""
+    """Follow the driver's commands until ``stop``; returns the stop's payload."""
     while True:
         op, payload = commands.receive()
         if op == "sync":

@@ -1,9 +1,5 @@
-"""``megaflow train``'s evaluation (``eval.every``): the ``evaluate(sampler, when)`` hook that
-:func:`megaflow.run.loop.run` calls on the driver before training (``"before"``), after every ``eval.every``-th
-iteration (``when`` = the iteration) and after the last (``"after"``), with the engines holding the EMA when the
-run has one.
-
-Two kinds, by the config (design notes: docs/design/run.md).
+"""``megaflow train``'s evaluation (``eval.every``): the ``evaluate(sampler, when)`` hook the loop calls on the
+driver ("before", every ``eval.every``-th iteration, "after"). Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 

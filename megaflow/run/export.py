@@ -1,9 +1,6 @@
-"""A run's checkpoint as a diffusers pipeline (``megaflow export``), and the checkpoint -> diffusers
-transformer conversion it shares with ``tools/convert_checkpoint.py``.
-
-The export is the run's pipeline -- ``model.pretrained`` from ``<run>/config.toml``, or the run's own
-``tiny-pipeline/`` when that is empty -- with the transformer's weights replaced by the checkpoint's
-(design notes: docs/design/run.md).
+"""A run's checkpoint as a diffusers pipeline (``megaflow export``): the run's pipeline with the transformer's
+weights replaced by the checkpoint's; the conversion is shared with ``tools/convert_checkpoint.py``.
+Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
@@ -47,11 +44,8 @@ def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:
 
 def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None, trust: bool = False,
                            checked_manifest: bool = False):
-    """(family, diffusers config dict as the family writes it, diffusers state dict) of a megatron dist
-    checkpoint's model, read in this process without building a model; the state is checked against
-    the diffusers class of the config recorded in the checkpoint. A LoRA run's adapter tensors are not
-    part of it (``checkpoint_adapters`` reads them). ``shadow`` ("ema"): those weights instead of the trained ones.
-    Read under the checkpoint trust rule (``trust``, ``checked_manifest``: megaflow.trainer.checkpoint)."""
+    """(family, diffusers config dict, diffusers state dict) of a dist checkpoint's model, read without building a
+    model and checked against the recorded diffusers class; LoRA adapters excluded. ``shadow``: those weights instead."""
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
 
@@ -66,9 +60,7 @@ def checkpoint_transformer(model_dir: str | Path, *, shadow: str | None = None, 
 
 def checkpoint_adapters(model_dir: str | Path, lora, *, shadow: str | None = None, trust: bool = False,
                         checked_manifest: bool = False) -> dict:
-    """The LoRA adapters (``LoRASettings`` ``lora``) of a megatron dist checkpoint as a PEFT-named state dict
-    (``<module>.lora_A.weight`` ...); ValueError names the first adapter tensor the settings and the
-    checkpoint disagree on."""
+    """The LoRA adapters of a dist checkpoint as a PEFT-named state dict; ValueError names the first disagreeing tensor."""
     from megaflow.models.common.lora_map import lora_weight_map
     from megaflow.models.registry import get_family
     from megaflow.trainer.checkpoint import load_full_state_dict
@@ -103,9 +95,8 @@ def parse_size(text: str | int) -> int:
 
 
 def save_transformer_weights(directory: Path, state: dict, *, max_shard_size: int | None = None) -> list[Path]:
-    """Write ``state`` into a diffusers model dir: one ``diffusion_pytorch_model.safetensors``, or (``state`` over
-    ``max_shard_size`` bytes) ``diffusion_pytorch_model-0000k-of-0000N.safetensors`` shards plus
-    ``diffusion_pytorch_model.safetensors.index.json``, split and named as diffusers' ``save_pretrained`` does."""
+    """Write ``state`` into a diffusers model dir, sharded with an index when over ``max_shard_size`` bytes, named
+    as diffusers' ``save_pretrained`` does."""
     from safetensors.torch import save_file
 
     if max_shard_size is None:
@@ -162,15 +153,10 @@ def _copy_pipeline(pipeline: Path, dst: Path) -> None:
 def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True,
                lora_only: bool = False, max_shard_size: str | int = "5GB", trust_checkpoint: bool = False,
                base_model: str | None = None) -> dict:
-    """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = the latest) to
-    ``out``: the EMA of the trained weights when the run kept one (``train.ema_decay`` > 0) and ``ema``, else
-    the trained weights; a transformer over ``max_shard_size`` is written in shards with an index.
-    ``lora_only`` (a LoRA run): only the adapter file and a README.md model card, whose ``base_model`` is
-    ``base_model`` (a hub id) or the base pipeline directory's name. An SD3 pipeline with a megaflow prompt length
-    also gets ``encode_prompts.py`` (``ENCODER_FILE``: the engine's prompt encoding, torch only). Returns what was written
-    (iteration, paths, tensor counts, which weights, seconds). The checkpoint is checked against its manifest
-    before anything in it is read, then read under the checkpoint trust rule (megaflow.trainer.dcp_metadata);
-    ``trust_checkpoint``: one without a manifest (older megaflow) is read, and its pickles unpickled, unchecked."""
+    """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = latest) to ``out``: the EMA when
+    the run kept one and ``ema``, else the trained weights. ``lora_only``: the adapter file and a README.md model card.
+    An SD3 export with a megaflow prompt length also gets ``encode_prompts.py``. Returns what was written. The
+    checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():

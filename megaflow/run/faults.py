@@ -1,10 +1,6 @@
-"""Fault injection for the crash/resume tests: ``MEGAFLOW_FAULT="<point>@<iteration>[:<rank>]"`` makes the
-process SIGKILL itself when it reaches ``point`` in ``iteration`` (on every rank, or on ``rank`` only).
-
-Points: ``rollout`` (images sampled, not yet trained on), ``train`` (optimizer stepped, weights not yet
-synced), ``sync`` (a sync under way: four tensors of the weight stream handed to the bridge, the fifth not yet;
-megaflow.run.loop), ``checkpoint`` (model and optimizer written, the checkpoint not yet published). Unset (the
-default), :func:`check` is a dict lookup.
+"""Fault injection for the crash/resume tests: ``MEGAFLOW_FAULT="<point>@<iteration>[:<rank>]"`` SIGKILLs the
+process at ``point`` (``rollout``, ``train``, ``sync``, ``checkpoint``) in ``iteration``. Unset, :func:`check`
+is a dict lookup.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """FlowGRPO as the run's algorithm (:class:`FlowGRPO`): its trainer settings, the steps it trains, its update.
-
 Invariant: all of it is a pure function of the config and the iteration number (every rank computes the same).
-The requests and advantages are every algorithm's (megaflow.run.requests); the trainer's side of an update is
-megaflow.trainer.flowgrpo, the loss megaflow.algo.flowgrpo.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Ctrl-C / SIGTERM during a run: the first signal asks the run to stop after the current iteration (its
-checkpoint is saved and the engines shut down, then :class:`Interrupted` is raised); a repeat within
-``DUPLICATE_S`` seconds counts as the same request (Ctrl-C reaches torchrun's workers twice: from the
-terminal and forwarded by torchrun). The CLI turns it into one line and exit code 130 (SIGINT) or 143
-(SIGTERM); under torchrun the launcher's own exit code is its own (1 after a signal).
+"""Ctrl-C / SIGTERM during a run: the first signal stops the run after the current iteration (checkpoint, engines
+shut down, :class:`Interrupted`); a repeat within ``DUPLICATE_S`` counts as the same request. The CLI exits 130
+(SIGINT) or 143 (SIGTERM).
 
 Design notes: docs/design/run.md.
 """
@@ -36,18 +34,15 @@ def child_pids() -> set[int]:
 
 
 def resource_tracker_pid() -> int | None:
-    """The PID of this process's multiprocessing resource tracker (None: none started). It ignores SIGTERM by
-    design and ends by itself when this process does (end of file on its pipe), after unlinking the shared
-    memory it still tracks: stopping it first would leak that memory (and SIGTERM would only wait out a grace)."""
+    """The PID of this process's multiprocessing resource tracker (None: none); it must end by itself, after
+    unlinking the shared memory it tracks."""
     from multiprocessing import resource_tracker
     return getattr(resource_tracker._resource_tracker, "_pid", None)  # CPython's one tracker per process
 
 
 def kill_children(grace_s: float = KILL_GRACE_S, *, spare: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """SIGTERM every descendant of this process (by PID: only our own) but those in ``spare`` and the resource
-    tracker (:func:`resource_tracker_pid`), SIGKILL those still alive after ``grace_s``; the PIDs signalled. The
-    CLI calls it as a command that scores rewards ends, sparing the processes that were there before it, so
-    nothing a reward started (a helper process on an abandoned, timed-out call) outlives the command."""
+    """SIGTERM every descendant of this process but ``spare`` and the resource tracker, SIGKILL those alive after
+    ``grace_s``; returns the PIDs signalled."""
     import psutil
     spare = {*spare, resource_tracker_pid()}
     try:
@@ -97,11 +92,8 @@ os.register_at_fork(after_in_child=_forget_wakeup_fd)
 
 
 class SignalWatch:
-    """Sees SIGINT/SIGTERM as they arrive, on a daemon thread: the interpreter's C-level handler writes each
-    signal's number to the wakeup fd (``signal.set_wakeup_fd``), which this thread reads, even while the main
-    thread is blocked in C. ``on_second(signum)`` is called for the first signal later than ``DUPLICATE_S``
-    after the first one. Inactive (``active`` False) when a wakeup fd is already set (asyncio's): that one is
-    left alone. Main thread only."""
+    """Sees SIGINT/SIGTERM on a daemon thread reading the wakeup fd, even while the main thread is blocked in C;
+    ``on_second(signum)`` for the first signal later than ``DUPLICATE_S``. Inactive when a wakeup fd is already set."""
 
     def __init__(self, on_second):
         self.on_second, self.active = on_second, False

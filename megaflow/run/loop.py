@@ -1,7 +1,5 @@
 """The RL loop: generate -> reward -> advantages -> train -> sync, every phase a named call; the algorithm
-(``algo.name``, megaflow.run.algorithm) says what to sample, how to update and what the engines hold.
-
-Design notes: docs/design/run.md.
+says what to sample, how to update and what the engines hold. Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
@@ -27,15 +25,10 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
         verbose: bool = False, trust_checkpoint: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics ({} on an engine rank).
 
-    ``evaluate(sampler, when)`` (rank 0; pass it on every rank) runs with the engines holding the initial weights
-    (``"before"``, not when resuming), the weights after every ``evaluate_every``-th iteration (``when`` = the
-    iteration number; 0 = none) and the final ones (``"after"``): the EMA when ``train.ema_decay`` > 0, else what
-    the algorithm samples with; what it returns (an ``Evaluation`` or None) goes to the reporter's backends at the
-    step of the iteration it stands for (0 before training). ``resume`` continues from the run dir's latest checkpoint (megaflow.run.rundir
-    says when a run dir may be used; the checkpoint is checked against its manifest first, and one without a manifest
-    is refused unless ``trust_checkpoint``). Checkpoints every ``train.save_every`` iterations and at the end;
-    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`). ``verbose``:
-    the engines' logs go to the terminal instead of <run dir>/logs/, and no progress bar."""
+    ``evaluate(sampler, when)`` (pass it on every rank) runs "before" (not when resuming), every
+    ``evaluate_every``-th iteration and "after", with the EMA when there is one; its Evaluation goes to the reporter.
+    ``resume``: continue from the latest checkpoint (manifest checked; ``trust_checkpoint`` to load one without).
+    SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`)."""
     torch.set_num_threads(cfg.run.num_threads)
     run_dir = run_dir_of(cfg)
     roles = start_roles(cfg)
@@ -122,9 +115,7 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
 
 
 def evaluate_weights(run: Run, evaluate: Evaluate, when: str | int) -> None:
-    """The driver's ``evaluate(sampler, when)`` with the engines holding the EMA when the run has one (then,
-    between iterations, the algorithm's weights are pushed back after it). Every trainer rank calls this: the
-    weight syncs are collective."""
+    """The driver's ``evaluate(sampler, when)`` with the engines holding the EMA when there is one; collective."""
     driver = run.placement.is_driver
     if run.ema is None:
         if driver:
@@ -161,9 +152,8 @@ class IterationResult(NamedTuple):
 
 def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,
               pending: PendingBatch | None = None) -> IterationResult:
-    """One iteration on this rank: collect the scored batch (unless ``batch`` was collected ahead; shown to
-    ``watch``), advantages, the algorithm's update, then (asynchronous loop) wait for the ``pending`` batch the
-    engines sampled meanwhile, and the weight sync."""
+    """One iteration on this rank: collect (unless ``batch`` is given), advantages, update, wait for ``pending``
+    (asynchronous loop), weight sync."""
     cfg = run.cfg
     t0 = time.perf_counter()
     if batch is None:

@@ -1,9 +1,6 @@
-"""A run whose every sample is masked trains nothing: ``MaskedWatch`` counts the iterations in a row where the
-rewards masked every sample (a reward raised, timed out or returned a non-finite score) and, after
-``train.max_masked_iterations`` of them -- or at the last iteration when every iteration of this session was
-one -- says why in one line; the loop then checkpoints and stops with :class:`UselessRun`. Every trainer rank sees
-the same scores, so every rank stops at the same iteration. (A reward returning the wrong length stops the run
-at once: megaflow.rewards.base.RewardContractError.)
+"""``MaskedWatch``: after ``train.max_masked_iterations`` iterations in a row whose every sample the rewards
+masked (or at the last iteration when all were), says why in one line; the loop checkpoints and stops with
+:class:`UselessRun`. Every rank sees the same scores, so all stop at the same iteration.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""DiffusionNFT as the run's algorithm: its trainer settings (``nft_settings``), its update, and θ_old, the shadow
-of θ the engines sample with (megaflow.trainer.shadow.ShadowWeights), blended toward θ after every update on the
-optimizer-step clock (megaflow.algo.nft.old_policy_decay).
-
-Invariant: θ_old lives in checkpoints with its clock, so a resumed run continues exactly. Staleness in the
-synchronous and asynchronous loops: docs/algorithms/nft.md.
+"""DiffusionNFT as the run's algorithm: its trainer settings, its update, and θ_old, the shadow of θ the engines
+sample with, blended toward θ after every update. Invariant: θ_old lives in checkpoints with its clock, so a
+resumed run continues exactly. Details: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 

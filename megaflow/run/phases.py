@@ -1,7 +1,5 @@
-"""The rollout and training phases of an engine host (``bridge.mode = "colocated"``: the engines share the
-trainer's GPU): free the engines' accelerator memory while the trainer runs.
-
-Design notes: docs/design/run.md.
+"""The rollout and training phases of a colocated engine host: free the engines' accelerator memory while the
+trainer runs. Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
@@ -76,9 +74,7 @@ class Phases:
 
     @contextlib.contextmanager
     def resident(self):
-        """The trainer whole on its device for the block (a checkpoint reads its optimizer states; the EMA's
-        evaluation writes its weights), its parts offloaded again after. The engines keep their memory: the
-        trainer is back beside them only as it was without offload."""
+        """The trainer whole on its device for the block, its parts offloaded again after."""
         if self.trainer is None:
             yield
             return

@@ -1,8 +1,5 @@
-"""What every algorithm samples and how its scored batch becomes advantages: the rollout requests of an
-iteration (seeds, SDE window, CFG) and the group-normalised advantages of a scored batch.
-
-Invariant: both are pure functions of the config and the iteration number, so every rank computes the same
-without communication.
+"""Every algorithm's rollout requests of an iteration (seeds, SDE window, CFG) and group-normalised advantages.
+Invariant: both are pure functions of the config and the iteration, so every rank computes the same.
 """
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ from megaflow.seeds import ROLLOUT, SDE_WINDOW, iteration_seed
 
 
 def sde_window(cfg: MegaflowConfig, iteration: int) -> list[int] | None:
-    """The SDE steps of this iteration's rollouts (None = all): ``rollout.sde_window`` as given, or with
-    ``rollout.sde_window_size > 0`` a window drawn anew every iteration (FlowGRPO-Fast) from a generator
-    seeded by run.seed and the iteration, so every rank computes the same one without communication."""
+    """The SDE steps of this iteration's rollouts (None = all): ``rollout.sde_window``, or a window drawn per
+    iteration (``sde_window_size > 0``) from run.seed and the iteration."""
     r = cfg.rollout
     window_range = check_sde_window(num_steps=r.num_steps, window=r.sde_window, window_size=r.sde_window_size,
                                     window_range=r.sde_window_range, sde_type=r.sde_type)

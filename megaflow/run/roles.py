@@ -1,11 +1,7 @@
 """Who this process is in a run, and what the ranks agree on before anything is built.
 
-Every launched rank computes the same :class:`~megaflow.parallel.placement.Placement` from the launch
-(which ranks train, which host engines, whether the last ranks only sample: ``rollout.placement =
-"disaggregated"``). Trainer ranks join megatron's world (``init_distributed``); every rank builds megaflow's
-groups on the launch's store (megaflow.parallel.groups). Rank 0, the driver, owns the run directory: it
-claims it (megaflow.run.rundir) and resolves the pipeline, and every rank receives the outcome over the
-``everyone`` group, errors included, so all ranks fail or go on together.
+Every rank computes the same Placement from the launch; rank 0 claims the run directory and resolves the
+pipeline, and every rank receives the outcome (errors included), so all ranks fail or go on together.
 """
 from __future__ import annotations
 

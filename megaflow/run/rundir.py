@@ -1,5 +1,4 @@
 """Ownership of a run directory (``<run.output_dir>/<run.name>``), taken by rank 0 before any work.
-
 Design notes: docs/design/run.md.
 """
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Save and restore everything an RL run needs to continue exactly (collective over trainer ranks).
 
-A checkpoint (layout in :mod:`megaflow.run.checkpoints`) holds the trainer's model and optimizer as a megatron
-dist checkpoint (with the EMA and NFT's sampling policy when the run has them), and in ``state.json``: the iteration, the prompt-stream position, every rank's RNG
-states (torch, numpy, python), the metrics rows so far and the config it was written with. Everything
-else a run does is a pure function of ``run.seed`` and the iteration (rollout noise, SDE windows,
-minibatch shuffles), so resuming from iteration k and running to n gives the uninterrupted run's
-weights bit for bit.
+A checkpoint holds the model, optimizer and shadows as a dist checkpoint, and ``state.json`` (iteration, prompt
+position, RNG states, metrics, config). Invariant: everything else is a pure function of ``run.seed`` and the
+iteration, so resuming from k and running to n gives the uninterrupted run's weights bit for bit.
 """
 from __future__ import annotations
 
@@ -48,11 +45,8 @@ def set_rng_state(state: dict) -> None:
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
          metrics_rows: list[dict], keep: int, shadows: dict | None = None, checksum: str = DEFAULT,
          write_extra: Callable[[Path], None] | None = None) -> float:
-    """Collective: write ``checkpoints/iter_<iteration>`` atomically and keep the newest ``keep``; ``shadows``
-    (name -> megaflow.trainer.shadow.ShadowWeights: the EMA, NFT's sampling policy) go beside the model;
-    ``write_extra(directory)`` (rank 0) adds the run's other files (the batch collected ahead).
-    ``MANIFEST.json`` files (megaflow.trainer.manifest: ``checksum`` digests) are written last, in ``model/``
-    and in the checkpoint. Returns the seconds it took."""
+    """Collective: write ``checkpoints/iter_<iteration>`` atomically (manifests last) and keep the newest ``keep``;
+    ``shadows`` go beside the model, ``write_extra(directory)`` (rank 0) adds other files. Returns the seconds."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
@@ -125,11 +119,8 @@ def _not_saved(error: BaseException, run_dir: Path, stage: Path, iteration: int)
 
 
 def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = False) -> dict:
-    """Collective: load model + optimizer (+ ``shadows``, as saved) from ``ckpt`` into ``trainer``, restore this
-    rank's RNG states, return the checkpoint's state (iteration, prompts_consumed, metrics). Before anything else
-    rank 0 checks ``ckpt`` (its manifest, state.json, the model's DCP metadata: ``_checked_on_rank0``); a refusal
-    is raised on every rank. ``trust``: a checkpoint without a manifest is loaded, and its pickles unpickled,
-    unchecked (megaflow.trainer.dcp_metadata)."""
+    """Collective: load model + optimizer (+ ``shadows``) from ``ckpt``, restore RNG states, return the state.
+    Rank 0 checks the checkpoint first and a refusal is raised on every rank; ``trust`` loads one without a manifest."""
     from megaflow.trainer.checkpoint import load_checkpoint
 
     _checked_on_rank0(ckpt, trust)

@@ -99,12 +99,8 @@ def _background(px: np.ndarray, tol: float) -> np.ndarray | None:
 
 
 def _classify_pixels(px: np.ndarray, tol: float) -> np.ndarray:
-    """Class per pixel: 0 background, 1..P palette colour, P+1 off-palette (all of them when
-    there is no uniform background).
-
-    A pixel is treated as a blend ``bg + a * (colour - bg)`` (anti-aliased or blurred edges): the
-    colour whose blend segment passes closest wins when within ``tol``; the pixel belongs to the
-    object when ``a >= 0.5`` (so component areas match coverage) and to the background otherwise."""
+    """Class per pixel (0 background, 1..P palette, P+1 off-palette), each pixel read as a blend ``bg + a * (colour
+    - bg)``: the closest colour within ``tol``, object when ``a >= 0.5``."""
     bg = _background(px, tol)
     if bg is None:
         return np.full(px.shape[:2], _OFF_PALETTE, dtype=np.int64)

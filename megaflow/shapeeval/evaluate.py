@@ -1,11 +1,6 @@
 """ShapeEval of a model: sample held-out prompts through an engine, score, report with 95% intervals.
-
-The prompt set is fixed by (num, seed): ``num`` prompts balanced over the held-out categories (new
-combinations of seen words) plus ``num_seen`` prompts of the categories whose universe is too small to
-split (reported apart, as seen during training). Every prompt gets one sample with its own fixed seed
-and deterministic (ODE) sampling, so two evaluations of the same model give the same images and two
-models are compared on the same prompts and noise. Images are saved with a ``manifest.jsonl`` (so
-``megaflow eval shapes --images DIR`` re-scores them) and a grid per category.
+Invariant: the prompt set is fixed by (num, seed) and each prompt has its own seed and ODE sampling, so models
+are compared on the same prompts and noise.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Ground-truth renderer for ShapeEval scenes, plus corruptions for testing the checker.
-
-``render_scene`` draws an image that satisfies a :class:`~megaflow.data.shapes.Scene`: random
-object sizes and positions, objects separated by a small gap (so same-coloured objects never touch),
-one pixel of clear border (the checker reads the background from the border), and relations that
-hold under the same predicate the checker uses (``relation_holds`` on rendered centroids). Usable
-to pretrain a tiny text-to-image model (``render_prompts`` gives a uint8 batch).
-
-Design notes: docs/design/shapeeval.md.
+"""Ground-truth renderer for ShapeEval scenes (relations hold under the checker's own predicate), plus
+corruptions for testing the checker. Design notes: docs/design/shapeeval.md.
 """
 from __future__ import annotations
 
@@ -163,11 +156,8 @@ def render_prompts(prompts: list[str], *, resolution: int = 32, seed: int = 0,
 
 
 def corrupt_scene(scene: Scene, kind: str, rng: random.Random) -> Scene | None:
-    """A scene that differs from ``scene`` in one way, so its rendering must fail ``scene.prompt``:
-    ``color`` (a coloured group gets another colour), ``count`` (a group gains or loses one
-    object, never below one, never above MAX_COUNT objects in all), ``position`` (the relation is
-    reversed), ``shape`` (a group's shape changes). None when the kind does not apply (no colour /
-    no relation)."""
+    """A scene differing from ``scene`` in one ``kind`` (color, count, position, shape), so its rendering must fail
+    ``scene.prompt``; None when the kind does not apply."""
     groups = list(scene.groups)
     if kind == "color":
         idx = [i for i, g in enumerate(groups) if g.color]

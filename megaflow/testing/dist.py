@@ -1,5 +1,4 @@
 """Run a function on N local processes (one per rank) and collect each rank's return value.
-
 Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
@@ -121,13 +120,8 @@ def run_multiprocess(
     env: dict[str, str] | None = None,
     start_method: str | None = None,
 ) -> list:
-    """Run ``fn(*args)`` on ``world_size`` local ranks (gloo-ready env); return results by rank.
-
-    ``env`` adds or overrides environment variables in every rank. ``start_method`` defaults to
-    forkserver without libcuda and spawn with it (a forkserver that imported torch may have touched
-    CUDA, and CUDA does not survive fork). Raises ``RankError`` for the rank that failed first,
-    ``TimeoutError`` when any rank is still running after ``timeout_s``.
-    """
+    """Run ``fn(*args)`` on ``world_size`` local ranks (gloo-ready env, ``env`` added); results by rank. Raises
+    ``RankError`` for the first failed rank, ``TimeoutError`` after ``timeout_s``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if start_method is None:

@@ -1,6 +1,5 @@
 """Host-memory measurements for CPU checks of activation recompute and of ``megaflow plan``.
-
-Two independent measures of a callable (typically one forward + backward) (design notes: docs/design/testing.md).
+Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

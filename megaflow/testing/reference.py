@@ -1,12 +1,6 @@
 """A reference sampler: diffusers' SD3 DiT forward + megaflow's flow math, for parity checks.
-
-Given the same weights, initial noise, per-step noise, sigma grid and conditioning, ``ReferenceSampler``
-must reproduce the engine's trajectory and log-probs (tests hold it to 1e-5 in fp32). It is
-deliberately plain: one ``SD3Transformer2DModel`` loaded from the pipeline directory, the loop written
-out, every transition from ``megaflow.flow.step``. Use it in tests and when debugging the engine or the
-trainer; production rollouts go through SGLang.
-
-Design notes: docs/design/testing.md.
+``ReferenceSampler`` must reproduce the engine's trajectory and log-probs (tests: 1e-5 in fp32); deliberately
+plain. Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

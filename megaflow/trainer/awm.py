@@ -1,17 +1,9 @@
 """AWM in the megatron trainer: clean samples -> noised items -> optimizer steps (megaflow.algo.awm).
 
-An item is one kept sample i at one grid index k of the sampler (t = ``sigmas[k]``): the sample's final latent
-x0 noised again with fresh noise, x_t = (1 − t)·x0 + t·ε. Every sample trains ``num_timesteps`` indices, one
-uniform draw in each stratum of [1, int(T·timestep_fraction)] (``awm_timestep_indices``, the authors'
-"discrete_wo_init"); the samples are shuffled and split into ``num_minibatches`` optimizer steps. The draws,
-the shuffle and every ε come from one generator seeded by the caller, in item order, before any DP split, so
-every layout trains on the same items and noise.
-
-Before the first update a forward-only pre-pass attaches the constants of the loss to every microbatch: v_ema
-with the fast EMA applied (``ema_kl``: a megaflow.trainer.shadow.ShadowWeights), v_ref with the reference model
-(``algo.kl_beta > 0``) and, when the batch makes more than one optimizer step, v_old with the weights before the
-first (the PPO ratio's policy; with one step the ratio is 1, the authors' on-policy case). Equal weighting as in
-megaflow.trainer.flowgrpo: every real item of an optimizer step weighs 1/N in the gradient.
+An item is kept sample i at sampler grid index k: x_t = (1 − t)·x0 + t·ε, t = ``sigmas[k]``; a forward-only
+pre-pass attaches v_ema, v_ref (KL) and v_old (several steps) before the first update.
+Invariant: the draws, the shuffle and every ε come from the caller's generator in item order, before any DP split,
+so every layout trains on the same items and noise; each real item weighs 1/N. Details: docs/algorithms/awm.md.
 """
 from __future__ import annotations
 

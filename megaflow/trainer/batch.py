@@ -1,8 +1,6 @@
-"""What every algorithm's update shares in the trainer: the model family's microbatch conditioning, this DP
-rank's share of an optimizer step's items, the per-microbatch stats reduced to one row, and that row sent from
-the last pipeline stage (where the loss runs) to every stage. For the algorithms that train on clean ODE
-samples (nft, awm, dgpo): the microbatches of noised items (``clean_microbatches``), a forward-only pass
-attaching a constant velocity to each (``attach_velocities``), the per-step rows combined (``combine_steps``).
+"""What every algorithm's update shares in the trainer: microbatch conditioning, this DP rank's share of items,
+stats reduced to one row and sent to every stage; for the clean-sample algorithms (nft, awm, dgpo) the noised
+microbatches, the forward-only velocity pass and the per-step rows combined.
 
 Invariant: every DP rank runs the same number of microbatches (padding items are ``real=False`` and weigh
 nothing), so the collectives of an update line up on every layout.
@@ -31,10 +29,8 @@ def batch_conditioning(trainer) -> Conditioning:
 
 
 def dp_slice(items: list[Item], micro_batch_size: int) -> tuple[list[Item], list[bool]]:
-    """This DP rank's items (strided), padded so that every rank runs the same number of microbatches
-    (``micro_batch_size`` items each, the last one possibly fewer). Under pipeline parallelism every
-    microbatch is full: the stages exchange activations of one fixed shape. Padding items (``real`` False)
-    are computed and weigh nothing, so without pipelining a rank pads at most one item."""
+    """This DP rank's items (strided), padded so every rank runs the same number of microbatches; under PP every
+    microbatch is full. Padding items (``real`` False) weigh nothing."""
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = -(-len(items) // dp)
     if ps.get_pipeline_model_parallel_world_size() > 1:

@@ -1,11 +1,8 @@
-"""Model (and optimizer) checkpoints in megatron's dist_checkpointing format.
+"""Model (and optimizer) checkpoints in megatron's dist_checkpointing format, by GLOBAL name, so a checkpoint
+saved at one TP/PP/VPP layout loads at any other; ``megaflow_model.json`` records family and diffusers config.
 
-Tensors are stored by GLOBAL name with their TP sharding as metadata, so a checkpoint saved at one
-TP/PP/VPP layout loads at any other. Next to megatron's files, ``megaflow_model.json`` records the
-model family and its diffusers config (enough to rebuild the architecture or convert back).
-
-Writes are atomic: every rank writes into ``<dst>.tmp-<id>``, rank 0 renames it to ``<dst>`` after
-a barrier. Saves are synchronous and start no process (see ``_results_queue_in_process``).
+Invariant: writes are atomic (every rank writes ``<dst>.tmp-<id>``, rank 0 renames after a barrier), synchronous,
+and start no process. Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 
@@ -103,11 +100,7 @@ def publish(tmp: Path, dst: Path) -> None:
 
 
 def _results_queue_in_process() -> None:
-    """megatron's file writer hands its write results to the saving process through a queue it makes the first
-    time, ``ctx.Manager().Queue()``: a spawned server process (seconds of start, and an orphan after a SIGKILLed
-    trainer). megaflow's saves are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``): the
-    writer puts and the finalizer gets in this process, so a plain ``queue.Queue`` carries the same results and
-    no process starts."""
+    """A plain ``queue.Queue`` for megatron's writer results instead of a Manager process (docs/design/trainer.md)."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -159,11 +152,8 @@ def _model_shapes(state: dict) -> dict[str, tuple]:
 
 def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimizer=None,
                     shadows: dict | None = None, trust: bool = False, checked_manifest: bool = False) -> dict:
-    """Collective: load model chunks (any TP/PP layout), optionally the optimizer and shadow weights (as saved by
-    ``save_checkpoint``); returns meta. Every rank first checks the directory against its manifest (unless
-    ``checked_manifest``: the caller did), then reads it under megaflow.trainer.dcp_metadata's trust rule, the
-    tensors the model needs compared with its shapes (``trust``: a directory without a manifest is loaded
-    unchecked, and torch unpickles what it holds)."""
+    """Collective: load model chunks (any TP/PP layout), optionally optimizer and shadows; returns meta. Checked
+    against the manifest first (unless ``checked_manifest``), read under dcp_metadata's trust rule (``trust``)."""
     if not checked_manifest:
         verify_manifest(path, trust=trust)
     meta = read_meta(path)
@@ -238,11 +228,7 @@ def _init_adam_state(optimizer) -> None:
 
 
 def _restore_adam_steps(optimizer) -> None:
-    """Give every param of a torch Adam(W) its own 'step' tensor, valued from its param group.
-
-    megatron's DistributedOptimizer (torch-optimizer fallback, no apex/TE) stores the step in the
-    param groups and on load assigns ONE shared tensor to all params, which torch's foreach Adam
-    then increments once per param and step (seen: 3 -> 90 after one step with 87 params)."""
+    """Give every param of a torch Adam(W) its own 'step' tensor from its param group (docs/design/trainer.md)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
@@ -261,10 +247,8 @@ SHADOW_NAMES = ("ema", "nft_old")
 
 def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: bool = False,
                          checked_manifest: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, {global megatron name: full tensor}) of a checkpoint's MODEL tensors, in one process, without
-    building a model (optimizer and shadow tensors are skipped). ``shadow`` (e.g. "ema"): the shadow's tensors
-    replace the model's of the same name (under LoRA the shadow holds only the adapters); ValueError when the
-    checkpoint has none. Checked and read as ``load_checkpoint`` does (``trust``, ``checked_manifest``)."""
+    """(meta, {global name: full tensor}) of a checkpoint's MODEL tensors in one process, without a model;
+    ``shadow``: its tensors replace the model's (ValueError when absent). Checked as ``load_checkpoint`` does."""
     if not checked_manifest:
         verify_manifest(path, trust=trust)
     meta = read_meta(path)

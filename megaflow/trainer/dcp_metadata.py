@@ -1,11 +1,6 @@
-"""The one trust rule for reading a torch distributed checkpoint: every megaflow path that reads one (``--resume``,
-``megaflow export``, ``tools/convert_checkpoint.py to-diffusers``; evaluation reads none) reads it inside
-:func:`reading`. Torch's reader unpickles ``.metadata`` with plain ``pickle`` and its planner loads every non-tensor
-item (megatron's ``_extra_state``, the optimizer's common state) with ``torch.load(weights_only=False)``, and the
-metadata alone tells it which file, offset and length to read and how large a tensor to allocate. Unless the user
-passes ``--trust-checkpoint``, :func:`check_dcp_metadata` first
-
-Design notes: docs/design/trainer.md.
+"""The one trust rule for reading a torch distributed checkpoint: every megaflow path that reads one reads it
+inside :func:`reading`; torch unpickles its metadata and non-tensor items, so unless ``--trust-checkpoint``,
+:func:`check_dcp_metadata` checks first. Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """DGPO in the megatron trainer: clean samples -> noised items -> one optimizer step (megaflow.algo.dgpo).
 
-An item is one kept sample i at one grid index k of the sampler (t = ``sigmas[k]``): x_t = (1 − t)·x0 + t·ε.
-The ``num_timesteps`` indices are drawn without replacement from 0 .. ``trunc_steps`` once per rollout batch
-and shared by every sample; ε is one draw per (prompt group, timestep), shared by the group's members (the
-authors' ``use_shared_noise``). A preference group is one prompt group at one timestep: its id is
-``(i // group_size) · num_timesteps + slot``. The draws and every ε come from one generator seeded by the
-caller, before any DP split, so every layout trains on the same items and noise.
-
-A forward-only pre-pass attaches to every microbatch v_θ (the weights before the step), v_ref with the fast
-EMA applied (``ema_ref``: the preference reference and the clip's old policy) and, with ``algo.kl_beta > 0``,
-v_kl from the reference model. The group scores s_g then come from every item's errors, summed over the DP
-ranks (``dgpo_group_scores``), and each microbatch takes its items' scores, so a group may span microbatches
-and ranks. One optimizer step per rollout batch (the authors'; preflight refuses more): the pre-pass's v_θ is
-the θ that the step differentiates. Equal weighting: every real item weighs 1/N in the gradient.
+An item is kept sample i at grid index k (x_t = (1 − t)·x0 + t·ε); a preference group is one prompt group at one
+timestep. A forward-only pre-pass attaches v_θ, v_ref (fast EMA) and v_kl; group scores are summed over DP ranks.
+Invariant: the draws and every ε come from the caller's generator before any DP split, so every layout trains on
+the same items and noise; each real item weighs 1/N. Details: docs/algorithms/dgpo.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A checkpoint write that fails on a full disk: told apart from other failures (:func:`disk_full`) and said in one
-line (:class:`NoSpace`: where, the bytes needed, the bytes free). torch's writer hides the OS error of a full disk
-("unexpected pos" from its zip writer, wrapped in a CheckpointException), so a failure with fewer bytes free than
-the checkpoint still needs counts as one too.
+"""A checkpoint write that fails on a full disk, told apart (:func:`disk_full`) and said in one line
+(:class:`NoSpace`); torch hides the OS error, so a failure with fewer bytes free than needed counts too.
 """
 from __future__ import annotations
 

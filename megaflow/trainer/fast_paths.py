@@ -1,9 +1,6 @@
 """Trainer's fast paths: the same work done cheaper, with bit-identical grads and updates
-(tests/trainer/test_fast_paths.py).
-
-The ``single_rank_*`` ones apply only when this process is the whole job (world size 1), where
-megatron's data-parallel machinery has nothing to communicate but still runs; multi-process layouts
-use megatron's code unchanged. ``joint_adam_groups`` and the foreach switch apply to any layout.
+(tests/trainer/test_fast_paths.py). ``single_rank_*`` apply only at world size 1; ``joint_adam_groups`` and
+the foreach switch to any layout. Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 
@@ -57,10 +54,7 @@ def _finalize_is_identity(config, ddp_config: DistributedDataParallelConfig) -> 
 
 
 def _grads_can_bypass_buffer(config, ddp_config: DistributedDataParallelConfig) -> bool:
-    """Whether nothing in a one-process step reads or writes DDP's grad buffer except through
-    ``param.main_grad``: no reduction during backward, no distributed optimizer (it reads buffer
-    shards), no buffer-wide NaN check or per-token scaling, no fused or delayed wgrad writing into
-    main_grad, no CUDA-graph replay."""
+    """Whether nothing in a one-process step touches DDP's grad buffer except through ``param.main_grad``."""
     return (_finalize_is_identity(config, ddp_config) and not ddp_config.use_distributed_optimizer
             and not ddp_config.check_for_nan_in_grad and not ddp_config.check_for_large_grads
             and not ddp_config.delay_wgrad_compute and not config.gradient_accumulation_fusion
@@ -68,25 +62,9 @@ def _grads_can_bypass_buffer(config, ddp_config: DistributedDataParallelConfig) 
 
 
 class SingleRankDDP(DistributedDataParallel):
-    """megatron's DDP for a one-process job: grads stay where autograd accumulates them.
-
-    DDP's contiguous grad buffer exists to be all-reduced / reduce-scattered. megatron fills it with
-    a Python hook per parameter, run by autograd after each grad accumulation, that adds the fresh
-    ``param.grad`` into ``param.main_grad`` (a view of the buffer) and drops it. With one process
-    there is nothing to reduce, so here those hooks are gone and, once per backward (a callback
-    queued by a hook on the model output), ``param.main_grad`` is bound to ``param.grad``, which
-    autograd keeps accumulating into over microbatches. Same numbers (megatron's 0 + g1 + g2 ...
-    vs g1 + g2 ...: adding to an exact zero is exact); no copy, no hook calls, no second grad.
-    ``zero_grad_buffer`` drops the grads and re-binds ``main_grad`` to the buffer views, which a
-    parameter that gets no grad keeps. Nothing writes those views any more, so instead of zeroing
-    the whole buffer (megatron) it zeroes only views that were still bound as ``main_grad``, i.e.
-    handed out beyond the backward window (to the optimizer, which may scale them in place).
-
-    Covers parameters whose grad buffer has their dtype (fp32 params, fp32 grads); with any other,
-    that one keeps megatron's hook and the buffer is zeroed as usual. Backward must pass through
-    this module's output (any loss of it does); as with megatron's DDP, ``main_grad`` is the grad
-    only after backward (writing into it before backward is not supported). Use only where
-    ``_grads_can_bypass_buffer`` holds (Trainer checks)."""
+    """megatron's DDP for a one-process job: ``param.main_grad`` is bound to ``param.grad`` after each backward, no
+    hooks, no buffer copy (docs/design/trainer.md). Covers parameters whose grad buffer has their dtype; backward
+    must pass through this module's output. Use only where ``_grads_can_bypass_buffer`` holds (Trainer checks)."""
 
     def __init__(self, config, ddp_config, module, **kwargs):
         if ddp_config.overlap_grad_reduce or ddp_config.use_distributed_optimizer:
@@ -133,9 +111,7 @@ class SingleRankDDP(DistributedDataParallel):
 
 
 def use_foreach_torch_adam(optimizer, *, joint_groups: bool) -> None:
-    """Without apex/TE megatron falls back to ``torch.optim.AdamW`` with default arguments, which
-    on CPU tensors means the per-tensor loop; switch its groups to the multi-tensor (foreach)
-    implementation (same math; measured ~1.4x faster step on the tiny CPU model). With
+    """Switch megatron's fallback ``torch.optim.AdamW`` groups to the foreach implementation (same math); with
     ``joint_groups``, also step equal-hyperparameter groups together (``_JointGroupStep``)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
@@ -148,12 +124,8 @@ def use_foreach_torch_adam(optimizer, *, joint_groups: bool) -> None:
 
 
 class _JointGroupStep:
-    """A torch Adam(W)'s ``step`` that runs param groups whose Adam hyperparameters are all equal
-    as one group: megatron splits params into weight-decay / no-weight-decay groups (plus lr_mult
-    and expert groups), which with equal settings (e.g. weight_decay=0) only doubles the foreach
-    kernel launches and Python set-up (measured +7% of the Adam step on the bench model). Adam is
-    elementwise per tensor, so the update is bit-identical; state stays keyed by parameter and the
-    groups are restored after the step (checkpoints and LR schedules see megatron's groups)."""
+    """An Adam(W) ``step`` running param groups with equal hyperparameters as one (bit-identical); megatron's
+    groups are restored after the step."""
 
     def __init__(self, inner: torch.optim.Optimizer):
         self.inner, self.step, self.keys = inner, inner.step, tuple(inner.defaults)

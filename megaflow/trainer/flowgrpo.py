@@ -1,10 +1,8 @@
-"""FlowGRPO in the megatron trainer: one update over a scored rollout batch (``grpo_update``: every optimizer
-step of flow_grpo's inner loop) and one optimizer step (``grpo_train_step``) of the PPO-clip loss
-(megaflow.algo.flowgrpo) on the trainer's recomputed per-step log-probs.
+"""FlowGRPO in the megatron trainer: ``grpo_update`` (every optimizer step of one rollout batch) and
+``grpo_train_step`` (one step of the PPO-clip loss on recomputed per-step log-probs).
 
-Invariant: every real (sample, step) item of an optimizer step weighs 1/N in the gradient, N the global count of
-real items of that step, on every TP / PP / DP layout; padding items add exactly zero. The derivation (megatron's
-loss scaling), the old policy, mismatch weights over whole samples and CFG: docs/algorithms/flowgrpo.md.
+Invariant: every real (sample, step) item of an optimizer step weighs 1/N in the gradient on every TP / PP / DP
+layout; padding adds exactly zero. Derivation and CFG: docs/algorithms/flowgrpo.md.
 """
 from __future__ import annotations
 
@@ -115,11 +113,8 @@ def _global_real_count(microbatches: list[dict]) -> int:
 
 def grpo_train_step(trainer, microbatches: list[dict], settings: GRPOSettings, reference=None, *,
                     num_items: int | None = None) -> dict:
-    """One optimizer step over ``microbatches`` (this DP rank's; equal count on every rank).
-
-    ``num_items``: the global count of real items of this step (every rank must pass the same);
-    None = count them (one all-reduce over the DP group). Returns stats (on every rank): item-weighted
-    means over this rank's real items, grad_norm, update_ok, num_microbatches, num_items."""
+    """One optimizer step over this DP rank's ``microbatches``; ``num_items``: the global count of real items
+    (None = one all-reduce). Returns item-weighted means, grad_norm, update_ok, num_microbatches, num_items."""
     if getattr(trainer.config, "calculate_per_token_loss", False):
         raise ValueError("the GRPO step normalises by the global item count itself and needs megatron's "
                          "calculate_per_token_loss=False")
@@ -163,14 +158,9 @@ def _pre_update_log_probs(trainer, trajs, advantages, items, settings: GRPOSetti
 def grpo_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
                 steps: Sequence[int], settings: GRPOSettings, reference=None, *, seed: int = 0,
                 device: torch.device | None = None, ema=None) -> dict:
-    """flow_grpo's training phase for one rollout batch: every optimizer step of
-    ``plan_updates(kept samples, steps, num_inner_epochs, num_minibatches, seed)``; ``ema``
-    (megaflow.trainer.shadow.EMA) steps after each optimizer step.
-
-    Returns stats (every rank): item-weighted means over all steps, grad_norm (mean), update_ok (all),
-    num_updates; ``logp_abs_diff_rollout`` comes from the first step only (the weights that sampled);
-    ``clip_frac_stale`` is the clip fraction of the later steps (stale policy). {"skipped": 1.0} when
-    nothing is kept."""
+    """Every optimizer step of ``plan_updates`` for one rollout batch; ``ema`` steps after each. Returns
+    item-weighted means, grad_norm (mean), update_ok (all), num_updates (``logp_abs_diff_rollout`` from the first
+    step, ``clip_frac_stale`` from the later ones); {"skipped": 1.0} when nothing is kept."""
     device = device or current_device()
     plan = plan_updates(_kept(keep), steps, num_inner_epochs=settings.num_inner_epochs,
                         num_minibatches=settings.num_minibatches, seed=seed)

@@ -1,9 +1,8 @@
-"""FlowGRPO's training data: (sample, step) items -> optimizer steps (``plan_updates``, flow_grpo's inner
-loop) -> this DP rank's microbatches (``microbatches_for``), with both CFG branches when the rollout used CFG.
+"""FlowGRPO's training data: (sample, step) items -> optimizer steps (``plan_updates``) -> this DP rank's
+microbatches (``microbatches_for``), both CFG branches when the rollout used CFG.
 
-Invariant: the plan is a function of the kept samples, the trained steps and the seed alone, so every rank builds
-the same; each rank's microbatches are its strided, padded share (megaflow.trainer.batch.dp_slice). The order of
-items, the CFG layout and the sources: docs/algorithms/flowgrpo.md ("In the trainer").
+Invariant: the plan depends on the kept samples, trained steps and seed alone, so every rank builds the same.
+Details: docs/algorithms/flowgrpo.md ("In the trainer").
 """
 from __future__ import annotations
 
@@ -44,10 +43,8 @@ def stack_items(trajs: Sequence[Trajectory], advantages: torch.Tensor, items: Se
                 real: Sequence[bool], device: torch.device,
                 mismatch: dict[Item, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None, *,
                 conditioning: Conditioning) -> dict:
-    """One microbatch (Trainer protocol + GRPO keys) of ``items``; docs/algorithms/flowgrpo.md has the
-    conditioning and CFG.
-    ``mismatch``: item -> (old log-prob, importance weight, keep), precomputed over whole samples
-    (megaflow.trainer.flowgrpo), stacked as ``old_log_prob``, ``is_weight`` and ``is_keep``."""
+    """One microbatch of ``items``; ``mismatch``: item -> (old log-prob, weight, keep), stacked as
+    ``old_log_prob``, ``is_weight`` and ``is_keep``."""
     tr = [trajs[i] for i, _ in items]
     ts = [t for _, t in items]
     cfg = {bool(x.do_cfg) for x in tr}

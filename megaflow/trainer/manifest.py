@@ -1,12 +1,7 @@
-"""A checkpoint's integrity manifest: ``MANIFEST.json``, every file of the directory with its size and digest.
+"""A checkpoint's integrity manifest: ``MANIFEST.json``, every file with its size and digest (``megaflow.checksum``).
 
-Written last (into a temp file, fsynced, renamed into place) once every other file of the checkpoint is there;
-checked before anything in the checkpoint is read (unpickled, loaded, parsed). A sub-directory that has its own
-manifest is listed as that manifest only (its digest chains to the files it lists) and is checked by it, so
-every file is hashed once when written and once when checked. Digests: ``megaflow.checksum`` (xxh3 by
-default, sha256 on request; the manifest names its algorithm).
-
-Design notes: docs/design/trainer.md.
+Invariant: written last (temp file, fsync, rename) and checked before anything in the checkpoint is read; a
+sub-directory with its own manifest is listed as that manifest only. Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""DiffusionNFT in the megatron trainer: clean samples -> noised items (``plan_items``) -> optimizer steps of the
-loss in megaflow.algo.nft; every item's v_old (θ_old applied) and, with a KL, v_ref are computed forward-only
-before the first update.
+"""DiffusionNFT in the megatron trainer: clean samples -> noised items (``plan_items``) -> optimizer steps of
+megaflow.algo.nft's loss; v_old and v_ref computed forward-only before the first update.
 
-Invariant: the timestep draws, the shuffle and every ε come from the caller's generator in item order, before any
-DP split, so every layout trains on the same items and noise; each real item of an optimizer step weighs 1/N in
-the gradient (as in megaflow.trainer.flowgrpo). Details: docs/algorithms/nft.md.
+Invariant: timestep draws, shuffle and every ε come from the caller's generator before any DP split, so every
+layout trains on the same items and noise. Details: docs/algorithms/nft.md.
 """
 from __future__ import annotations
 

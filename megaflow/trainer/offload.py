@@ -1,7 +1,5 @@
-"""Trainer offload (``train.offload``): what the trainer's accelerator memory holds while the engines sample
-(colocated, synchronous loop) moves to the host, and comes back before the trainer trains.
-
-Two parts, moved and reloaded as a whole (design notes: docs/design/trainer.md).
+"""Trainer offload (``train.offload``): the trainer's accelerator memory moves to the host while the engines
+sample, and comes back before it trains. Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The megatron trainer of a flow-matching DiT: model + DDP + optimizer, one training step
-through megatron's ``get_forward_backward_func`` (so TP/SP/PP/VPP/DP all apply), a per-timestep
-velocity forward, and ``iter_full_params`` (full tensors gathered over TP and PP, one at a time).
-
+"""The megatron trainer of a flow-matching DiT: model + DDP + optimizer, a training step through megatron's
+``get_forward_backward_func`` (all parallelisms apply), a velocity forward and full-tensor gathers.
 Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations
@@ -64,12 +62,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class ModelRunner:
-    """This rank's model chunks (one per virtual pipeline stage) driven through megatron's schedule:
-    full diffusers weights in, forward (and backward) over microbatches, full tensors out. The base of
-    ``Trainer`` (DDP + optimizer) and ``ReferenceModel`` (frozen, forward only).
-
-    ``model``: the chunks as megatron's schedule takes them (possibly wrapped); ``chunks`` unwraps them.
-    """
+    """This rank's model chunks driven through megatron's schedule: diffusers weights in, forward (and backward),
+    full tensors out. ``model``: the chunks as the schedule takes them; ``chunks`` unwraps them."""
 
     def __init__(self, config, family: str, model: list[torch.nn.Module]):
         self.config, self.family, self.model = config, get_family(family), model
@@ -81,10 +75,7 @@ class ModelRunner:
 
     # ---- weights in -------------------------------------------------------------------------
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
-        """Load full diffusers weights: each rank takes its TP shard of its stage's tensors (LoRA adapters,
-        if any, are kept as they are).
-
-        ValueError names the first tensor whose shape does not match the model."""
+        """Load full diffusers weights (each rank its TP shard; LoRA adapters kept); ValueError names the first bad shape."""
         wm = self.family.weight_map
         for chunk, local in self._local_shards(wm, wm.to_megatron_full(diffusers_sd, self.config)):
             load_checked(chunk, {**local, **adapter_state(chunk)})
@@ -135,12 +126,8 @@ class ModelRunner:
 
     # ---- weights out --------------------------------------------------------------------------
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (global megatron name, full tensor) for every weight, one tensor at a time.
-
-        Collective: every rank of the model-parallel group must iterate it to the end together;
-        each yields the same sequence (TP all-gather, then broadcast from the owning PP stage).
-        Zero-copy where possible: a replicated tensor on its own stage IS the live parameter
-        (detached), valid until the next optimizer step -- ``.clone()`` what you keep."""
+        """Yield (global name, full tensor) per weight. Collective: every model-parallel rank iterates to the end
+        together. A yielded tensor may be the live parameter, valid until the next step: ``.clone()`` what you keep."""
         yield from iter_full(self, lambda chunk: {**dict(chunk.named_parameters()), **dict(chunk.named_buffers())})
 
 
@@ -156,14 +143,9 @@ def _build_chunks(config, family: str, spec: str, lora: LoRASettings | None = No
 
 
 class Trainer(ModelRunner):
-    """This rank's model chunks (DDP-wrapped), optimizer and step functions.
-
-    ``optimizer_config=None`` builds no optimizer (forward / grads only). ``ddp_config`` defaults to
-    fp32 grad reduction, bucketed, distributed-optimizer layout iff the optimizer is distributed.
-    ``fast_paths`` (default: all on) picks the bit-identical shortcuts of ``megaflow.trainer.fast_paths``
-    (see ``FastPaths``); ``self.fast_paths_active`` names the ones in effect. ``lora``: train LoRA adapters
-    on a frozen base (None: every parameter trains).
-    """
+    """This rank's model chunks (DDP-wrapped), optimizer and step functions. ``optimizer_config=None``: no
+    optimizer; ``fast_paths`` picks megaflow.trainer.fast_paths' shortcuts (``fast_paths_active`` names those in
+    effect); ``lora``: train adapters on a frozen base."""
 
     def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
                  optimizer_config: OptimizerConfig | None = None,
@@ -246,10 +228,8 @@ class Trainer(ModelRunner):
 
 
 class ReferenceModel(ModelRunner):
-    """A frozen, forward-only copy of the policy (the KL reference): the same provider, spec and config as
-    the trainer, so each rank holds the same TP/PP shard layout, but no DDP wrapper, no grad buffer, no
-    optimizer; every parameter has ``requires_grad=False``. ``forward_backward`` runs only with
-    ``forward_only=True``."""
+    """A frozen, forward-only copy of the policy (the KL reference), same TP/PP shard layout as the trainer, no
+    DDP, grad buffer or optimizer; ``forward_backward`` only with ``forward_only=True``."""
 
     def __init__(self, config, *, family: str = "sd3", spec: str = "auto"):
         chunks = _build_chunks(config, family, spec)

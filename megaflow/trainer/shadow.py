@@ -1,5 +1,4 @@
 """Shadow weights: fp32 copies of a trainer's trainable parameter shards, blended toward the live ones.
-
 Design notes: docs/design/trainer.md.
 """
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Trainer microbatch conditioning from rollout trajectories, shared by the families.
 
-A family's ``batch_conditioning(config, trajectories, cfg)`` (megaflow.models.registry) returns the
-conditioning keys of one trainer microbatch (everything its ``model_inputs`` reads besides ``latents``
-and ``sigma``); ``stack_conditioning`` is the part every family has: per-sample conditioning tensors
-stacked along a new batch dim, and under classifier-free guidance the negative branch first
-(``[negative; positive]``, flow_grpo's order), from the trajectories' ``negative_<key>`` twins.
+``stack_conditioning`` stacks per-sample conditioning along a new batch dim; under CFG the negative
+branch comes first (``[negative; positive]``), from the trajectories' ``negative_<key>`` twins.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Config helpers shared by the DiT families: the megatron knobs every family fixes, reading a
-diffusers ``transformer/config.json`` and the fields/properties common to every family config.
-
-A family's ``from_diffusers`` is then: ``read_diffusers_config`` (unknown keys rejected, defaults
-filled, ``_``-metadata kept), its own architecture checks, and ``build_config`` with its own
-fields (the shared ones, the metadata and the caller's megatron knobs are added there); its
-``to_diffusers`` is ``diffusers_config_dict`` naming the config fields whose diffusers key differs.
+diffusers ``transformer/config.json`` (unknown keys rejected) and the fields common to every family config.
 """
 from __future__ import annotations
 
@@ -40,10 +35,8 @@ def megatron_defaults() -> dict[str, Any]:
 
 
 def with_megatron_defaults(overrides: dict[str, Any]) -> dict[str, Any]:
-    """``megatron_defaults`` updated with the caller's ``overrides`` (e.g.
-    tensor_model_parallel_size, sequence_parallel, params_dtype: passed through to
-    ``TransformerConfig`` unchanged); ``pipeline_dtype`` defaults to ``params_dtype`` (fp32 if
-    unset) when PP > 1, as megatron needs."""
+    """``megatron_defaults`` updated with ``overrides`` (passed to ``TransformerConfig`` unchanged);
+    ``pipeline_dtype`` defaults to ``params_dtype`` when PP > 1, as megatron needs."""
     kwargs = megatron_defaults()
     kwargs.update(overrides)
     if kwargs.get("pipeline_model_parallel_size", 1) > 1:
@@ -53,13 +46,9 @@ def with_megatron_defaults(overrides: dict[str, Any]) -> dict[str, Any]:
 
 def read_diffusers_config(diffusers_config: dict | str | Path, *, keys: tuple[str, ...], defaults: dict[str, Any],
                           what: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(values, extra)`` of a diffusers transformer config (dict or config.json path).
-
-    ``values``: every key in ``keys``, the config's value or else ``defaults``' (the diffusers
-    class's ``__init__`` defaults). ``extra``: the ``_``-prefixed metadata (class name, version;
-    not ``_use_default_values``), kept verbatim for writing the config back. ValueError names the
-    first key that is neither metadata nor in ``keys``; ``what`` names the config in that message.
-    """
+    """``(values, extra)`` of a diffusers transformer config (dict or config.json path): every key in
+    ``keys`` (else ``defaults``') and the ``_``-prefixed metadata, kept verbatim. ValueError names the
+    first key that is neither metadata nor in ``keys``."""
     if not isinstance(diffusers_config, dict):
         diffusers_config = json.loads(Path(diffusers_config).read_text())
     unknown = [k for k in diffusers_config if not k.startswith("_") and k not in keys]
@@ -71,9 +60,7 @@ def read_diffusers_config(diffusers_config: dict | str | Path, *, keys: tuple[st
 
 
 def shared_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """The ``DiTConfig`` / ``TransformerConfig`` fields every family maps the same way from the
-    diffusers values ``d``: one width for both streams (heads * head_dim), a 4x MLP, patch,
-    channels (``out_channels`` None = ``in_channels``) and text-embedding widths."""
+    """The ``DiTConfig`` / ``TransformerConfig`` fields every family maps the same way from diffusers values ``d``."""
     hidden = d["num_attention_heads"] * d["attention_head_dim"]
     return dict(
         hidden_size=hidden,
@@ -96,10 +83,8 @@ def build_config(config_class: type, d: dict[str, Any], extra: dict[str, Any], m
 
 
 def diffusers_config_dict(class_name: str, config: DiTConfig, keys: tuple[str, ...], **renames: str) -> dict[str, Any]:
-    """Inverse of ``build_config``: ``_class_name``, the metadata kept in ``config.extra``, then
-    each diffusers key of ``keys`` (in that order) with the value of the config field of the same
-    name, or of ``renames[key]`` (``attention_head_dim`` is always ``kv_channels``); tuples are
-    written as lists, as in diffusers' config.json."""
+    """Inverse of ``build_config``: ``_class_name``, the kept metadata, then each key of ``keys`` from
+    the config field of that name (or ``renames[key]``); tuples written as lists."""
     renames = {"attention_head_dim": "kv_channels", **renames}
     values = {k: getattr(config, renames.get(k, k)) for k in keys}
     values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}

@@ -1,7 +1,5 @@
-"""Weights must be finite: a pipeline or checkpoint holding NaN or inf is refused where it is loaded.
-
-A DiT whose weights are NaN samples NaN images; the rewards mask them (or score 0) and the run trains on nothing
-without saying why. ``refuse_non_finite`` names the first bad tensor in one line instead.
+"""Weights must be finite: a pipeline or checkpoint holding NaN or inf is refused where it is loaded,
+naming the first bad tensor (NaN weights would sample NaN images and train on nothing, silently).
 """
 from __future__ import annotations
 

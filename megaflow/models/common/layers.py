@@ -1,9 +1,5 @@
-"""DiT building blocks shared by the families, on megatron-core parallel modules (sequence-first
-layout [s, b, h]).
-
-What a block contains is declared in the family's ``spec.py`` (which linear / attention / norm
-class builds each submodule, resolved by ``common.spec``); these classes are the wiring,
-independent of the implementation (local or TE).
+"""DiT building blocks shared by the families, on megatron-core parallel modules (layout [s, b, h]).
+The family's ``spec.py`` declares which class builds each part; these classes are the wiring.
 
 Design notes: docs/design/models.md.
 """
@@ -23,11 +19,8 @@ from megatron.core.utils import divide
 
 
 class ReplicatedLinear(torch.nn.Linear):
-    """``nn.Linear`` whose weights are identical on every TP rank (adaLN, embeddings, final layer).
-
-    ``sequence_parallel_grad=True`` marks the parameters ``sequence_parallel`` so that, when
-    sequence parallelism is on, megatron all-reduces their (per-shard partial) grads over TP.
-    """
+    """``nn.Linear`` identical on every TP rank; ``sequence_parallel_grad=True`` marks its parameters
+    ``sequence_parallel`` so megatron all-reduces their grads over TP under SP."""
 
     def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig,
                  bias: bool = True, sequence_parallel_grad: bool = False):
@@ -43,9 +36,8 @@ class ReplicatedLinear(torch.nn.Linear):
 
 
 def _fast_forward_impl(base: type):
-    """A ``_forward_impl`` for subclasses of megatron's ``base`` linear: ``F.linear`` (bias fused
-    into the GEMM, plain torch autograd) when megatron's linear function would communicate nothing
-    itself (TP=1, no SP, no grad-accumulation fusion); otherwise ``base``'s own implementation."""
+    """A ``_forward_impl``: ``F.linear`` when megatron's linear would communicate nothing (TP=1, no SP,
+    no grad-accumulation fusion), else ``base``'s own."""
 
     def _forward_impl(self, input, weight, bias=None, *, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, **kwargs):
@@ -59,9 +51,7 @@ def _fast_forward_impl(base: type):
 
 
 class LocalColumnParallelLinear(ColumnParallelLinear):
-    """megatron's ColumnParallelLinear; at TP=1 (no comm inside the linear) it runs ``F.linear``:
-    megatron's local path is matmul + a separate bias add + a Python autograd Function (measured
-    ~8% slower fwd+bwd per linear on CPU). Weights, sharding and checkpoints are unchanged."""
+    """megatron's ColumnParallelLinear running ``F.linear`` at TP=1 (see docs/design/models.md)."""
 
     _forward_impl = _fast_forward_impl(ColumnParallelLinear)
 
@@ -86,15 +76,9 @@ class HeadRMSNorm(torch.nn.Module):
 
 
 class SDPAttention(MegatronModule):
-    """Core attention via torch SDPA; same interface as megatron's DotProductAttention / TE's.
-
-    q, k, v: [s, b, heads_local, head_dim] -> context [s, b, heads_local * head_dim]. Bidirectional
-    (no mask): a DiT attends over all image + context tokens.
-
-    ``input_layout = "bhsd"`` tells ``attend`` to hand over q/k/v as [s, b, h, d] VIEWS of
-    contiguous [b, h, s, d] tensors (what torch's CPU flash kernel reads fastest; measured ~1.5x
-    faster fwd+bwd than the same call on permuted sequence-first tensors).
-    """
+    """Core attention via torch SDPA, same interface as megatron's DotProductAttention:
+    q, k, v [s, b, heads_local, head_dim] -> [s, b, heads_local * head_dim], no mask.
+    ``input_layout = "bhsd"``: ``attend`` hands over views of contiguous [b, h, s, d] tensors."""
 
     input_layout = "bhsd"
 
@@ -119,10 +103,7 @@ class SDPAttention(MegatronModule):
 
 
 def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """core_attention over the token-concatenation of per-stream [s_i, b, heads, d] tensors ->
-    [sum s_i, b, heads * d]. A core attention that reads ``input_layout = "bhsd"`` (SDPAttention)
-    gets [s, b, h, d] views of contiguous [b, h, s, d] tensors, built by the one copy the
-    concatenation makes anyway."""
+    """core_attention over the concatenation of per-stream [s_i, b, heads, d] tensors -> [sum s_i, b, heads * d]."""
     if getattr(core_attention, "input_layout", "sbhd") == "bhsd":
         q, k, v = (torch.cat([t.permute(1, 2, 0, 3) for t in ts], dim=2).permute(2, 0, 1, 3) for ts in (qs, ks, vs))
     else:
@@ -143,11 +124,7 @@ class JointAttentionSubmodules:
 
 class JointAttention(MegatronModule):
     """MMDiT attention: fused QKV per stream, one attention over [image; context] tokens.
-
-    ``has_context=False`` gives plain image self-attention (SD3.5 dual attention, ``attn2``);
-    ``context_output=False`` drops the context output projection (SD3's last, context_pre_only
-    block: context tokens are attended to but not updated).
-    """
+    ``has_context=False``: image self-attention only; ``context_output=False``: no context output projection."""
 
     def __init__(self, config: TransformerConfig, submodules: JointAttentionSubmodules, layer_number: int,
                  has_context: bool = True, context_output: bool = True):
@@ -211,11 +188,8 @@ class JointAttention(MegatronModule):
 
 
 class MMDiTMLP(MegatronModule):
-    """fc1 (column-parallel, bias in the GEMM) -> GELU(tanh) -> fc2 (row-parallel, bias returned).
-
-    diffusers' FeedForward(dim, mult=4, "gelu-approximate"). Unlike megatron's MLP, fc1 keeps its
-    bias inside the linear (one fused GEMM on the local/CPU path instead of GEMM + bias add); the
-    names (``linear_fc1`` / ``linear_fc2``) and checkpoint layout are the same as megatron's MLP."""
+    """fc1 (column-parallel, bias in the GEMM) -> GELU(tanh) -> fc2 (row-parallel, bias returned):
+    diffusers' FeedForward(dim, mult=4, "gelu-approximate"), with megatron MLP's names and layout."""
 
     def __init__(self, config: TransformerConfig, submodules, ffn_hidden_size: int | None = None):
         super().__init__(config=config)

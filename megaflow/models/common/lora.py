@@ -1,9 +1,6 @@
-"""LoRA adapters on the megatron DiT's parallel linears (any family whose weight map has qkv / column /
-row linears): y = base(x) + (alpha / rank) * B A x, base frozen, A and B trained.
-
-Where: every linear whose weight-map row has kind ``qkv``, ``column`` or ``row`` and whose module leaf
-(``context_`` prefix dropped) is in ``LoRASettings.targets``: ``linear_qkv`` (the fused q/k/v of a
-stream), ``linear_proj`` (attention output), ``linear_fc1`` / ``linear_fc2`` (MLP), in both streams.
+"""LoRA adapters on the megatron DiT's parallel linears: y = base(x) + (alpha / rank) * B A x,
+base frozen. Adapted: every ``qkv`` / ``column`` / ``row`` linear whose leaf (``context_`` dropped)
+is in ``LoRASettings.targets``.
 
 Design notes: docs/design/models.md.
 """

@@ -1,7 +1,6 @@
-"""LoRA adapters on disk in the diffusers/PEFT format that ``pipeline.load_lora_weights`` loads:
-``pytorch_lora_weights.safetensors`` with keys ``transformer.<module>.lora_A.weight`` / ``.lora_B.weight``
-and the PEFT config (``r``, ``lora_alpha``, ``target_modules``) in the safetensors header under
-``lora_adapter_metadata`` (keys prefixed ``transformer.``), as diffusers' ``save_lora_weights`` writes it.
+"""LoRA adapters on disk as diffusers' ``save_lora_weights`` writes them (what ``load_lora_weights``
+loads): ``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A/B.weight``, the PEFT
+config in the header under ``lora_adapter_metadata``.
 """
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ def adapter_file(path: str | Path) -> Path:
 
 
 def read_adapter(path: str | Path, *, rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """The transformer's adapter tensors (PEFT names, no ``transformer.`` prefix) of a LoRA file or directory.
-    ValueError when the file is missing, holds no transformer adapter, or its recorded rank / alpha differ from
-    ``rank`` / ``alpha`` (a file without recorded ones is checked by the shapes when loaded)."""
+    """The transformer's adapter tensors (PEFT names) of a LoRA file or directory; ValueError when
+    missing, empty, or its recorded rank / alpha differ from ``rank`` / ``alpha``."""
     from safetensors import safe_open
 
     file = adapter_file(path)
@@ -45,9 +43,8 @@ def read_adapter(path: str | Path, *, rank: int, alpha: float) -> dict[str, torc
 
 def write_adapter(directory: str | Path, state: dict[str, torch.Tensor], *, rank: int, alpha: float,
                   pipeline_class: str) -> Path:
-    """Write ``state`` (PEFT names) as ``directory/pytorch_lora_weights.safetensors`` through diffusers'
-    ``<pipeline_class>.save_lora_weights`` (e.g. StableDiffusion3Pipeline), with the PEFT LoraConfig fields that
-    ``load_lora_weights`` reads (r, lora_alpha, target_modules = every adapted module, no per-module patterns)."""
+    """Write ``state`` (PEFT names) through ``<pipeline_class>.save_lora_weights`` with the LoraConfig
+    fields ``load_lora_weights`` reads."""
     import diffusers
 
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})

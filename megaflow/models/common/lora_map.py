@@ -1,10 +1,7 @@
-"""LoRA adapter tensors <-> diffusers/PEFT names, over the family's own weight map.
+"""LoRA adapter tensors <-> diffusers/PEFT names, over the family's own weight map:
+``<module>.lora.a`` / ``.lora.b`` <-> ``<diffusers module>.lora_A.weight`` / ``.lora_B.weight``.
 
-Each adapted linear (``lora.adapted_modules``) has two megatron tensors, ``<module>.lora.a`` and
-``<module>.lora.b``, whose diffusers names are PEFT's on the diffusers module(s) of the base weight:
-``<diffusers module>.lora_A.weight`` / ``.lora_B.weight`` (e.g. ``transformer_blocks.0.attn.to_q.lora_A.weight``).
-Kinds (split dim = the TP split of the megatron tensor, see ``megaflow.models.common.lora``)
-(design notes: docs/design/models.md).
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

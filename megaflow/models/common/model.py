@@ -52,9 +52,7 @@ class EmbedMLP(torch.nn.Module):
 
 
 def pipeline_seq_length(config: TransformerConfig, num_image_tokens: int, num_context_tokens: int) -> int:
-    """``seq_length`` for megatron's pipeline schedule so that the p2p tensor is the image and
-    context tokens plus one temb row on each rank (with SP: N/tp + L/tp + 1 rows, i.e.
-    seq_length // tp)."""
+    """``seq_length`` for megatron's pipeline schedule: image + context tokens + one temb row (divided by tp under SP)."""
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     return num_image_tokens + num_context_tokens + tp
 
@@ -66,10 +64,8 @@ def stage_layers(config: TransformerConfig, pp_rank: int, vp_stage: int | None =
 
 
 def recompute_blocks(config: TransformerConfig) -> int:
-    """How many leading blocks of every model chunk run under activation checkpointing: all of them for
-    ``recompute_granularity="full"`` with ``recompute_method="uniform"`` (``recompute_num_layers`` must be 1:
-    one block per checkpoint), ``recompute_num_layers`` of them with ``"block"``, none without recompute.
-    ValueError for what the DiT blocks cannot do ("selective"; uniform units of several blocks)."""
+    """How many leading blocks of each chunk run under activation checkpointing (all for "full"/"uniform",
+    ``recompute_num_layers`` for "block", else 0). ValueError for what DiT blocks cannot do."""
     granularity, method, num = config.recompute_granularity, config.recompute_method, config.recompute_num_layers
     if granularity is None:
         return 0
@@ -94,11 +90,8 @@ def stage_ends(config: TransformerConfig, pp_rank: int, vp_stage: int | None = N
 
 
 class DiTModel(MegatronModule):
-    """One pipeline stage / virtual chunk of a DiT family model (see the module's design notes).
-
-    Subclass ``__init__``: call ``super().__init__``, then ``_build_layers``, the embeddings (if
-    ``pre_process``) and ``_build_final`` (if ``post_process``), in the order their parameters
-    should be registered."""
+    """One pipeline stage / virtual chunk of a DiT family model. Subclass ``__init__``: ``super().__init__``,
+    ``_build_layers``, embeddings (if ``pre_process``), ``_build_final`` (if ``post_process``)."""
 
     def __init__(self, config: TransformerConfig, *, pp_rank: int | None = None, vp_stage: int | None = None):
         super().__init__(config=config)
@@ -130,10 +123,8 @@ class DiTModel(MegatronModule):
         self.final_proj = ReplicatedLinear(h, self.config.patch_dim, config=self.config, sequence_parallel_grad=True)
 
     def _run_layer(self, index: int, layer: torch.nn.Module, *tensors: torch.Tensor, **static):
-        """``layer(*tensors, **static)`` for this chunk's block ``index`` (0-based in the chunk), under
-        ``tensor_parallel.checkpoint`` when the config recomputes that block and autograd is recording
-        (see the module's design notes). ``static``: non-tensor arguments (e.g. RoPE tables), held by the
-        checkpoint's closure rather than saved as inputs."""
+        """``layer(*tensors, **static)`` for this chunk's block ``index``, under ``tensor_parallel.checkpoint``
+        when that block is recomputed and autograd records; ``static`` (non-tensors) stays in the closure."""
         if index >= self._recompute_blocks or not torch.is_grad_enabled():
             return layer(*tensors, **static)
         return tensor_parallel.checkpoint(partial(layer, **static) if static else layer, False, *tensors)
@@ -173,10 +164,8 @@ class DiTModel(MegatronModule):
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Sharded state dict with GLOBAL block indices (``layers.<global>.``), so a checkpoint
-        saved at one TP/PP layout loads at another. Blocks are heterogeneous (SD3's last block is
-        context_pre_only, FLUX has two kinds), so each block is its own set of tensors, not one
-        stacked tensor."""
+        """Sharded state dict with GLOBAL block indices, so a checkpoint loads at another TP/PP layout;
+        each (heterogeneous) block is its own set of tensors."""
         assert not sharded_offsets, f"{type(self).__name__} is the top-level module"
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         tp_group = parallel_state.get_tensor_model_parallel_group()  # replica ids of replicated tensors
@@ -193,9 +182,7 @@ class DiTModel(MegatronModule):
 
 
 def _shard_adapters(sharded: dict) -> dict:
-    """LoRA adapter tensors (``megaflow.models.common.lora``) sit inside megatron's linears, whose sharded
-    state dict calls every tensor but ``weight`` / ``bias`` replicated; an adapter tensor split over TP
-    (its ``lora_split_dim``) gets its TP-sharded entry here instead."""
+    """TP-sharded state-dict entries for LoRA adapter tensors split over TP (megatron calls them replicated)."""
     for key, sh in sharded.items():
         dim = getattr(getattr(sh, "data", None), "lora_split_dim", None)
         if dim is not None:

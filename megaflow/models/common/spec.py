@@ -1,10 +1,6 @@
 """Layer-spec implementations shared by the families: WHICH classes build a block's parts.
-
-- ``local``: megatron-core's own ColumnParallelLinear / RowParallelLinear (run anywhere, incl. CPU
-  with gloo; subclassed only to fuse the bias into the GEMM when no TP comm is involved), torch
-  SDPA for the core attention, a torch RMSNorm for q/k norms.
-- ``te``: Transformer Engine linears, TE fused attention and TENorm (CUDA + transformer_engine).
-- ``auto``: ``te`` when Transformer Engine and a CUDA device are present, else ``local``.
+``local``: megatron-core linears (runs anywhere, CPU + gloo), torch SDPA, torch RMSNorm; ``te``:
+Transformer Engine; ``auto``: ``te`` when TE and CUDA are present, else ``local``.
 
 Design notes: docs/design/models.md.
 """
@@ -58,9 +54,7 @@ def impl_classes(impl: str) -> dict[str, type]:
 
 def adaln_block_spec(block: type, attention: type, classes: dict[str, type], *,
                      core_attention: type | None = None) -> ModuleSpec:
-    """Spec of an adaLN-Zero double-stream ``block`` (replicated adaLN linears, joint
-    ``attention`` with fused per-stream QKV and q/k norms, GELU MLP) built from ``classes``
-    (``impl_classes``); ``core_attention`` replaces the implementation's core attention."""
+    """Spec of an adaLN-Zero double-stream block built from ``classes``; ``core_attention`` replaces the core attention."""
     attn = ModuleSpec(
         module=attention,
         submodules=JointAttentionSubmodules(

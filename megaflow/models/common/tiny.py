@@ -1,8 +1,5 @@
-"""Helpers shared by the families' ``tiny.py`` (tiny configs, random diffusers reference models,
-synthetic batches): every diffusers reference model is drawn and every SFT reference loss and
-grad is computed the same way, whatever the family.
-
-diffusers is never imported here; the family passes its model class.
+"""Helpers shared by the families' ``tiny.py``: random diffusers reference models and SFT reference
+losses/grads, the same way for every family (the family passes its diffusers model class).
 """
 from __future__ import annotations
 
@@ -14,9 +11,8 @@ from megaflow.flow import forward
 
 
 def random_model(model_class: type, config: dict[str, Any], *, seed: int, is_norm_scale: Callable[[str], bool]):
-    """``model_class(**config)`` (fp32, eval mode) with weights redrawn from N(0, 0.05) and q/k
-    norm scales (``is_norm_scale(name)``) from 1 + N(0, 0.1), so that every tensor has the same
-    scale and contributes visibly to outputs and grads, whatever diffusers' own init does."""
+    """``model_class(**config)`` (fp32, eval) with weights from N(0, 0.05) and q/k norm scales from
+    1 + N(0, 0.1), so every tensor visibly affects outputs and grads."""
     torch.manual_seed(seed)
     model = model_class(**config).eval()
     g = torch.Generator().manual_seed(seed)

@@ -1,6 +1,4 @@
-"""The generic weight map: conversions between diffusers and megatron state dicts over one
-family's name table.
-
+"""The generic weight map: diffusers <-> megatron state dicts over one family's name table.
 Design notes: docs/design/models.md.
 """
 from __future__ import annotations
@@ -102,10 +100,8 @@ def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> to
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the megatron tensor of a fused kind is built from its diffusers tensors and split back.
-
-    ``fuse(m, tensors, config)``: the diffusers tensors (in ``m.diffusers`` order) -> the FULL
-    megatron tensor; ``unfuse(m, tensor, config)``: its inverse, a list in ``m.diffusers`` order."""
+    """A fused kind: ``fuse(m, tensors, config)`` diffusers tensors (``m.diffusers`` order) -> FULL
+    megatron tensor; ``unfuse`` its inverse."""
 
     fuse: Callable[[ParamMap, list[torch.Tensor], Any], torch.Tensor]
     unfuse: Callable[[ParamMap, torch.Tensor, Any], list[torch.Tensor]]
@@ -124,10 +120,8 @@ QKV = Recipe(fuse=_fuse_qkv_recipe, unfuse=_unfuse_qkv_recipe)
 
 
 class WeightMap:
-    """The conversions over one family's table: ``param_maps(config)`` lists every megatron tensor
-    of the full model (global names, stable order); ``recipes`` maps each fused kind to its
-    ``Recipe`` (other kinds are one diffusers tensor, unchanged); ``family`` names the family in
-    error messages."""
+    """The conversions over one family's table: ``param_maps(config)`` (every megatron tensor, global
+    names, stable order), ``recipes`` per fused kind, ``family`` for error messages."""
 
     def __init__(self, family: str, param_maps: Callable[[Any], list[ParamMap]], recipes: dict[str, Recipe]):
         self.family, self.param_maps, self.recipes = family, param_maps, dict(recipes)
@@ -147,9 +141,7 @@ class WeightMap:
         return tensors[0] if recipe is None else recipe.fuse(m, tensors, config)
 
     def to_megatron_full(self, diffusers_sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-        """Full (un-split) megatron state dict with global names from a diffusers state dict.
-
-        ValueError names the first missing or unexpected diffusers tensor (a wrong architecture)."""
+        """Full megatron state dict (global names) from diffusers; ValueError names the first missing or unexpected tensor."""
         maps = self.param_maps(config)
         expected = {d for m in maps for d in m.diffusers}
         missing = [d for m in maps for d in m.diffusers if d not in diffusers_sd]
@@ -169,9 +161,7 @@ class WeightMap:
         return list(zip(m.diffusers, recipe.unfuse(m, tensor, config)))
 
     def to_diffusers(self, megatron_full_sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-        """Full megatron state dict (global names; ``_extra_state`` entries ignored) -> diffusers.
-
-        ValueError names the first missing or unexpected megatron tensor."""
+        """Full megatron state dict (``_extra_state`` ignored) -> diffusers; ValueError names the first missing or unexpected tensor."""
         names = {k for k in megatron_full_sd if not k.endswith("_extra_state")}
         maps = self.param_maps(config)
         missing = [m.megatron for m in maps if m.megatron not in names]

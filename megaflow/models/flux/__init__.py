@@ -1,7 +1,4 @@
-"""FLUX.1 (dev / schnell) on megatron-core: config mapping, layer spec, model, weight map.
-
-``FAMILY`` is what ``megaflow.models.registry`` hands out for the name "flux".
-"""
+"""FLUX.1 (dev / schnell) on megatron-core; ``FAMILY`` is what the registry hands out for "flux"."""
 from megaflow.models.flux import config, model, weight_map
 from megaflow.models.flux.config import FluxConfig, from_diffusers
 from megaflow.models.flux.model import FluxTransformer, model_inputs, pipeline_seq_length  # noqa: F401

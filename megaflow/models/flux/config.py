@@ -1,9 +1,6 @@
 """FLUX.1 configuration: the ONE mapping from a diffusers ``FluxTransformer2DModel`` config to megatron.
-
-``FluxConfig`` is a megatron ``TransformerConfig`` extended with the FLUX fields. megatron's
-``num_layers`` counts ALL blocks: the ``num_double_layers`` double-stream blocks come first
-(global block indices 0 .. D-1), then the ``num_single_layers`` single-stream blocks (D .. D+S-1),
-so megatron's pipeline split (``get_num_layers_to_build`` / offsets) cuts through both kinds.
+``num_layers`` counts ALL blocks: the double-stream ones first (0 .. D-1), then the single-stream
+ones (D .. D+S-1), so megatron's pipeline split cuts through both kinds.
 
 Design notes: docs/design/models.md.
 """
@@ -75,9 +72,8 @@ class FluxConfig(DiTConfig):
 
 
 def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) -> FluxConfig:
-    """Build the FLUX config from a diffusers ``FluxTransformer2DModel`` config (dict or
-    config.json path); ``megatron_kwargs`` as for SD3 (parallel degrees, dtypes: see
-    ``common.config.with_megatron_defaults``). ValueError names the first unknown key or bad value."""
+    """The FLUX config from a diffusers config (dict or path); ``megatron_kwargs`` pass through.
+    ValueError names the first unknown key or bad value."""
     d, extra = read_diffusers_config(diffusers_config, keys=_DIFFUSERS_KEYS, defaults=_DIFFUSERS_DEFAULTS,
                                      what="FLUX transformer config (FluxTransformer2DModel)")
     return build_config(

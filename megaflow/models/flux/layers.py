@@ -1,9 +1,5 @@
-"""FLUX.1 blocks on megatron-core parallel modules (sequence-first layout [s, b, h]).
-
-What each block contains is declared in ``spec.py``; the pieces FLUX shares with SD3 (fused-QKV
-joint attention, GELU-tanh MLP, replicated adaLN linears, head RMSNorm, SDPA core attention) are
-in ``megaflow.models.common.layers``. This file adds rotary position embeddings and the two FLUX
-block kinds.
+"""FLUX.1 blocks on megatron-core (layout [s, b, h]): rotary embeddings and the two block kinds;
+shared pieces are in ``megaflow.models.common.layers``.
 
 Design notes: docs/design/models.md.
 """
@@ -62,9 +58,7 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class FluxJointAttention(JointAttention):
-    """The shared joint attention (fused per-head QKV per stream, q/k RMSNorm) with RoPE on q and k.
-
-    Tokens are attended as ``[context; image]`` (diffusers' order)."""
+    """The shared joint attention with RoPE on q and k; tokens attended as ``[context; image]``."""
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope: FluxRope):
         """Returns ``(image_out, image_bias), (context_out, context_bias)`` (biases un-added)."""
@@ -124,9 +118,8 @@ class FluxSingleLayerSubmodules:
 
 
 class FluxSingleLayer(MegatronModule):
-    """One FluxSingleTransformerBlock over the joint ``[context; image]`` sequence:
-    x = LN(x)*(1+scale)+shift; [q k v | m] = fused linear; out = proj([attn(q, k, v) | gelu(m)]);
-    x + gate * out."""
+    """One FluxSingleTransformerBlock over ``[context; image]``: modulated LN, fused [q k v | m],
+    out = proj([attn | gelu(m)]), x + gate * out."""
 
     single = True
 

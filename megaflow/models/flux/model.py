@@ -1,7 +1,5 @@
-"""FLUX.1 as a megatron-core model: embeddings on the first pipeline stage, a slice of the
-double-stream then single-stream blocks per stage, the final adaLN + projection on the last.
-
-Design notes: docs/design/models.md.
+"""FLUX.1 as a megatron-core model: embeddings on the first stage, double- then single-stream
+blocks per stage, final adaLN + projection on the last. Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 
@@ -92,9 +90,7 @@ class FluxTransformer(DiTModel):
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, txt_ids: torch.Tensor, img_ids: torch.Tensor,
                 guidance: torch.Tensor | None = None) -> torch.Tensor:
-        """Velocity [B, N, patch_dim] on the last stage, else the packed [context; image; temb] tensor.
-
-        Every stage receives the same batch; stages after the first use only the ids."""
+        """Velocity [B, N, patch_dim] on the last stage, else the packed [context; image; temb] tensor."""
         txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         num_context, num_image = txt_ids.shape[0], img_ids.shape[0]
@@ -126,9 +122,8 @@ class FluxTransformer(DiTModel):
 
 
 def packed_grid(num_tokens: int, height: int, width: int) -> tuple[int, int]:
-    """The (rows, cols) of FLUX's packed latent tokens for a ``height`` x ``width`` image: FluxPipeline
-    packs to (height // s, width // s) with s = 2 x the VAE's scale factor. Both factors fall as s grows,
-    so the one s that gives ``num_tokens`` fixes the grid; ValueError when none does."""
+    """(rows, cols) of FLUX's packed tokens for ``height`` x ``width``: the one scale s (2 x VAE factor)
+    giving ``num_tokens``; ValueError when none does."""
     for s in range(1, max(height, width) + 1):
         rows, cols = height // s, width // s
         if rows * cols == num_tokens:
@@ -139,11 +134,8 @@ def packed_grid(num_tokens: int, height: int, width: int) -> tuple[int, int]:
 
 
 def batch_conditioning(config: FluxConfig, trajectories, cfg: bool) -> dict:
-    """The conditioning keys of a trainer microbatch (see ``model_inputs``) from rollout trajectories:
-    encoder_hidden_states and pooled_projections stacked; txt_ids zeros [L, 3] and img_ids the packed
-    grid's (0, row, col) (FluxPipeline's, which the engine's rotary tables are built from); guidance [B]
-    = each trajectory's ``guidance_scale`` when the model embeds guidance (FLUX.1-dev). FLUX.1 samples
-    without true CFG: ``cfg`` raises ValueError."""
+    """A trainer microbatch's conditioning keys from trajectories: stacked embeddings, FluxPipeline's
+    txt_ids / img_ids, guidance [B] when the model embeds it. ``cfg`` raises ValueError (no true CFG)."""
     if cfg:
         raise ValueError("FLUX.1 has no classifier-free guidance branch: its guidance_scale is the embedded "
                          "guidance (trajectories must have do_cfg=False)")
@@ -161,11 +153,8 @@ def batch_conditioning(config: FluxConfig, trajectories, cfg: bool) -> dict:
 
 
 def model_inputs(config: FluxConfig, microbatch: dict) -> dict:
-    """``FluxTransformer.forward`` kwargs for a trainer microbatch.
-
-    Microbatch keys: latents [B, N, C] (packed, x_t), sigma [B], encoder_hidden_states [B, L, D],
-    pooled_projections [B, P], txt_ids [L, 3], img_ids [N, 3], guidance [B] (FLUX.1-dev only).
-    The timestep input of FLUX is sigma itself (the 1000 is applied inside)."""
+    """``FluxTransformer.forward`` kwargs for a microbatch (latents [B, N, C] packed, sigma [B],
+    embeddings, txt_ids, img_ids, guidance); FLUX's timestep input is sigma itself."""
     return dict(hidden_states=microbatch["latents"], timestep=microbatch["sigma"],
                 encoder_hidden_states=microbatch["encoder_hidden_states"],
                 pooled_projections=microbatch["pooled_projections"], txt_ids=microbatch["txt_ids"],

@@ -1,12 +1,6 @@
 """Layer spec for FLUX.1: WHAT each block kind contains, separate from WHICH class builds it.
-
-FLUX has two block kinds, so its spec is one ``ModuleSpec`` of the block stack (``module`` =
-``FluxTransformer``) whose submodules hold one spec per kind (``double`` and ``single``) -- the
-one difference from SD3's single-block spec, and what a user provider (``"pkg.mod:fn"``) must
-return too. Implementations (``local`` / ``te`` / ``auto``) are resolved by
-``megaflow.models.common.spec`` as for SD3; the double-stream block is the shared adaLN block spec
-(``common.spec.adaln_block_spec``) with RoPE attention. ``core_attention`` swaps the core attention
-of both kinds (e.g. megatron's ``DotProductAttention``).
+One ``ModuleSpec`` of the block stack holding a spec per kind (``double``, ``single``) -- also what a
+user provider must return; ``core_attention`` swaps both kinds' core attention.
 """
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Tiny FLUX.1 configurations, random diffusers reference models and synthetic batches.
-
-Shared by tests, benchmarks and demos: a diffusers ``FluxTransformer2DModel`` with random weights
-is the ground truth the megatron model is compared with (diffusers is imported lazily).
-"""
+"""Tiny FLUX.1 configs, random diffusers reference models (the ground truth) and synthetic batches."""
 from __future__ import annotations
 
 from typing import Any
@@ -36,9 +32,7 @@ def diffusers_model(config: dict[str, Any], *, seed: int = 0):
 
 def sft_batches(config: dict[str, Any], *, num_microbatches: int = 2, batch: int = 2, grid: int = 4,
                 context_len: int = 6, seed: int = 1) -> list[dict]:
-    """Rectified-flow microbatches on packed tokens (x0, noise [B, grid*grid, C], sigma,
-    conditioning, ids, guidance if the config has it). txt_ids are random small positions
-    (FluxPipeline uses zeros) so that the context RoPE path is exercised too."""
+    """Rectified-flow microbatches on packed tokens; txt_ids random small positions to exercise context RoPE."""
     g = torch.Generator().manual_seed(seed)
     n, c = grid * grid, config["in_channels"]
     out = []

@@ -1,5 +1,4 @@
-"""The single FLUX.1 name table: megatron name <-> diffusers name, TP split dim, fused recipes.
-
+"""The single FLUX.1 name table: megatron <-> diffusers names, TP split dim, fused recipes.
 Design notes: docs/design/models.md.
 """
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""SD3 / SD3.5 MMDiT on megatron-core: config mapping, layer spec, model, weight map.
-
-``FAMILY`` is what ``megaflow.models.registry`` hands out for the name "sd3".
-"""
+"""SD3 / SD3.5 MMDiT on megatron-core; ``FAMILY`` is what the registry hands out for "sd3"."""
 from megaflow.models.registry import ModelFamily
 from megaflow.models.sd3 import config, model, weight_map
 from megaflow.models.sd3.config import MMDiTConfig, from_diffusers

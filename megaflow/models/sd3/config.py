@@ -1,10 +1,6 @@
 """SD3 MMDiT configuration: the ONE mapping from a diffusers ``transformer/config.json`` to megatron.
-
-``MMDiTConfig`` is a megatron ``TransformerConfig`` (so megatron's layers, schedules, optimizer and
-dist-checkpointing read it directly) extended with the SD3-specific fields. ``from_diffusers``
-maps a diffusers ``SD3Transformer2DModel`` config dict; ``to_diffusers`` maps back (used when
-writing a diffusers ``config.json`` from a megatron checkpoint). Parallel degrees, dtypes and other
-megatron knobs are passed through ``**megatron_kwargs`` unchanged.
+``MMDiTConfig`` is a megatron ``TransformerConfig`` with the SD3 fields; ``from_diffusers`` /
+``to_diffusers`` map both ways.
 
 Design notes: docs/design/models.md.
 """
@@ -63,12 +59,8 @@ class MMDiTConfig(DiTConfig):
 
 
 def from_diffusers(diffusers_config: dict | str | Path, **megatron_kwargs: Any) -> MMDiTConfig:
-    """Build the MMDiT config from a diffusers SD3 transformer config (dict or config.json path).
-
-    ``megatron_kwargs`` (e.g. tensor_model_parallel_size, sequence_parallel, params_dtype) pass
-    through to ``TransformerConfig`` (see ``common.config.with_megatron_defaults``). Raises
-    ValueError naming the first unknown key or unsupported value.
-    """
+    """The MMDiT config from a diffusers SD3 config (dict or path); ``megatron_kwargs`` pass through.
+    ValueError names the first unknown key or unsupported value."""
     d, extra = read_diffusers_config(diffusers_config, keys=_DIFFUSERS_KEYS, defaults=_DIFFUSERS_DEFAULTS,
                                      what="SD3 transformer config")
     hidden = d["num_attention_heads"] * d["attention_head_dim"]

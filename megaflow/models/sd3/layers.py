@@ -1,7 +1,4 @@
-"""The SD3 MMDiT block on megatron-core (sequence-first layout [s, b, h]).
-
-Design notes: docs/design/models.md.
-"""
+"""The SD3 MMDiT block on megatron-core (layout [s, b, h]). Design notes: docs/design/models.md."""
 from __future__ import annotations
 
 import torch
@@ -16,11 +13,8 @@ MMDiTLayerSubmodules = AdaLNBlockSubmodules  # the SD3 name of the shared submod
 
 
 class MMDiTLayer(MegatronModule):
-    """One SD3 JointTransformerBlock: adaLN-Zero modulation, joint attention, MLP, per stream.
-
-    Layer ``num_layers`` (1-based) is context_pre_only: its context stream only feeds keys/values
-    (modulated by a 2h "continuous" adaLN, scale then shift) and is not returned.
-    """
+    """One SD3 JointTransformerBlock; layer ``num_layers`` (1-based) is context_pre_only: its context
+    stream only feeds keys/values and is not returned."""
 
     def __init__(self, config: MMDiTConfig, submodules: AdaLNBlockSubmodules, layer_number: int):
         super().__init__(config=config)

@@ -1,9 +1,5 @@
-"""SD3 MMDiT as a megatron-core model: embeddings on the first pipeline stage, a slice of MMDiT
-blocks per stage, the final adaLN + projection on the last stage.
-
-Inputs follow diffusers' ``SD3Transformer2DModel.forward``: latents [B, C, H, W], timestep [B]
-(= sigma * num_train_timesteps), encoder_hidden_states [B, L, joint_attention_dim],
-pooled_projections [B, pooled_projection_dim]; output: velocity [B, C, H, W] on the last stage.
+"""SD3 MMDiT as a megatron-core model, inputs as diffusers' ``SD3Transformer2DModel.forward``
+(timestep = sigma * num_train_timesteps); velocity [B, C, H, W] on the last stage.
 
 Design notes: docs/design/models.md.
 """
@@ -54,9 +50,7 @@ class PatchEmbed(torch.nn.Module):
         self.patch_size, self.max_size = p, config.pos_embed_max_size
 
     def _apply(self, fn, recurse: bool = True):
-        """Module casts (``.bfloat16()`` by megatron's Float16Module, ``.to(device)``) move the position table
-        but keep it float32, as diffusers' PatchEmbed and the SGLang engine hold it: the sum with the
-        patches is taken in fp32 and cast to the patches' dtype, on both sides."""
+        """Casts move the position table but keep it float32, as diffusers and the engine hold it."""
         table = self.pos_embed
         super()._apply(fn, recurse)
         self.pos_embed = table.to(self.pos_embed.device)
@@ -116,10 +110,7 @@ class SD3MMDiT(DiTModel):
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor,
                 encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor):
-        """Velocity [B, C, H, W] on the last stage, else the packed [image; context; temb] tensor.
-
-        Every stage receives the same batch; stages after the first use only ``latents.shape``.
-        """
+        """Velocity [B, C, H, W] on the last stage, else the packed [image; context; temb] tensor."""
         height, width = latents.shape[-2:]
         num_image = (height // self.config.patch_size) * (width // self.config.patch_size)
         if self.pre_process:
@@ -141,10 +132,7 @@ def batch_conditioning(config: MMDiTConfig, trajectories, cfg: bool) -> dict:
 
 
 def model_inputs(config: MMDiTConfig, microbatch: dict) -> dict:
-    """``SD3MMDiT.forward`` kwargs for a trainer microbatch.
-
-    Microbatch keys: latents [B, C, H, W] (x_t), sigma [B], encoder_hidden_states [B, L, D],
-    pooled_projections [B, P]. SD3's timestep input is sigma * num_train_timesteps."""
+    """``SD3MMDiT.forward`` kwargs for a microbatch (latents [B, C, H, W], sigma [B], embeddings)."""
     return dict(latents=microbatch["latents"], timestep=microbatch["sigma"] * float(config.num_train_timesteps),
                 encoder_hidden_states=microbatch["encoder_hidden_states"],
                 pooled_projections=microbatch["pooled_projections"])

@@ -1,10 +1,5 @@
-"""Layer spec for the SD3 MMDiT block: WHAT a block contains, separate from WHICH class builds it.
-
-Implementations (``local`` / ``te`` / ``auto``) are resolved by ``megaflow.models.common.spec``.
-Any part can be overridden by editing the returned spec, or a whole spec/model can come from a
-dotted path (``megaflow.models.provider``). megatron's local ``DotProductAttention`` fits the
-``core_attention`` slot too (same interface), e.g. ``get_mmdit_layer_spec("local",
-core_attention=DotProductAttention)``.
+"""Layer spec for the SD3 MMDiT block: WHAT a block contains, separate from WHICH class builds it
+(``megaflow.models.common.spec``); edit the returned spec to override any part.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""SD3 text conditioning as SGLang computes it for a request with a prompt length (``max_sequence_length``).
-
-The trainer never encodes text (a Trajectory carries its conditioning); the diffusers baseline sampler
-(megaflow.rollout.baseline) and the ShapeEval pretraining (megaflow.pretrain) do, and must match the engine.
-The file imports torch only: ``megaflow export`` copies it into an SD3 export as ``encode_prompts.py``, so the
-exported pipeline is sampled as the engine sampled it without megaflow (``pipe(prompt_embeds=embeds,
-pooled_prompt_embeds=pooled)``).
+"""SD3 text conditioning as SGLang computes it for a request with ``max_sequence_length``.
+Imports torch only: ``megaflow export`` copies it into an SD3 export as ``encode_prompts.py``.
 """
 from __future__ import annotations
 
@@ -15,10 +10,8 @@ import torch.nn.functional as F
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], *, max_sequence_length: int,
                    batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt_embeds [N, 2 * L, D], pooled [N, P]) as SGLang's SD3 pipeline computes them for a request
-    with ``max_sequence_length = L``: SGLang pads BOTH CLIP prompts and the T5 prompt to L tokens
-    (diffusers keeps CLIP at 77), takes CLIP's penultimate hidden states and projected pooled
-    outputs, pads the joined CLIP features to the T5 width and appends the T5 tokens."""
+    """(prompt_embeds [N, 2 * L, D], pooled [N, P]) as SGLang's SD3 pipeline computes them with
+    ``max_sequence_length = L`` (CLIP prompts padded to L too, unlike diffusers' 77)."""
     embeds, pooled = [], []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]

@@ -1,9 +1,4 @@
-"""Tiny SD3 configurations, random diffusers reference models and synthetic batches.
-
-Shared by tests, benchmarks and demos: a diffusers ``SD3Transformer2DModel`` with random weights
-is the ground truth the megatron model is compared with (diffusers is imported lazily: it is slow
-to import and only the reference side needs it).
-"""
+"""Tiny SD3 configs, random diffusers reference models (the ground truth) and synthetic batches."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,10 +10,7 @@ from megaflow.models.common.tiny import noised, random_model, sft_reference
 
 def tiny_config(*, qk_norm: str | None = None, dual_attention_layers: tuple[int, ...] = (),
                 **overrides: Any) -> dict[str, Any]:
-    """A diffusers SD3 transformer config small enough for CPU tests (hidden 32, 4 heads, 4 blocks).
-
-    Token counts: sample 8x8 latent, patch 2 -> 16 image tokens; use a context length divisible by
-    the TP degree when testing sequence parallelism."""
+    """A diffusers SD3 config small enough for CPU tests (hidden 32, 4 heads, 4 blocks, 16 image tokens)."""
     cfg = dict(
         sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8,
         num_attention_heads=4, joint_attention_dim=24, caption_projection_dim=32,

@@ -1,11 +1,5 @@
-"""The single SD3 name table: megatron name <-> diffusers name, TP split kind, fused-QKV recipe.
-
-Trainer (loading diffusers weights), bridge (megatron -> engine names) and tools (checkpoint
-conversion) all go through this module; nothing else spells parameter names. The conversions
-themselves are the generic ones of ``megaflow.models.common.weight_map`` (which also documents the
-kinds replicated / column / row / qkv) over this table.
-
-Design notes: docs/design/models.md.
+"""The single SD3 name table: megatron <-> diffusers names, TP split kind, fused-QKV recipe;
+nothing else spells parameter names. Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The SGLang adapter: the only package importing sglang (``megaflow.rollout`` itself does not).
-
-Design notes: docs/design/rollout.md.
-"""
+"""The SGLang adapter: the only package importing sglang. Design notes: docs/design/rollout.md."""
 import importlib
 
 _HOMES = {"FAMILY_MODEL_IDS": "config", "SGLangEngineConfig": "config", "EngineCrashed": "engine",

@@ -48,11 +48,8 @@ class SGLangEngineConfig:
     a bridge's staging slot (the colocated bridge on CPU) is kept as a view of the slot, no copy; anything else
     as a host copy (one copy per sync into tensors reused across syncs). See ``megaflow.rollout.sglang.replay``."""
     num_threads: int | None = None
-    """Torch intra-op threads of each worker process: passed as ``OMP_NUM_THREADS`` to the workers while they
-    are spawned (SGLang keeps an explicit OMP_NUM_THREADS). None: the workers inherit this process's
-    OMP_NUM_THREADS, and without one SGLang gives each worker ``cpu_count // num_gpus`` threads (at most 16),
-    which on a small shared CPU host oversubscribes it (tiny-SD3 DiT forward measured 4.4x slower with 2
-    threads than with 1 on 2 busy cores)."""
+    """Torch threads per worker, passed as ``OMP_NUM_THREADS`` at spawn; None: inherited, else SGLang's choice
+    (oversubscribes small CPU hosts, see docs/design/rollout.md)."""
     checksum: str = DEFAULT
     """How the engine's workers hash the tensors they hold for verification (``megaflow.checksum``:
     xxh3 or sha256), told to them when they are spawned; the bridge's ``bridge.checksum``."""
@@ -78,10 +75,8 @@ class SGLangEngineConfig:
 
 def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, device_index: int | None = None,
                   verbose: bool = False) -> SGLangEngineConfig:
-    """Settings of engine ``engine_id`` serving the pipeline at ``model_path``, its workers pinned to local GPU
-    ``device_index`` (None: not pinned). SGLang logs at level info (per-stage timings of every call) into
-    ``<run dir>/logs/<engine_id>.log``; ``verbose`` (the CLI's ``--verbose``, not a run setting) sends the same
-    output to the terminal instead."""
+    """Settings of engine ``engine_id`` serving ``model_path``, pinned to local GPU ``device_index`` (None: not pinned);
+    logs in ``<run dir>/logs/<engine_id>.log``, or the terminal with ``verbose``."""
     r = cfg.rollout
     log_dir = None if verbose else str(Path(cfg.run.output_dir) / cfg.run.name / "logs")
     return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,

@@ -1,9 +1,7 @@
 """``SGLangEngine``: the embedded SGLang diffusion engine behind ``RolloutEngine``.
 
-Invariant: the engine calls are a function of the submitted request lists alone (never of the clock), and a
-sample's floats depend on the batch it ran in, so the same requests give the same samples on any machine load.
-
-Design notes: docs/design/rollout.md.
+Invariant: the engine calls are a function of the submitted request lists alone (never of the clock), so the same
+requests give the same samples on any machine load. Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -245,11 +243,8 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        verify: bool = True) -> WeightUpdateResult:
-        """Push DiT tensors (diffusers names) as one flattened bucket (SGLang's ``FlattenedTensorBucket``);
-        ``verify``: then check each by its digest (``config.checksum``; SGLang skips unknown names and still
-        reports success, so without it such a name goes unnoticed). Tensors travel in the dtype they come in: SGLang casts each
-        into its parameter's own dtype, and a tensor kept in fp32 on both sides (SD3's position table in a
-        bf16 model) must not be rounded on the way."""
+        """Push DiT tensors (diffusers names) as one flattened bucket, in their own dtype; ``verify``: check each by its
+        digest (SGLang skips unknown names and still reports success)."""
         named = list(named_tensors)  # flattened and hashed: read twice
         flat, metadata = flatten(named)
         digests = {n: tensor_digest(t, self.config.checksum) for n, t in named} if verify else None
@@ -257,10 +252,8 @@ class SGLangEngine:
 
     def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
                     verify: bool = True) -> WeightUpdateResult:
-        """Set the DiT's LoRA adapters (PEFT names ``<module>.lora_A.weight`` / ``.lora_B.weight``): SGLang merges
-        base + alpha / rank * B @ A into each adapted linear, replacing the previous adapter. ``verify``: then
-        the engine re-hashes (``config.checksum``) every adapter tensor it holds against what was sent (a layer name it
-        does not know would otherwise be skipped with success reported)."""
+        """Set the DiT's LoRA adapters (PEFT names), merged as base + alpha / rank * B @ A, replacing the previous;
+        ``verify``: re-hash every adapter tensor against what was sent."""
         named = [(lora_engine_name(n), t.detach().to("cpu").contiguous()) for n, t in named_tensors]
         t0 = time.perf_counter()
         with self._lock:
@@ -275,12 +268,8 @@ class SGLangEngine:
 
     def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
                     ) -> WeightUpdateResult:
-        """One bridge bucket (megaflow.bridge.buckets.Bucket: ``flat`` uint8 + ``metadata``) as one update,
-        sent without a copy (shared memory on CPU, CUDA IPC on GPU). ``digests`` (the sender's, ``checksum``):
-        the engine checks what it loaded against them, in the same request (``server.update_from_bucket``). For
-        replay after a restart the engine keeps views of a staging slot's bucket (``bucket.slot``; its workers
-        keep the slot mapped), else copies the bytes into its own host tensors (reused by the next sync); see
-        ``replay``."""
+        """One bridge bucket as one update, without a copy (shared memory / CUDA IPC); ``digests``: checked in the same
+        request. Kept for ``replay`` as views of its staging slot, else copied to host tensors."""
         if digests and checksum != self.config.checksum:
             return WeightUpdateResult(ok=False, message=self._other_checksum(checksum))
         return self._load(bucket.flat, bucket.metadata, digests=digests, slot=getattr(bucket, "slot", None))

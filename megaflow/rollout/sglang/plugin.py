@@ -1,7 +1,5 @@
-"""SGLang diffusion plugin (entry point in group ``sglang.multimodal_gen.plugins``, see pyproject.toml): in
-each engine worker, freeze the heap once its scheduler is built, keep staging slots mapped, and hash tensors
-for verification with megaflow's checksum, without copying them.
-
+"""SGLang diffusion plugin (group ``sglang.multimodal_gen.plugins``): in each engine worker, freeze the heap
+once the scheduler is built, keep staging slots mapped, hash tensors for verification without copying them.
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """What an ``SGLangEngine`` re-applies after its workers restart: the last disk source, the tensors pushed
-since, and the last LoRA adapters.
-
-A tensor pushed from a bridge's staging slot (``Bucket.slot`` set, see ``megaflow.bridge.buckets``) is kept
-as a view of the slot, not copied: the slot holds that tensor's latest pushed value (later syncs overwrite it
-in place) and the view keeps the memory alive if the bridge moves on to new memory. Any other tensor is
-copied into a host tensor of this store (reused by the next push of the same name and shape: a plain copy
-into touched memory). A restart in the middle of a sync replays what the slots hold at that moment; the
-sync's remaining buckets then load over it, and a failed sync is reported as such.
+since (views of staging slots, else host copies) and the last LoRA adapters. Details: docs/design/rollout.md.
 """
 from __future__ import annotations
 

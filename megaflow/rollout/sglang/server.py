@@ -1,12 +1,7 @@
 """SGLang's worker processes: start them, talk to them (generation and control requests), stop exactly them.
 
-``EngineServer.start`` runs ``launch_server`` without HTTP in this process, or hands a warm worker
-(megaflow.rollout.sglang.warm, spawned earlier) its server args; the workers are spawned processes that
-inherit this process's environment and stdout/stderr file descriptors at spawn time
-(megaflow.rollout.sglang.spawning). With a ``log_file`` those descriptors point at the file while the workers
-are spawned, so everything the workers print (their python logging, progress bars, C++ warnings) goes there;
-the descriptors are restored afterwards. Output of this process's other threads during a start lands in the
-file too.
+``EngineServer.start`` runs ``launch_server`` without HTTP (or hands a warm worker its server args); with a
+``log_file`` everything the workers print goes there.
 """
 from __future__ import annotations
 
@@ -106,12 +101,8 @@ class EngineServer:
     @classmethod
     def start(cls, kwargs: dict, *, family: str, log_file: Path | None = None, device_index: int | None = None,
               num_threads: int | None = None, checksum: str = DEFAULT, warm=None) -> EngineServer:
-        """Start the workers (``kwargs``: sglang ServerArgs) pinned to local GPU ``device_index`` (None: not
-        pinned), each with ``num_threads`` torch threads (None: SGLang's choice, see ``spawning._worker_threads``);
-        ``checksum``: how they hash tensors for ``verify`` (megaflow's plugin, ``weight_checks.CHECKSUM_VAR``);
-        their output goes to ``log_file`` if given, as does what sglang logs in this process while they start
-        (server args, start messages). ``warm``: a WarmWorker started with the same arguments
-        (megaflow.rollout.sglang.warm) becomes the worker, for a one-rank engine; None: ``launch_server``."""
+        """Start the workers (``kwargs``: sglang ServerArgs) pinned to ``device_index``, ``num_threads`` each, hashing
+        with ``checksum``, output to ``log_file``; ``warm``: a WarmWorker that becomes the worker (one-rank engine)."""
         if warm is not None and int(kwargs.get("num_gpus", 1)) != 1:
             warm.discard()
             raise ValueError("a warm worker serves a one-rank engine only (num_gpus = 1)")
@@ -169,11 +160,8 @@ class EngineServer:
     # weights
     def update_from_bucket(self, flat: torch.Tensor, metadata: Sequence, *, keep: str | None = None,
                            digests: dict[str, str] | None = None) -> tuple[bool, str]:
-        """Load one flattened bucket (see ``weights.update_request``: shared memory on CPU, CUDA IPC on GPU;
-        ``keep``: a staging slot's key; memory the workers already hold under it is named, not sent) into the
-        DiT. ``digests`` ({name: digest} of the tensors as sent): the load is checked against them -- in the same
-        request on a single-rank engine (``weight_checks``), else by a check request after it. Without them it is
-        not verified: SGLang skips unknown names and still reports success."""
+        """Load one flattened bucket into the DiT (``keep``: a staging slot's key, named rather than sent when held);
+        ``digests``: checked in the same request (one rank) or by a check request after. Without them: unverified."""
         in_request = digests if digests and self.single_rank else None
         kept = keep is not None and self._kept_slots.pop(keep, None) is flat  # forgotten unless this load succeeds
         out, error = self._control(update_request(flat, metadata, keep=keep, kept=kept, digests=in_request))
@@ -193,11 +181,8 @@ class EngineServer:
 
     def update_lora_from_tensors(self, named: list[tuple[str, torch.Tensor]], *, alpha: float,
                                  rank: int) -> tuple[bool, str]:
-        """LoRA adapter tensors (PEFT names ``<module>.lora_A`` / ``.lora_B``) for the 'transformer' module,
-        one flattened bucket, through SGLang's ``weight_update_mode="lora_merge"``: the engine wraps its
-        linears in LoRA layers once, then each update replaces every named layer's adapter (its previous
-        merge undone from the kept base snapshot) and merges ``base + alpha / rank * B @ A``. The engine
-        keeps the adapter tensors as its ``<module>.lora_A`` / ``.lora_B`` parameters (what ``verify`` hashes)."""
+        """LoRA adapters (PEFT names) as one bucket through ``weight_update_mode="lora_merge"``: each update replaces
+        every named layer's adapter and merges ``base + alpha / rank * B @ A``."""
         flat, metadata = flatten(named)
         out, error = self._control(update_request(flat, metadata, lora=(alpha, rank)))
         if error or not (out or {}).get("success"):

@@ -1,8 +1,6 @@
-"""What SGLang engine workers are spawned with: their environment (the launcher's variables hidden, megaflow's
-plugin switched on, GPU, threads, checksum, socket directory) and where their output goes. Workers inherit
-both when they are spawned (``spawn_settings``: this process's environment and stdout/stderr descriptors,
-changed while it is open, then restored), so it is open around every spawn: ``EngineServer.start``'s and a
-warm worker's (megaflow.rollout.sglang.warm). Imports no sglang.
+"""What SGLang engine workers are spawned with: their environment (launcher variables hidden, plugin on, GPU,
+threads, checksum, sockets) and where their output goes; ``spawn_settings`` is open around every spawn and
+restores this process after. Imports no sglang.
 """
 from __future__ import annotations
 

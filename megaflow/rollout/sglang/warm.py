@@ -1,11 +1,7 @@
-"""Warm engine workers: a one-rank engine's worker process started before its engine's server args exist.
+"""Warm engine workers: a one-rank engine's worker process started before its server args exist.
 
-The invariant: a warm worker runs the steps of SGLang's ``worker_bootstrap.bootstrap_scheduler_process`` in
-its order (death signal, platform, plugins and hooks, server args, worker module, scheduler) and answers on a
-startup pipe as ``launch_server``'s workers do; only the imports of the server-args and worker modules come
-before the server args arrive. From the server args on it is the worker ``launch_server`` starts.
-Imports no sglang in the host.
-
+Invariant: it runs SGLang's ``bootstrap_scheduler_process`` steps in their order and answers as ``launch_server``'s
+workers do; from the server args on it is that worker. Imports no sglang in the host.
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """In an SGLang engine worker: how the weights it holds are hashed, and an update checked in the same request.
-
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Weights over the wire to SGLang: one flattened bucket as one ``UpdateWeightFromTensorReqInput``.
-
-The payload is SGLang's flattened-bucket format for the ``transformer`` module --
-``{"transformer": {"flattened_tensor": flat, "metadata": [FlattenedTensorMetadata, ...]}}`` serialized
-with SGLang's ``MultiprocessingSerializer`` -- which the worker deserializes and cuts back into named
-tensors (views of ``flat``) before copying them into its DiT parameters.
-
-Design notes: docs/design/rollout.md.
+"""Weights over the wire to SGLang: one flattened bucket (SGLang's format for the ``transformer`` module) as one
+``UpdateWeightFromTensorReqInput``. Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
@@ -38,13 +32,9 @@ def flatten(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
 def update_request(flat: torch.Tensor, metadata: Sequence, *, lora: tuple[float, int] | None = None,
                    keep: str | None = None, kept: bool = False, digests: dict[str, str] | None = None
                    ) -> UpdateWeightFromTensorReqInput:
-    """The request that loads one bucket into the engine's DiT. ``metadata``: objects with SGLang's
-    ``FlattenedTensorMetadata`` fields (name, shape, dtype, start_idx, end_idx, numel: byte offsets).
-    ``lora = (alpha, rank)``: the bucket holds LoRA adapters, merged by SGLang's ``weight_update_mode="lora_merge"``.
-    ``keep``: ``flat`` is staging-slot memory under this key, reused by later syncs (the worker keeps it mapped);
-    ``kept``: the worker holds that memory under the key already, so the payload names the key without ``flat``.
-    ``digests``: {name: digest} of the tensors as sent, which the worker checks the update against (a single-rank
-    engine's worker; see ``weight_checks``)."""
+    """The request loading one bucket into the DiT. ``metadata``: ``FlattenedTensorMetadata`` fields; ``lora``:
+    (alpha, rank) for adapters; ``keep`` / ``kept``: staging-slot key (memory sent / already held); ``digests``:
+    checked by the worker."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
     if flat.is_cuda:

@@ -13,10 +13,7 @@ class EngineCallFailed(RuntimeError):
 
 
 def generator_device() -> str:
-    """Where the request's seeded generators live: the engine's device. SGLang 0.5.23 draws the SDE noise of a
-    rollout step with them straight into a buffer on the model's device, so a CPU generator fails under CUDA
-    (measured on an H200); the initial latents come from the same generators, so a seed's image is the same on
-    every run of one device type, not across CPU and GPU."""
+    """Where the request's seeded generators live: the engine's device (see docs/design/rollout.md)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

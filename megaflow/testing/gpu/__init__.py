@@ -1,6 +1,3 @@
-"""First checks on a bare CUDA machine (``scripts/gpu_check.sh``): each check runs in its own process with its
-own timeout and reports one JSON record; a check that cannot run here (no CUDA, a package missing) reports
-``status: skipped`` with the reason.
-
-Design notes: docs/design/testing.md.
+"""First checks on a bare CUDA machine (``scripts/gpu_check.sh``): each check in its own process and timeout,
+one JSON record each; one that cannot run here reports ``status: skipped``. Design notes: docs/design/testing.md.
 """

@@ -1,7 +1,4 @@
-"""GPU checks of the communication paths, without SGLang.
-
-Design notes: docs/design/testing.md.
-"""
+"""GPU checks of the communication paths, without SGLang. Design notes: docs/design/testing.md."""
 from __future__ import annotations
 
 import time

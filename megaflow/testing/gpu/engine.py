@@ -1,10 +1,7 @@
-"""GPU checks of the embedded SGLang engine (tiny pipelines built offline, ``megaflow.models.tiny_pipeline``).
+"""GPU checks of the embedded SGLang engine on tiny offline pipelines.
 
-The invariant: every engine here runs the path the wheelhouse allows without sgl_kernel: attention through torch
-SDPA (``SERVER_KWARGS``) and SGLang's native RMSNorm (``ENGINE_ENV``); the sgl_kernel stand-in raises on any kernel
-use, so a check that finishes used none.
-
-Design notes: docs/design/testing.md.
+Invariant: every engine here runs without sgl_kernel (torch SDPA, SGLang's native RMSNorm); the stand-in raises
+on any kernel use, so a check that finishes used none. Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

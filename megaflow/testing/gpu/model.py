@@ -1,7 +1,4 @@
-"""GPU checks of the megatron DiT.
-
-Design notes: docs/design/testing.md.
-"""
+"""GPU checks of the megatron DiT. Design notes: docs/design/testing.md."""
 from __future__ import annotations
 
 import copy
@@ -21,10 +18,7 @@ SETTINGS = {
              "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=3.5", "parallel.tp=1",
              "lora.rank=32"],
 }
-"""``--set`` overrides of each step check (plus train.recompute): 512 px = 1024 image tokens (SD3: 64x64 latent at
-patch 2; FLUX: 32x32 packed 2x2 latents), batch 1 (SD3 without CFG; FLUX's guidance is an input), no KL
-reference; text: SD3 77 + 256 = 333 tokens, FLUX 512 (the defaults without rollout.max_sequence_length);
-FLUX.1-dev trains LoRA adapters of rank 32 on the frozen base."""
+"""``--set`` overrides of each step check: 512 px, batch 1, no KL reference (docs/design/testing.md)."""
 STEPS, WARMUP = 5, 2
 
 

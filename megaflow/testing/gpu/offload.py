@@ -1,12 +1,6 @@
-"""GPU check of the trainer offload (``train.offload``, colocated mode).
-
-``offload``: the step check's SD3.5-Medium-shaped trainer (bf16, megatron's distributed Adam, recompute full,
-random weights) after two steps; its optimizer states and grad buffers (part ``states``: what
-``train.offload = "optimizer"`` moves) and then its weights (part ``weights``: added by ``"all"``) go to pinned
-host memory and come back, as the synchronous colocated loop does around each rollout. Reports, per part, the
-bytes moved, the seconds taken and ``megaflow plan``'s items for the same bytes; CUDA memory allocated and
-reserved at each point (what the engines get back while they sample); a checksum of every moved storage before
-the offload and after the reload (exact round trip); and the loss of a step after the reload.
+"""GPU check of the trainer offload (``train.offload``, colocated mode): an SD3.5-M-shaped trainer's states and
+weights to pinned host memory and back; bytes, seconds, CUDA memory, an exact round-trip checksum and the loss
+after. Details: docs/design/testing.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The GPU check driver: an environment record, then every check of ``CHECKS`` in its own process with its own
-timeout, within one overall budget; one JSON line per record to ``<out>/gpu_check.jsonl`` and stdout, each
-check's output in ``<out>/logs/<check>.log``, and a summary table (``<out>/gpu_check_summary.txt``).
+"""The GPU check driver: an environment record, then every check of ``CHECKS`` in its own process and timeout
+within one budget; JSON lines to ``<out>/gpu_check.jsonl``, logs and a summary table.
 
-A check whose needs (``cuda``, or a module that must import) the environment record says are unmet is skipped
-without starting a process. A check that raises reports ``fail`` with the error's last line; one that outlives
-its timeout is killed (its whole process group) and reports ``fail``. The driver always goes on.
-
-Design notes: docs/design/testing.md.
+A check with unmet needs is skipped; one that raises or times out (process group killed) reports ``fail``; the
+driver always goes on. Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 

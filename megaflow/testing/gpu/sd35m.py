@@ -1,11 +1,7 @@
-"""GPU checks of the SD3.5-Medium RL throughput table: random weights at the real shapes, 512 px, 10 sampler steps,
-bf16 everywhere (engine, diffusers, trainer), one GPU, CFG-free rollouts (verl-omni's FlowGRPO row is CFG-free too).
+"""GPU checks of the SD3.5-Medium RL throughput table: random weights at the real shapes, 512 px, 10 steps, bf16,
+one GPU, CFG-free rollouts.
 
-The invariant: the pipeline (``pipeline_dir``) is built once per machine: SD3.5-M's DiT (megaflow plan's built-in
-table) and SD3's VAE at their real configs; the text encoders have the real output widths (CLIP-L 768, CLIP-G 1280,
-T5 4096) but 2 layers each, so text encoding (once per prompt) is cheaper than with the real 5 B parameters: the
-rollout figures are the DiT's and the VAE's.
-
+Invariant: the pipeline is built once per machine (real DiT and VAE, 2-layer text encoders at the real widths).
 Design notes: docs/design/testing.md.
 """
 from __future__ import annotations

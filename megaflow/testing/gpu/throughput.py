@@ -1,10 +1,5 @@
-"""The arithmetic of the SD3.5-M RL throughput table (plain functions, standard library only, tested on CPU
-against hand computations): the DiT's model FLOPs, model-FLOPs utilisation, and verl-omni's images/GPU/s.
-
-The invariant: model FLOPs count what the model needs, not what the hardware ran: 2 FLOPs per multiply-add of every
-weight matrix applied to every token of its stream, plus attention's two L x L products; a train step is 3x the
-forward (the backward's two products per matmul), whatever activation recomputation adds on top. Norms, softmax,
-elementwise ops and biases are left out (a few percent at these shapes).
+"""The arithmetic of the SD3.5-M RL throughput table (standard library only): model FLOPs, MFU, images/GPU/s.
+Invariant: model FLOPs count what the model needs, not what the hardware ran (docs/design/testing.md).
 """
 from __future__ import annotations
 
@@ -29,11 +24,7 @@ def attention_flops(tokens: int, hidden: int) -> float:
 
 
 def sd3_forward_flops(d, image: int, text: int) -> float:
-    """Model FLOPs of one SD3 / SD3.5 MMDiT forward for one sample of ``image`` + ``text`` tokens (``d``: a
-    megaflow.plan.dit.DiTDims). Per block: each stream's qkv (3h^2), output (h^2) and MLP (2 x 4h^2) on its own
-    tokens (the last block's text stream only has qkv: context_pre_only), joint attention over image + text, and
-    for the first ``dual_blocks`` blocks a second, image-only attention (qkv + output, 4h^2); then the patch embed,
-    the text projection and the final projection."""
+    """Model FLOPs of one SD3 / SD3.5 MMDiT forward for ``image`` + ``text`` tokens (``d``: a DiTDims)."""
     h = d.hidden
     total = 2.0 * image * d.in_channels * d.patch ** 2 * h + 2.0 * text * d.joint_dim * h
     total += 2.0 * image * h * d.patch ** 2 * d.out_channels

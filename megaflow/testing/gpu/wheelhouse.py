@@ -1,12 +1,6 @@
-"""What the GPU wheelhouse holds and how it installs (``scripts/gpu_wheels.sh`` builds it here, ``scripts/gpu_check.sh``
-installs it on the bare GPU machine): the lists of wheels, slimmed copies of large wheels, the ``sgl_kernel``
-stand-in as a wheel, and the size of what a GPU call carries. Standard library only (the GPU image's Python runs it
-before anything is installed).
-
-The invariant: a slimmed wheel is a valid wheel of the same name and version: the dropped files are gone from its
-archive and from its RECORD, every kept file is byte-identical, so pip installs it as it would the original.
-
-Design notes: docs/design/testing.md.
+"""What the GPU wheelhouse holds and how it installs (lists, slimmed wheels, the ``sgl_kernel`` stand-in, call
+size); standard library only. Invariant: a slimmed wheel is a valid wheel of the same name and version (dropped
+files gone from archive and RECORD, the rest byte-identical). Design notes: docs/design/testing.md.
 """
 from __future__ import annotations
 
