@@ -85,11 +85,13 @@ def awm_reference(*, lr: float, num_timesteps: int, num_minibatches: int) -> dic
 
 def awm_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     """The same phase through ``megaflow.trainer.awm.awm_update`` at TP=``tp`` (DP = world / tp): the fast EMA
-    a ShadowWeights holding the perturbed DiT, the reference a ReferenceModel. Returns the final full state
-    (diffusers names) and the stats."""
+    a ShadowWeights holding the perturbed DiT (``case["on_policy"]``: θ itself), the reference a ReferenceModel;
+    ``case["lora"]``: rank-4 adapters on a frozen base (on-policy only). Returns the final full state (diffusers
+    names; under LoRA the adapters), the stats and the fast EMA's tensor names."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.algo.awm import AWMConfig
+    from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
@@ -101,10 +103,13 @@ def awm_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=case["lr"], weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    eng = Trainer(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt)
+    lora = LoRASettings(rank=4, alpha=8.0) if case.get("lora") else None
+    assert lora is None or case.get("on_policy"), "a LoRA fast EMA starts at the adapters (B = 0): θ itself"
+    eng = Trainer(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt,
+                  lora=lora)
     ref = ReferenceModel(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local")
     ref.load_diffusers_state_dict(ref_dit.state_dict())
-    eng.load_diffusers_state_dict(ema_dit.state_dict())
+    eng.load_diffusers_state_dict((dit if case.get("on_policy") else ema_dit).state_dict())
     ema_kl = ShadowWeights.of(eng.chunks)
     eng.load_diffusers_state_dict(dit.state_dict())
     loss = AWMConfig(adv_clip=ADV_CLIP, awm_ghuber_power=POWER, awm_clip_range=CLIP, kl_beta=KL,
@@ -113,6 +118,9 @@ def awm_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
                            micro_batch_size=micro_batch_size)
     stats = awm_update(eng, trajs, N.ADV, N.KEEP, settings, generator=torch.Generator().manual_seed(SEED),
                        ema_kl=ema_kl, ref=ref, device=torch.device("cpu"))
-    state = eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+    if lora is not None:
+        state = {k: v.clone() for k, v in eng.iter_full_adapters()}
+    else:
+        state = eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
     destroy_distributed()
-    return {"state": state, "stats": stats}
+    return {"state": state, "stats": stats, "shadow_names": sorted(ema_kl.tensors)}
