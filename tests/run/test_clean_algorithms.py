@@ -1,12 +1,13 @@
 """End to end: `megaflow train` with algo.name = awm and dgpo (ODE rollouts on a real SGLang engine, the megatron
-trainer, the colocated bridge) on configs/cpu_demo.toml made tiny, 3 iterations, and their exact resume.
+trainer, the colocated bridge) on configs/cpu_demo.toml made tiny, 3 iterations (DGPO at TP=2 under torchrun), and
+their exact resume.
 
 One uninterrupted run per algorithm (module fixture, a checkpoint every iteration) is shared by every test of it:
 its metrics say each iteration trained one optimizer step and blended the fast EMA with d = min(0.3, 0.001·n);
 its checkpoints hold that EMA beside the model (different weights); and the same run SIGKILLed right after
 iteration 2's optimizer step, then resumed with ``--resume``, ends with its weights, its fast EMA and its rewards
 bit for bit (torch.equal). AWM runs with a KL to the frozen reference (a second model), DGPO without.
-Needs: CPU, real SGLang engines (3 starts per algorithm, ~20-50 s each), 1 process; slow.
+Needs: CPU, real SGLang engines (3 starts per algorithm, ~20-50 s each), gloo (DGPO's 2 ranks); slow.
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from megaflow.run.checkpoints import list_checkpoints
 
 from test_resume import Launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.dist]
 REPO = Path(__file__).resolve().parents[2]
 TINY = ("rollout.prompts_per_iter=2", "rollout.group_size=3", "rollout.num_steps=3", "rollout.height=32",
         "rollout.width=32", "train.micro_batch_size=3", "train.iterations=3", "train.save_every=1",
         "train.keep_checkpoints=3", "rollout.sde_type=ode", "train.ema_decay=0.9")
-SETTINGS = {"awm": ("algo.name=awm", "algo.kl_beta=0.01"), "dgpo": ("algo.name=dgpo",)}
+SETTINGS = {"awm": ("algo.name=awm", "algo.kl_beta=0.01"), "dgpo": ("algo.name=dgpo", "parallel.tp=2")}
+NPROC = {"awm": 1, "dgpo": 2}  # DGPO end to end at TP=2 (torchrun, 2 trainer ranks), AWM in one process
 SHADOW = {"awm": "awm_ema", "dgpo": "dgpo_ema_ref"}
 DECAY = {"awm": "train/ema_kl_decay", "dgpo": "train/ema_ref_decay"}
 
@@ -33,7 +35,7 @@ DECAY = {"awm": "train/ema_kl_decay", "dgpo": "train/ema_ref_decay"}
 def _launch(out: Path, name: str, algo: str, *, resume: bool = False, fault: str = "") -> Path:
     sets = (f'run.output_dir="{out}"', f'run.name="{name}"', *TINY, *SETTINGS[algo])
     extra = tuple(x for s in sets for x in ("--set", s))
-    rc, _, err = Launch(REPO / "configs" / "cpu_demo.toml", nproc=1, resume=resume, fault=fault,
+    rc, _, err = Launch(REPO / "configs" / "cpu_demo.toml", nproc=NPROC[algo], resume=resume, fault=fault,
                         extra=extra).wait(timeout=600)
     assert (rc == 0) != bool(fault), (rc, err[-3000:])
     return out / name
@@ -59,6 +61,7 @@ def run(request, tmp_path_factory) -> tuple[str, Path]:
 
 def test_every_iteration_trains_and_blends_the_fast_ema(run):
     algo, run_dir = run
+    assert f"tp = {NPROC[algo]}" in (run_dir / "config.toml").read_text()  # the layout the run trained at
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]  # 0: the evaluation row before training
     trained = rows[1:]
