@@ -25,6 +25,7 @@ from megaflow.parallel.distributed import barrier, rank
 from megaflow.trainer.dcp_metadata import reading
 from megaflow.trainer.disk_full import checkpoint_bytes, disk_full, tree_bytes, writer_failures_raised_not_logged
 from megaflow.trainer.manifest import verify_manifest, write_manifest
+from megaflow.trainer.offload import inner_torch_optimizers
 
 # Optimizer state as megatron's DistributedOptimizer buffers: fully parallel save/load, reshardable
 # across DP only (resume at the same TP/PP). "fully_reshardable" (any layout) calls .cuda() in
@@ -216,8 +217,7 @@ def _init_adam_state(optimizer) -> None:
     """Give a fresh torch Adam(W) inside a megatron optimizer its (zero) state, 'step' included:
     without apex/TE, megatron's DistributedOptimizer.state_dict() reads 'step' from every param
     state, which a never-stepped torch optimizer does not have yet."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
@@ -229,8 +229,7 @@ def _init_adam_state(optimizer) -> None:
 
 def _restore_adam_steps(optimizer) -> None:
     """Give every param of a torch Adam(W) its own 'step' tensor from its param group (docs/design/trainer.md)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:

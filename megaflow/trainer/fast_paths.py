@@ -10,6 +10,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megaflow.parallel.perf_patches import PERF_PATCHES
+from megaflow.trainer.offload import inner_torch_optimizers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,8 +114,7 @@ class SingleRankDDP(DistributedDataParallel):
 def use_foreach_torch_adam(optimizer, *, joint_groups: bool) -> None:
     """Switch megatron's fallback ``torch.optim.AdamW`` groups to the foreach implementation (same math); with
     ``joint_groups``, also step equal-hyperparameter groups together (``_JointGroupStep``)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_torch_optimizers(optimizer):
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             for group in inner.param_groups:
                 if group.get("foreach") is None and not group.get("fused"):

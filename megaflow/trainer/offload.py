@@ -62,13 +62,18 @@ def _storages(tensors: Iterable[torch.Tensor], device: torch.device, skip: set[i
     return list(out.values())
 
 
+def inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (chained or not; [] for None)."""
+    if optimizer is None:
+        return []
+    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
+
+
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor a megatron optimizer steps on or keeps: its inner torch optimizers' params and states."""
     out: list[torch.Tensor] = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else ():
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
+    for inner in inner_torch_optimizers(optimizer):
         out += [p for g in inner.param_groups for p in g["params"]]
         out += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return out
