@@ -3,8 +3,9 @@
 megatron-core trains the DiT, an embedded SGLang diffusion engine samples rollouts, and a
 weight-update bridge streams trainer weights into the engine.
 """
-from megaflow._env import install_import_guards
+from megaflow._env import install_import_guards, memoize_package_index
 
 __version__ = "0.1.0"
 
 install_import_guards()
+memoize_package_index()

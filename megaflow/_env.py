@@ -5,25 +5,40 @@ when libcuda is absent. megatron-core probes it with ``try: import flash_mla exc
 so the OSError escapes and breaks ``import megatron.core.models``. On machines without libcuda we
 make ``flash_mla`` unimportable (ImportError), which is exactly what megatron expects for "not
 installed". On GPU machines nothing is changed.
+
+In SGLang engine worker processes (``ENGINE_WORKER_VAR`` set by megaflow when it spawns them) megatron is made
+unimportable too: the engine never uses it, but SGLang's debug dumper imports it when installed (~3 s of every
+engine start).
+
+``importlib.metadata.packages_distributions()`` walks every installed distribution's file list (~0.8 s here);
+diffusers and transformers each call it at import. It is memoized once per process (installed packages do not
+change under a running process), which halves that cost in every trainer, engine and test process.
 """
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import importlib.abc
+import importlib.metadata
+import os
 import sys
 
 _BLOCKED_WITHOUT_LIBCUDA = ("flash_mla",)
+_BLOCKED_IN_ENGINE_WORKERS = ("megatron",)
+ENGINE_WORKER_VAR = "MEGAFLOW_ENGINE_WORKER"
+"""Set to "1" in the environment of the SGLang worker processes megaflow spawns (and only there)."""
 
 
 class _BlockFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder that raises ImportError for a fixed set of top-level modules."""
+    """Meta-path finder that raises ImportError for a fixed set of top-level modules, each with its reason."""
 
-    def __init__(self, names: tuple[str, ...]):
-        self.names = names
+    def __init__(self, reasons: dict[str, str]):
+        self.reasons = reasons
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: D401 - importlib API
-        if fullname.split(".")[0] in self.names:
-            raise ImportError(f"{fullname} disabled by megaflow: libcuda is not available on this machine")
+        reason = self.reasons.get(fullname.split(".")[0])
+        if reason is not None:
+            raise ImportError(f"{fullname} disabled by megaflow: {reason}")
         return None
 
 
@@ -32,10 +47,27 @@ def has_libcuda() -> bool:
     return ctypes.util.find_library("cuda") is not None
 
 
+def memoize_package_index() -> None:
+    """Make ``importlib.metadata.packages_distributions`` compute its index once per process (each caller gets its
+    own copy of the mapping)."""
+    current = importlib.metadata.packages_distributions
+    if getattr(current, "megaflow_memoized", False):
+        return
+    index = functools.cache(current)
+
+    def packages_distributions() -> dict[str, list[str]]:
+        return {name: list(dists) for name, dists in index().items()}
+    packages_distributions.megaflow_memoized = True
+    packages_distributions.__wrapped__ = current
+    packages_distributions.__doc__ = current.__doc__
+    importlib.metadata.packages_distributions = packages_distributions
+
+
 def install_import_guards() -> None:
     """Install the import guards once. The process environment is left alone: what the ``megaflow`` command needs
     (HF_HUB_OFFLINE, ...) its ``main`` sets (megaflow.cli)."""
-    if has_libcuda():
-        return
-    if not any(isinstance(f, _BlockFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _BlockFinder(_BLOCKED_WITHOUT_LIBCUDA))
+    reasons = {} if has_libcuda() else dict.fromkeys(_BLOCKED_WITHOUT_LIBCUDA, "libcuda is not available")
+    if os.environ.get(ENGINE_WORKER_VAR) == "1":
+        reasons.update(dict.fromkeys(_BLOCKED_IN_ENGINE_WORKERS, "an SGLang engine worker does not use it"))
+    if reasons and not any(isinstance(f, _BlockFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BlockFinder(reasons))

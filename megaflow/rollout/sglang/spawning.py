@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from megaflow._env import ENGINE_WORKER_VAR
 from megaflow.parallel.placement import worker_visible_devices
 from megaflow.rollout.sglang import plugin, weight_checks
 
@@ -34,10 +35,12 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 def _without_launcher_env(quiet: bool = True):
     """Hide the launcher's distributed env vars while engine worker processes are spawned and switch on
     megaflow's SGLang plugin in them (``plugin``: a frozen heap makes SGLang's per-update ``gc.collect``
-    cheap); with ``quiet`` the workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
+    cheap) and mark them engine workers (``megaflow._env``: they import no megatron); with ``quiet`` the
+    workers also draw no per-call progress bars (tqdm's TQDM_DISABLE)."""
     saved = {k: os.environ.pop(k) for k in list(os.environ)
              if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
-    added = {k: v for k, v in {plugin.ENV_VAR: "1", **({"TQDM_DISABLE": "1"} if quiet else {})}.items()
+    added = {k: v for k, v in {plugin.ENV_VAR: "1", ENGINE_WORKER_VAR: "1",
+                               **({"TQDM_DISABLE": "1"} if quiet else {})}.items()
              if k not in os.environ}
     os.environ.update(added)
     try:
