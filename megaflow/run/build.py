@@ -107,7 +107,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
             if start:
-                from megaflow.run.evaluation import resume_eval_log
+                from megaflow.rundir.eval_log import resume_eval_log
                 resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
                                start_iteration=start)
@@ -146,7 +146,7 @@ def restore(trainer, resume_from: Path | None, start: int, *, driver: bool,
     (collective), or a fresh run's ([], 0) when ``resume_from`` is None."""
     if resume_from is None:
         return [], 0
-    from megaflow.run.state import load
+    from megaflow.rundir.checkpoint_io import load
     t_load = time.perf_counter()
     state = load(trainer, resume_from, shadows=shadows, trust=trust)
     if driver:

@@ -4,21 +4,28 @@ says what to sample, how to update and what the engines hold. Design notes: docs
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
 from megaflow.config import MegaflowConfig, run_dir_of
-from megaflow.run import faults
 from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
-from megaflow.run.checkpoints import checkpoint_dir
-from megaflow.run.evaluation import Evaluate, iteration_of
-from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.masked import MaskedWatch, UselessRun
 from megaflow.run.requests import batch_advantages
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
+from megaflow.rundir import faults
+from megaflow.rundir.checkpoints import checkpoint_dir
+from megaflow.rundir.eval_log import iteration_of
+from megaflow.rundir.interrupt import Interrupted, StopRequests
 from megaflow.trainer.settings import scheduled_lr, set_lr
+
+if TYPE_CHECKING:
+    from megaflow.report.metrics import Evaluation
+
+Evaluate = Callable[[object, "str | int"], "Evaluation | None"]
+"""The driver's evaluation hook ``evaluate(sampler, when)`` (``when``: "before", an iteration or "after"); what it
+returns goes to the reporter."""
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
@@ -189,9 +196,9 @@ def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Bat
 def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
     """Checkpoint iteration ``it`` with the batch collected ahead for the next one (collective over the trainer
     ranks); the seconds it took."""
-    from megaflow.run.build import run_shadows
     from megaflow.run.ahead import write_batch
-    from megaflow.run.state import save as save_state
+    from megaflow.run.build import run_shadows
+    from megaflow.rundir.checkpoint_io import save as save_state
     return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
                       prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
                       keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema),
