@@ -190,7 +190,7 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     from megaflow.models.common.finite import refuse_non_finite
     from megaflow.models.registry import get_family
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
-    from megaflow.trainer.settings import lora_settings, optimizer_config, transformer_kwargs
+    from megaflow.trainer.settings import lora_settings, lr_schedule, optimizer_config, transformer_kwargs
 
     family = get_family(cfg.model.family)
     tdir = pipeline_dir / "transformer"
@@ -202,7 +202,8 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     refuse_non_finite(state.items(), str(tdir))
     opt = optimizer_config(cfg)
     lora = lora_settings(cfg)
-    trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora)
+    trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora,
+                      lr_schedule=lr_schedule(cfg))
     trainer.load_diffusers_state_dict(state)
     if lora is not None and cfg.lora.init:
         from megaflow.models.common.lora_files import read_adapter

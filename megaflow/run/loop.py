@@ -20,7 +20,6 @@ from megaflow.rundir import faults
 from megaflow.rundir.checkpoints import checkpoint_dir
 from megaflow.rundir.eval_log import iteration_of
 from megaflow.rundir.interrupt import Interrupted, StopRequests
-from megaflow.trainer.settings import scheduled_lr, set_lr
 
 if TYPE_CHECKING:
     from megaflow.report.metrics import Evaluation
@@ -175,10 +174,7 @@ def iteration(run: Run, it: int, batch: Batch | PendingBatch, *, watch: MaskedWa
     faults.check("rollout", it)
     t_rollout = time.perf_counter() - t0
     with run.phases.training():
-        t = cfg.train
-        lr = scheduled_lr(t.lr, it - 1, warmup=t.warmup_iterations, total=t.iterations, schedule=t.lr_schedule)
-        set_lr(run.trainer.optimizer, lr)
-        train_metrics = {**run.algorithm.update(trajs, advantages, keep, it), "lr": lr}
+        train_metrics = run.algorithm.update(trajs, advantages, keep, it)
     faults.check("train", it)
     t_train = time.perf_counter() - t0 - t_rollout
     ahead = {"rollout/staleness": float(it - 1 - batch.version)} if cfg.train.max_staleness else {}
