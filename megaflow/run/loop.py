@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megaflow.config import MegaflowConfig, run_dir_of
+from megaflow.rollout.types import RewardScores
 from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
 from megaflow.run.loop_state import LoopState
@@ -93,7 +94,8 @@ def loop(run: Run, state: LoopState, *, stop: StopRequests, evaluate: Evaluate |
             if ahead:  # the first batch of an asynchronous run, in full before the next one starts
                 batch = batch.finish()
         pending = start_batch(run, it + 1, state.engine_version) if ahead and it < cfg.train.iterations else None
-        result = iteration(run, it, batch, watch=watch, pending=pending)
+        result = iteration(run, it, batch, pending=pending)
+        watch.see(result.scores)
         metrics, last = result.metrics, it == cfg.train.iterations
         signum, useless = stop.agreed(), watch.verdict(it, last=last)
         state.done(it, metrics, result.next_batch)
@@ -152,6 +154,8 @@ class IterationResult:
     """What one iteration leaves for the loop."""
 
     metrics: dict
+    scores: RewardScores
+    """The batch's rewards (every sample's, masked ones included)."""
     images: list
     captions: list[str]
     """One per image: the prompt and the total reward."""
@@ -159,7 +163,7 @@ class IterationResult:
     """The next iteration's batch, collected meanwhile (asynchronous loop), or None."""
 
 
-def iteration(run: Run, it: int, batch: Batch | PendingBatch, *, watch: MaskedWatch | None = None,
+def iteration(run: Run, it: int, batch: Batch | PendingBatch, *,
               pending: PendingBatch | None = None) -> IterationResult:
     """One iteration on this rank: its ``batch`` (finished here when still being collected), advantages, update,
     wait for ``pending`` (the next batch, asynchronous loop), weight sync. Changes no state of the loop's."""
@@ -167,8 +171,6 @@ def iteration(run: Run, it: int, batch: Batch | PendingBatch, *, watch: MaskedWa
     t0 = time.perf_counter()
     if isinstance(batch, PendingBatch):
         batch = batch.finish()
-    if watch is not None:
-        watch.see(batch.scores)
     captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(batch.trajs, batch.scores.total.tolist())]
     trajs, advantages, keep, roll_metrics = batch_advantages(batch.trajs, batch.scores, batch.timings, cfg)
     faults.check("rollout", it)
@@ -188,7 +190,7 @@ def iteration(run: Run, it: int, batch: Batch | PendingBatch, *, watch: MaskedWa
                **run.phases.metrics, **ahead, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
     metrics.update(run.rollout.metrics())
-    return IterationResult(metrics, [t.image for t in trajs], captions, next_batch)
+    return IterationResult(metrics, batch.scores, [t.image for t in trajs], captions, next_batch)
 
 
 def save(run: Run, state: LoopState) -> float:
