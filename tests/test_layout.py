@@ -225,6 +225,9 @@ def test_rooms_import_only_rooms_below_them_in_the_architecture_page():
     assert set(graph) <= set(order), f"rooms missing from docs/architecture.md's table: {sorted(set(graph) - set(order))}"
     upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if order.index(b) < order.index(a))
     assert not upward, f"rooms import rooms listed above them in docs/architecture.md: {upward}"
+    # run/ by job: the user commands drive the loop core, which writes through the run's bookkeeping (never back up)
+    assert order.index("cli") < order.index("commands") < order.index("run") < order.index("rundir"), order
+    assert {"run", "rundir"} <= graph["commands"] and "rundir" in graph["run"], (graph["commands"], graph["run"])
 
 
 def test_every_module_the_architecture_page_names_exists():

@@ -49,7 +49,7 @@ def _family_for(diffusers_config: dict):
 
 
 def _check_shapes(state: dict, fam, diffusers_config: dict) -> None:
-    from megaflow.run.export import check_diffusers_state, diffusers_shapes
+    from megaflow.commands.export import check_diffusers_state, diffusers_shapes
 
     try:
         check_diffusers_state(state, diffusers_shapes(fam, diffusers_config))
@@ -96,7 +96,7 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
 
 
 def to_diffusers(src: Path, dst: Path, *, trust: bool = False) -> None:
-    from megaflow.run.export import checkpoint_transformer, save_transformer_weights
+    from megaflow.commands.export import checkpoint_transformer, save_transformer_weights
 
     try:
         _, dconfig, state = checkpoint_transformer(src, trust=trust)

@@ -130,7 +130,7 @@ def run_megaflow(cfg: MegaflowConfig, *, eval_every: int = 0, eval_num: int = 10
     rollouts)."""
     from megaflow.run.build import resolve_pipeline, with_pipeline_defaults
     from megaflow.run.loop import run
-    from megaflow.run.rundir import with_unused_name
+    from megaflow.rundir.claim import with_unused_name
 
     t0 = time.perf_counter()
     cfg = with_unused_name(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run,

@@ -16,7 +16,7 @@ from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, appl
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
-from megaflow.run.interrupt import Interrupted, child_pids, kill_children
+from megaflow.rundir.interrupt import Interrupted, child_pids, kill_children
 
 TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust checks of its metadata and pickles "
               "(torch unpickles them and reads what they name): only from a trusted source.")
@@ -104,7 +104,7 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megaflow.run.rundir import check_run_dir
+    from megaflow.rundir.claim import check_run_dir
     cfg = load_checked(args, "train")
     resume = _resume_wanted(cfg, args.resume)
     if os.environ.get("RANK", "0") == "0":
@@ -116,7 +116,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _setup_logging(logging.INFO, args.verbose)
     hook = {}
     if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
-        from megaflow.run.evaluation import eval_hook
+        from megaflow.commands.evaluation import eval_hook
         hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
     metrics = run(cfg, resume=resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
@@ -136,7 +136,7 @@ def _resume_wanted(cfg, mode: str | None) -> bool:
     a first one starts; every rank decides the same before anything is written) or neither."""
     if mode != "auto":
         return mode == "always"
-    from megaflow.run.checkpoints import list_checkpoints
+    from megaflow.rundir.checkpoints import list_checkpoints
     found = list_checkpoints(run_dir_of(cfg))
     if os.environ.get("RANK", "0") == "0":
         print(f"[megaflow] --resume auto: {f'resuming from iteration {found[-1][0]}' if found else 'no checkpoint'} "
@@ -147,7 +147,7 @@ def _resume_wanted(cfg, mode: str | None) -> bool:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
     cfg = run_config(args, "demo")
-    from megaflow.run.demo import run_demo
+    from megaflow.commands.demo import run_demo
     _setup_logging(logging.WARNING, args.verbose)
     run_demo(cfg, verbose=args.verbose)
     return 0
@@ -163,7 +163,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megaflow.run.export import export_run
+    from megaflow.commands.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
                         max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint,
                         base_model=args.base_model)

@@ -12,7 +12,7 @@ from megaflow.report.backends import MetricsBackend, numbers, to_uint8, uint8_im
 
 
 class Evaluation(NamedTuple):
-    """What an evaluation hook (megaflow.run.evaluation, the demo's) hands the reporter: its ``eval/*`` figures
+    """What an evaluation hook (megaflow.commands.evaluation, the demo's) hands the reporter: its ``eval/*`` figures
     and images ([3, H, W] tensors in [0, 1]) with one caption each (prompt and score)."""
 
     figures: dict

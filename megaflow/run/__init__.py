@@ -1,3 +1,3 @@
-"""A training run: ``loop``, ``build`` (the composition root), the algorithm seam, ``roles``, the run dir,
-checkpoints and the user commands. Importing it imports nothing: the CLI checks a run dir before anything heavy.
+"""A training run: ``loop``, ``build`` (the composition root), the algorithm seam and the algorithms' run side,
+``roles``, the engine rank's service. Importing it imports nothing: the CLI checks a config before anything heavy.
 """

@@ -37,11 +37,10 @@ class PendingBatch:
         return Batch(self.iteration, self.version, self.requests, trajs, scores, timings)
 
 
-def start_batch(run, iteration: int) -> PendingBatch:
-    """Start collecting ``iteration``'s batch with the weights the engines hold now (version: the iterations
-    whose update they hold, ``iteration - 1`` in the synchronous loop, one less when collected ahead)."""
+def start_batch(run, iteration: int, version: int) -> PendingBatch:
+    """Start collecting ``iteration``'s batch with the weights the engines hold now, ``version`` (the iterations
+    whose update they hold: ``iteration - 1`` in the synchronous loop, one less when collected ahead)."""
     requests = run.algorithm.requests(run.prompts, iteration)
-    version = run.engine_version
     return PendingBatch(run.rollout.start(requests, iteration), iteration, version, requests)
 
 

@@ -21,7 +21,8 @@ class Algorithm(Protocol):
         """This iteration's rollout requests (the same on every rank)."""
 
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
-        """Every optimizer step of this iteration on the scored batch; the training metrics."""
+        """Every optimizer step of this iteration on the scored batch, at the trainer's learning rate of
+        ``iteration`` (``Trainer.schedule_lr``, set first); the training metrics, ``lr`` among them."""
 
     def engine_weights(self) -> AbstractContextManager:
         """Inside it, the trainer's live weights are the ones the engines must sample with."""

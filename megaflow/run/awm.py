@@ -50,12 +50,13 @@ class AWM:
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
         from megaflow.trainer.awm import awm_update
         g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
+        lr = self.trainer.schedule_lr(iteration)
         metrics = awm_update(self.trainer, trajs, advantages, keep, self.settings, generator=g,
                              ema_kl=self.ema_kl, ref=self.reference, ema=self.ema)
         a, steps = self.cfg.algo, int(metrics.get("num_updates", 0))
         decay = kl_ema_decay(self.ema_kl.num_updates + steps, rate=a.old_decay_rate, cap=a.old_decay_max)
         self.ema_kl.blend(decay, steps)
-        return {**metrics, "ema_kl_decay": decay}
+        return {**metrics, "ema_kl_decay": decay, **lr}
 
     def engine_weights(self):
         """The engines sample with θ itself: nothing to put in place."""

@@ -1,8 +1,8 @@
 """The one composition root: a validated config becomes this rank's running pieces.
 
 :func:`build_run` builds a trainer rank's :class:`Run` (trainer, KL reference, EMA, algorithm, rollout, weight
-sync, prompts, memory phases, reporter), restored when resuming; the component builders below take the config
-sections they need and return plain objects that benches and tests use alone.
+sync, prompts, memory phases, reporter) and the loop's state, both restored when resuming; the component builders
+below take the config sections they need and return plain objects that benches and tests use alone.
 """
 from __future__ import annotations
 
@@ -18,21 +18,22 @@ from megaflow.config import MegaflowConfig, run_dir_of
 from megaflow.data.prompts import PromptStream, prompt_pool
 from megaflow.parallel.groups import RunGroups
 from megaflow.parallel.placement import Placement
+from megaflow.run.loop_state import LoopState
 
 if TYPE_CHECKING:  # the builders import these when they build (heavy: megatron, sglang)
     from megaflow.bridge.run_sync import RunSync
     from megaflow.report.progress import RunReporter
     from megaflow.rollout.hosted import HostedRollout
-    from megaflow.run.phases import Phases
-    from megaflow.run.ahead import Batch
     from megaflow.run.algorithm import Algorithm
+    from megaflow.run.phases import Phases
     from megaflow.trainer.shadow import EMA
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
 
 
 @dataclass
 class Run:
-    """What one trainer rank runs: everything :func:`megaflow.run.loop.loop` reads."""
+    """What one trainer rank runs: the built pieces :func:`megaflow.run.loop.loop` drives. They stay the same
+    objects for the whole run; what changes per iteration is the loop's (megaflow.run.loop_state.LoopState)."""
 
     cfg: MegaflowConfig
     """The run's config, with the pipeline's defaults applied (:func:`with_pipeline_defaults`)."""
@@ -59,14 +60,6 @@ class Run:
     """Metrics, progress, curves and samples (written by the driver)."""
     diffusers_config: dict
     """The pipeline's transformer config, written into every checkpoint."""
-    history: list[dict]
-    """Every metrics row so far (a resumed run: the checkpoint's)."""
-    start: int
-    """The iteration the run continues after (0: a fresh run)."""
-    next_batch: Batch | None = None
-    """The batch the asynchronous loop collected ahead before the checkpoint this run resumes from."""
-    engine_version: int = 0
-    """The iterations whose update the engines hold (the policy version they sample)."""
 
     def close(self) -> None:
         """Stop the engines and the scorer, close the reporter."""
@@ -76,9 +69,10 @@ class Run:
 
 def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, pipeline_dir: Path, start: int = 0,
               resume_from: Path | None = None, verbose: bool = False, trust_checkpoint: bool = False,
-              warm: dict | None = None) -> Run:
-    """This trainer rank's :class:`Run` of ``cfg`` on ``pipeline_dir``, resumed from ``resume_from`` (after
-    iteration ``start``) when given; ``warm``: engine workers from :func:`start_engine_workers`."""
+              warm: dict | None = None) -> tuple[Run, LoopState]:
+    """This trainer rank's :class:`Run` of ``cfg`` on ``pipeline_dir`` and the loop's state to continue from:
+    resumed from ``resume_from`` (after iteration ``start``) when given, else a fresh run's; ``warm``: engine
+    workers from :func:`start_engine_workers`."""
     from megaflow.report.metrics import write_metrics_rows
     from megaflow.report.progress import RunReporter
     from megaflow.run.ahead import read_batch
@@ -92,7 +86,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
     algorithm = build_algorithm(cfg, trainer, reference, ema)
     history, consumed = restore(trainer, resume_from, start, driver=driver, shadows=run_shadows(algorithm, ema),
                                 trust=trust_checkpoint)
-    next_batch = read_batch(resume_from) if resume_from is not None else None
+    state = LoopState(iteration=start, history=history, engine_version=start,
+                      next_batch=read_batch(resume_from) if resume_from is not None else None)
     rollout = build_rollout(cfg, placement, pipeline_dir, groups, verbose=verbose, warm=warm)
     try:
         sampler = rollout.local
@@ -107,7 +102,7 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
             if start:
-                from megaflow.run.evaluation import resume_eval_log
+                from megaflow.rundir.eval_log import resume_eval_log
                 resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
                                start_iteration=start)
@@ -115,8 +110,8 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         rollout.close()
         raise
     return Run(cfg=cfg, run_dir=run_dir, placement=placement, trainer=trainer, reference=reference, rollout=rollout,
-               sampler=sampler, sync=sync, prompts=prompts, algorithm=algorithm, ema=ema, phases=phases, reporter=reporter,
-               diffusers_config=dconfig, history=history, start=start, next_batch=next_batch)
+               sampler=sampler, sync=sync, prompts=prompts, algorithm=algorithm, ema=ema, phases=phases,
+               reporter=reporter, diffusers_config=dconfig), state
 
 
 def trainer_offload(cfg: MegaflowConfig, trainer):
@@ -146,7 +141,7 @@ def restore(trainer, resume_from: Path | None, start: int, *, driver: bool,
     (collective), or a fresh run's ([], 0) when ``resume_from`` is None."""
     if resume_from is None:
         return [], 0
-    from megaflow.run.state import load
+    from megaflow.rundir.checkpoint_io import load
     t_load = time.perf_counter()
     state = load(trainer, resume_from, shadows=shadows, trust=trust)
     if driver:
@@ -195,7 +190,7 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     from megaflow.models.common.finite import refuse_non_finite
     from megaflow.models.registry import get_family
     from megaflow.trainer.runner import BaseReference, ReferenceModel, Trainer
-    from megaflow.trainer.settings import lora_settings, optimizer_config, transformer_kwargs
+    from megaflow.trainer.settings import lora_settings, lr_schedule, optimizer_config, transformer_kwargs
 
     family = get_family(cfg.model.family)
     tdir = pipeline_dir / "transformer"
@@ -207,7 +202,8 @@ def build_trainer(cfg: MegaflowConfig, pipeline_dir: Path):
     refuse_non_finite(state.items(), str(tdir))
     opt = optimizer_config(cfg)
     lora = lora_settings(cfg)
-    trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora)
+    trainer = Trainer(mcfg, family=cfg.model.family, spec=cfg.model.spec, optimizer_config=opt, lora=lora,
+                      lr_schedule=lr_schedule(cfg))
     trainer.load_diffusers_state_dict(state)
     if lora is not None and cfg.lora.init:
         from megaflow.models.common.lora_files import read_adapter

@@ -50,12 +50,13 @@ class DGPO:
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
         from megaflow.trainer.dgpo import dgpo_update
         g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
+        lr = self.trainer.schedule_lr(iteration)
         metrics = dgpo_update(self.trainer, trajs, advantages, keep, self.settings, generator=g,
                               ema_ref=self.ema_ref, ref=self.reference, ema=self.ema)
         a, steps = self.cfg.algo, int(metrics.get("num_updates", 0))
         decay = ema_ref_decay(self.ema_ref.num_updates + steps, rate=a.old_decay_rate, cap=a.old_decay_max)
         self.ema_ref.blend(decay, steps)
-        return {**metrics, "ema_ref_decay": decay}
+        return {**metrics, "ema_ref_decay": decay, **lr}
 
     def engine_weights(self):
         """The engines sample with θ itself: nothing to put in place."""

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from megaflow.config import MegaflowConfig
 from megaflow.rollout.engine_commands import Commands, exchange_generated
-from megaflow.run.interrupt import Interrupted, StopRequests
 from megaflow.run.roles import Roles
+from megaflow.rundir.interrupt import Interrupted, StopRequests
 
 
 def serve_engine_rank(cfg: MegaflowConfig, roles: Roles, pipeline_dir: Path, *, stop: StopRequests,

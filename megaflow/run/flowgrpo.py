@@ -50,9 +50,12 @@ class FlowGRPO:
 
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
         from megaflow.trainer.flowgrpo import grpo_update
-        return grpo_update(self.trainer, trajs, advantages, keep,
-                           train_steps(self.cfg, self.settings.transition, iteration), self.settings, self.reference,
-                           seed=iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES), ema=self.ema)
+        lr = self.trainer.schedule_lr(iteration)
+        metrics = grpo_update(self.trainer, trajs, advantages, keep,
+                              train_steps(self.cfg, self.settings.transition, iteration), self.settings,
+                              self.reference, seed=iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES),
+                              ema=self.ema)
+        return {**metrics, **lr}
 
     def engine_weights(self):
         """The engines sample with θ itself: nothing to put in place."""

@@ -4,21 +4,30 @@ says what to sample, how to update and what the engines hold. Design notes: docs
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from megaflow.config import MegaflowConfig, run_dir_of
-from megaflow.run import faults
+from megaflow.rollout.types import RewardScores
 from megaflow.run.ahead import Batch, PendingBatch, start_batch
 from megaflow.run.build import Run, build_run, start_engine_workers, with_pipeline_defaults
-from megaflow.run.checkpoints import checkpoint_dir
-from megaflow.run.evaluation import Evaluate, iteration_of
-from megaflow.run.interrupt import Interrupted, StopRequests
+from megaflow.run.loop_state import LoopState
 from megaflow.run.masked import MaskedWatch, UselessRun
 from megaflow.run.requests import batch_advantages
 from megaflow.run.roles import Claim, claim_run_dir, share_pipeline, start_roles
-from megaflow.trainer.settings import scheduled_lr, set_lr
+from megaflow.rundir import faults
+from megaflow.rundir.checkpoints import checkpoint_dir
+from megaflow.rundir.eval_log import iteration_of
+from megaflow.rundir.interrupt import Interrupted, StopRequests
+
+if TYPE_CHECKING:
+    from megaflow.report.metrics import Evaluation
+
+Evaluate = Callable[[object, "str | int"], "Evaluation | None"]
+"""The driver's evaluation hook ``evaluate(sampler, when)`` (``when``: "before", an iteration or "after"); what it
+returns goes to the reporter."""
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
@@ -44,11 +53,11 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
             serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose, warm=warm)
             done = True
             return {}
-        the_run = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
-                            resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint,
-                            warm=warm)
+        the_run, state = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
+                                   resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint,
+                                   warm=warm)
         try:
-            metrics = loop(the_run, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
+            metrics = loop(the_run, state, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
         finally:
             stop.restore()  # a signal while the engines shut down abandons at once
             the_run.close()
@@ -62,36 +71,37 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
     return metrics
 
 
-def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, evaluate_every: int = 0,
-         claim: Claim | None = None) -> dict:
-    """Iterations ``run.start + 1 .. train.iterations`` after the initial weight sync; checkpoints, reports,
+def loop(run: Run, state: LoopState, *, stop: StopRequests, evaluate: Evaluate | None = None,
+         evaluate_every: int = 0, claim: Claim | None = None) -> dict:
+    """Iterations ``state.iteration + 1 .. train.iterations`` after the initial weight sync; checkpoints, reports,
     evaluates (the driver) and stops at an iteration boundary when ``stop`` agrees; returns the last metrics."""
     cfg, driver = run.cfg, run.placement.is_driver
-    metrics: dict = run.history[-1] if run.history else {}
+    metrics: dict = state.history[-1] if state.history else {}
     with run.algorithm.engine_weights():
         initial_sync = sync_weights(run.trainer, run.sync)  # engines now hold exactly what they sample with
     run.phases.synced()
-    run.engine_version = run.start
-    if run.start == 0:
+    if state.iteration == 0:
         run.reporter.iteration(0, initial_sync)
-        run.history.append({"iteration": 0, **initial_sync})
+        state.history.append({"iteration": 0, **initial_sync})
         if evaluate is not None and driver:
             evaluate_now(run, evaluate, "before")  # every weight set is the initial one here
     watch = MaskedWatch(cfg.train.max_masked_iterations)
     ahead = cfg.train.max_staleness > 0
-    batch = run.next_batch  # collected ahead before the checkpoint this run resumes from
-    for it in range(run.start + 1, cfg.train.iterations + 1):
-        if ahead and batch is None:
-            batch = start_batch(run, it).finish()  # the first batch of an asynchronous run
-        pending = start_batch(run, it + 1) if ahead and it < cfg.train.iterations else None
-        result = iteration(run, it, watch, batch=batch, pending=pending)
-        metrics, batch = result.metrics, result.next_batch
-        last = it == cfg.train.iterations
+    for it in range(state.iteration + 1, cfg.train.iterations + 1):
+        batch = state.next_batch  # collected ahead: during the last iteration, or before the checkpoint resumed
+        if batch is None:
+            batch = start_batch(run, it, state.engine_version)
+            if ahead:  # the first batch of an asynchronous run, in full before the next one starts
+                batch = batch.finish()
+        pending = start_batch(run, it + 1, state.engine_version) if ahead and it < cfg.train.iterations else None
+        result = iteration(run, it, batch, pending=pending)
+        watch.see(result.scores)
+        metrics, last = result.metrics, it == cfg.train.iterations
         signum, useless = stop.agreed(), watch.verdict(it, last=last)
-        run.history.append({"iteration": it, **metrics})
+        state.done(it, metrics, result.next_batch)
         if last or signum or useless or (cfg.train.save_every and it % cfg.train.save_every == 0):
             with run.phases.resident():  # the optimizer states and weights are saved from the device
-                metrics["checkpoint/write_s"] = save(run, it, batch)
+                metrics["checkpoint/write_s"] = save(run, state)
         run.reporter.iteration(it, metrics, images=result.images, captions=result.captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
@@ -108,7 +118,7 @@ def loop(run: Run, *, stop: StopRequests, evaluate: Evaluate | None = None, eval
         evaluate_weights(run, evaluate, "after")
     run.rollout.release()
     if driver:
-        rewards = [r["reward/total"] for r in run.history if "reward/total" in r]
+        rewards = [r["reward/total"] for r in state.history if "reward/total" in r]
         print(f"[megaflow] done: reward {rewards[0]:.4f} (iteration 1) -> {rewards[-1]:.4f} "
               f"(iteration {cfg.train.iterations}); run dir {run.run_dir}", flush=True)
     return metrics
@@ -139,10 +149,13 @@ def evaluate_now(run: Run, evaluate: Evaluate, when: str | int) -> None:
         run.reporter.evaluation(iteration_of(when, run.cfg.train.iterations), result)
 
 
-class IterationResult(NamedTuple):
+@dataclass(frozen=True)
+class IterationResult:
     """What one iteration leaves for the loop."""
 
     metrics: dict
+    scores: RewardScores
+    """The batch's rewards (every sample's, masked ones included)."""
     images: list
     captions: list[str]
     """One per image: the prompt and the total reward."""
@@ -150,25 +163,20 @@ class IterationResult(NamedTuple):
     """The next iteration's batch, collected meanwhile (asynchronous loop), or None."""
 
 
-def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Batch | None = None,
+def iteration(run: Run, it: int, batch: Batch | PendingBatch, *,
               pending: PendingBatch | None = None) -> IterationResult:
-    """One iteration on this rank: collect (unless ``batch`` is given), advantages, update, wait for ``pending``
-    (asynchronous loop), weight sync."""
+    """One iteration on this rank: its ``batch`` (finished here when still being collected), advantages, update,
+    wait for ``pending`` (the next batch, asynchronous loop), weight sync. Changes no state of the loop's."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    if batch is None:
-        batch = start_batch(run, it).finish()
-    if watch is not None:
-        watch.see(batch.scores)
+    if isinstance(batch, PendingBatch):
+        batch = batch.finish()
     captions = [f"{t.prompt} | reward {r:.3f}" for t, r in zip(batch.trajs, batch.scores.total.tolist())]
     trajs, advantages, keep, roll_metrics = batch_advantages(batch.trajs, batch.scores, batch.timings, cfg)
     faults.check("rollout", it)
     t_rollout = time.perf_counter() - t0
     with run.phases.training():
-        t = cfg.train
-        lr = scheduled_lr(t.lr, it - 1, warmup=t.warmup_iterations, total=t.iterations, schedule=t.lr_schedule)
-        set_lr(run.trainer.optimizer, lr)
-        train_metrics = {**run.algorithm.update(trajs, advantages, keep, it), "lr": lr}
+        train_metrics = run.algorithm.update(trajs, advantages, keep, it)
     faults.check("train", it)
     t_train = time.perf_counter() - t0 - t_rollout
     ahead = {"rollout/staleness": float(it - 1 - batch.version)} if cfg.train.max_staleness else {}
@@ -178,25 +186,25 @@ def iteration(run: Run, it: int, watch: MaskedWatch | None = None, *, batch: Bat
     with run.algorithm.engine_weights():
         sync_metrics = sync_weights(run.trainer, run.sync, it)
     run.phases.synced()
-    run.engine_version = it
     metrics = {**roll_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}, **sync_metrics,
                **run.phases.metrics, **ahead, "time/rollout_s": t_rollout, "time/train_s": t_train,
                "time/iteration_s": time.perf_counter() - t0}
     metrics.update(run.rollout.metrics())
-    return IterationResult(metrics, [t.image for t in trajs], captions, next_batch)
+    return IterationResult(metrics, batch.scores, [t.image for t in trajs], captions, next_batch)
 
 
-def save(run: Run, it: int, next_batch: Batch | None = None) -> float:
-    """Checkpoint iteration ``it`` with the batch collected ahead for the next one (collective over the trainer
-    ranks); the seconds it took."""
-    from megaflow.run.build import run_shadows
+def save(run: Run, state: LoopState) -> float:
+    """Checkpoint ``state`` after its iteration, with the batch collected ahead for the next one (collective over
+    the trainer ranks); the seconds it took."""
     from megaflow.run.ahead import write_batch
-    from megaflow.run.state import save as save_state
-    return save_state(run.trainer, run.run_dir, it, family=run.cfg.model.family, diffusers_config=run.diffusers_config,
-                      prompts_consumed=run.prompts.consumed, metrics_rows=run.history,
-                      keep=run.cfg.train.keep_checkpoints, shadows=run_shadows(run.algorithm, run.ema),
-                      checksum=run.cfg.bridge.checksum,
-                      write_extra=None if next_batch is None else lambda stage: write_batch(stage, next_batch))
+    from megaflow.run.build import run_shadows
+    from megaflow.rundir.checkpoint_io import save as save_state
+    ahead = state.next_batch
+    return save_state(run.trainer, run.run_dir, state.iteration, family=run.cfg.model.family,
+                      diffusers_config=run.diffusers_config, prompts_consumed=run.prompts.consumed,
+                      metrics_rows=state.history, keep=run.cfg.train.keep_checkpoints,
+                      shadows=run_shadows(run.algorithm, run.ema), checksum=run.cfg.bridge.checksum,
+                      write_extra=None if ahead is None else lambda stage: write_batch(stage, ahead))
 
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:

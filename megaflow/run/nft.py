@@ -45,13 +45,14 @@ class DiffusionNFT:
     def update(self, trajs, advantages: torch.Tensor, keep: torch.Tensor, iteration: int) -> dict:
         from megaflow.trainer.nft import nft_update
         g = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, iteration, MINIBATCHES))
+        lr = self.trainer.schedule_lr(iteration)
         metrics = nft_update(self.trainer, trajs, advantages, keep, self.settings, generator=g, old=self.old,
                              ref=self.reference, ema=self.ema)
         a, steps = self.cfg.algo, int(metrics.get("num_updates", 0))
         decay = old_policy_decay(self.old.num_updates + steps, rate=a.old_decay_rate, max_decay=a.old_decay_max,
                                  flat_steps=a.old_decay_flat_steps)
         self.old.blend(decay, steps)
-        return {**metrics, "old_decay": decay}
+        return {**metrics, "old_decay": decay, **lr}
 
     def engine_weights(self):
         """The engines sample with θ_old."""

@@ -13,7 +13,7 @@ import torch
 from megaflow.config import MegaflowConfig, save_config
 from megaflow.parallel.groups import RunGroups
 from megaflow.parallel.placement import Placement
-from megaflow.run.rundir import RunDir
+from megaflow.rundir.claim import RunDir
 
 
 @dataclass(frozen=True)

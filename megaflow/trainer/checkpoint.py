@@ -241,7 +241,7 @@ def _restore_adam_steps(optimizer) -> None:
 
 
 SHADOW_NAMES = ("ema", "nft_old")
-"""The shadow weights a run may checkpoint beside its model (megaflow.run.state)."""
+"""The shadow weights a run may checkpoint beside its model (megaflow.rundir.checkpoint_io)."""
 
 
 def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: bool = False,

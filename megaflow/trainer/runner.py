@@ -22,6 +22,7 @@ from megaflow.models.registry import get_family
 from megaflow.parallel.perf_patches import PERF_PATCHES, apply_perf_patches
 from megaflow.trainer.fast_paths import FastPaths, SingleRankDDP, select_fast_paths, use_foreach_torch_adam
 from megaflow.trainer.full_weights import iter_full, load_checked
+from megaflow.trainer.settings import LRSchedule, set_lr
 
 __all__ = ["BaseReference", "FastPaths", "LossFn", "ModelRunner", "ReferenceModel", "SingleRankDDP", "Trainer", "adam_config",
            "iter_full", "load_checked", "rectified_flow_loss", "rectified_flow_microbatch", "unwrap"]
@@ -145,12 +146,13 @@ def _build_chunks(config, family: str, spec: str, lora: LoRASettings | None = No
 class Trainer(ModelRunner):
     """This rank's model chunks (DDP-wrapped), optimizer and step functions. ``optimizer_config=None``: no
     optimizer; ``fast_paths`` picks megaflow.trainer.fast_paths' shortcuts (``fast_paths_active`` names those in
-    effect); ``lora``: train adapters on a frozen base."""
+    effect); ``lora``: train adapters on a frozen base; ``lr_schedule``: the lr of each iteration's update."""
 
     def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
                  optimizer_config: OptimizerConfig | None = None,
                  ddp_config: DistributedDataParallelConfig | None = None,
-                 fast_paths: FastPaths | None = None, lora: LoRASettings | None = None):
+                 fast_paths: FastPaths | None = None, lora: LoRASettings | None = None,
+                 lr_schedule: LRSchedule | None = None):
         fast = FastPaths() if fast_paths is None else fast_paths
         chunks = _build_chunks(config, family, spec, lora)
         if ddp_config is None:
@@ -169,6 +171,16 @@ class Trainer(ModelRunner):
             use_foreach_torch_adam(self.optimizer, joint_groups=on["joint_adam_groups"])
         self.lora = lora
         self.lora_map = lora_weight_map(self.family.weight_map, lora) if lora is not None else None
+        self.lr_schedule = lr_schedule
+
+    def schedule_lr(self, iteration: int) -> dict:
+        """Before iteration ``iteration``'s optimizer steps: every param group at the schedule's lr for it;
+        ``{"lr": lr}`` for the update's metrics ({} without a schedule: the optimizer keeps its lr)."""
+        if self.lr_schedule is None:
+            return {}
+        lr = self.lr_schedule.at(iteration)
+        set_lr(self.optimizer, lr)
+        return {"lr": lr}
 
     def load_diffusers_state_dict(self, diffusers_sd: dict[str, torch.Tensor]) -> None:
         """``ModelRunner.load_diffusers_state_dict``, then the optimizer's main params re-read."""

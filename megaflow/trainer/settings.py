@@ -4,6 +4,7 @@ learning-rate schedule. Each algorithm maps its own settings beside it (``run/<a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,28 @@ def scheduled_lr(lr: float, step: int, *, warmup: int, total: int, schedule: str
         return lr * min(1.0, (step + 1) / max(1, warmup))
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of every optimizer step of an iteration (``scheduled_lr`` by iteration): ``lr`` warmed
+    up over ``warmup`` iterations, then ``schedule`` over ``total``. A function of the iteration alone, so a
+    resumed run's iteration k has the uninterrupted run's lr."""
+
+    lr: float
+    warmup: int = 0
+    total: int = 1
+    schedule: str = "constant"
+
+    def at(self, iteration: int) -> float:
+        """The learning rate of (1-based) ``iteration``."""
+        return scheduled_lr(self.lr, iteration - 1, warmup=self.warmup, total=self.total, schedule=self.schedule)
+
+
+def lr_schedule(cfg: MegaflowConfig) -> LRSchedule:
+    """The trainer's schedule from ``train`` (``lr``, ``warmup_iterations``, ``iterations``, ``lr_schedule``)."""
+    t = cfg.train
+    return LRSchedule(t.lr, warmup=t.warmup_iterations, total=t.iterations, schedule=t.lr_schedule)
 
 
 def set_lr(optimizer, lr: float) -> None:

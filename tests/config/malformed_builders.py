@@ -222,7 +222,8 @@ def _elsewhere(runs: Path) -> None:
     _link(runs, "elsewhere")
 
 
-# A state.json as megaflow.run.state.save writes it (one rank's RNG states cut short: only their types are read).
+# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states cut short: only their
+# types are read).
 STATE = {"iteration": 2, "prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "torch": "",
                                                          "numpy": ["MT19937", "", 0, 0, 0.0]}],
          "metrics": [], "layout": {"tp": 1, "pp": 1}}

@@ -26,13 +26,13 @@ class RunsCode:
 
 def save_run_checkpoint(root: Path):
     """A run dir ``root/run`` (its tiny pipeline, config.toml and checkpoint ``ITERATION`` written by
-    megaflow.run.state.save from a Trainer with its optimizer, built in this process on a 1-rank gloo group) and
-    that trainer. The caller destroys the process group (megaflow.parallel.distributed.destroy_distributed)."""
+    megaflow.rundir.checkpoint_io.save from a Trainer with its optimizer, built in this process on a 1-rank gloo
+    group) and that trainer. The caller destroys the process group (megaflow.parallel.distributed.destroy_distributed)."""
     from megaflow.config import load_config, save_config
     from megaflow.models.tiny_pipeline import make_tiny_pipeline
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import init_distributed
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
     from megaflow.run.build import build_trainer
 
     run_dir = root / "run"
@@ -42,7 +42,7 @@ def save_run_checkpoint(root: Path):
     init_distributed(ParallelDims(), seed=0)
     trainer, _ = build_trainer(cfg, pipeline)
     dconfig = json.loads((pipeline / "transformer" / "config.json").read_text())
-    state.save(trainer, run_dir, ITERATION, family="sd3", diffusers_config=dconfig, prompts_consumed=4,
+    checkpoint_io.save(trainer, run_dir, ITERATION, family="sd3", diffusers_config=dconfig, prompts_consumed=4,
                metrics_rows=[{"iteration": ITERATION}], keep=2)
     return run_dir, trainer
 

@@ -25,7 +25,7 @@ def _trainer(run_dir: str, pipeline_dir: str):
 
 def _save(cfg, trainer, run_dir: str, pipeline_dir: str, iteration: int, *, optimizer) -> dict:
     from megaflow.bridge.convert import engine_named_params
-    from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
+    from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
     from megaflow.parallel.distributed import destroy_distributed
     from megaflow.trainer.checkpoint import save_checkpoint
     from megaflow.trainer.manifest import write_manifest
@@ -35,7 +35,7 @@ def _save(cfg, trainer, run_dir: str, pipeline_dir: str, iteration: int, *, opti
     save_checkpoint(trainer.chunks, ckpt / MODEL_DIR, family=cfg.model.family, diffusers_config=dconfig,
                     optimizer=optimizer)
     (ckpt / STATE_FILE).write_text(json.dumps({"iteration": iteration}))
-    write_manifest(ckpt)  # last, as megaflow.run.state.save does
+    write_manifest(ckpt)  # last, as megaflow.rundir.checkpoint_io.save does
     weights = {k: v.clone() for k, v in engine_named_params(trainer)}
     destroy_distributed()
     return weights

@@ -28,13 +28,13 @@ def _velocity(trainer, mb) -> torch.Tensor:
 def lora_run_rank(run_dir: str, pipeline_dir: str, iteration: int, steps: int, probe_path: str) -> dict:
     """The run's LoRA trainer (``megaflow.run.build.build_trainer``: base from the pipeline, adapters from
     ``lora.init``): its velocity on the probe before training; ``steps`` Adam steps; its velocity after;
-    checkpoint ``iteration`` through ``megaflow.run.state.save``; then a fresh trainer resumed with
-    ``megaflow.run.state.load`` and one more step on both (losses and adapters must agree)."""
+    checkpoint ``iteration`` through ``megaflow.rundir.checkpoint_io.save``; then a fresh trainer resumed with
+    ``megaflow.rundir.checkpoint_io.load`` and one more step on both (losses and adapters must agree)."""
     from megaflow.config import load_config
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
     from megaflow.run.build import build_trainer
-    from megaflow.run.state import load as load_state, save as save_state
+    from megaflow.rundir.checkpoint_io import load as load_state, save as save_state
 
     cfg = load_config(Path(run_dir) / "config.toml")
     dconfig = json.loads((Path(pipeline_dir) / "transformer" / "config.json").read_text())
@@ -51,7 +51,7 @@ def lora_run_rank(run_dir: str, pipeline_dir: str, iteration: int, steps: int, p
     after = {k: v.clone() for k, v in trainer.iter_full_adapters()}
 
     resumed, _ = build_trainer(cfg, Path(pipeline_dir))
-    from megaflow.run.checkpoints import checkpoint_dir
+    from megaflow.rundir.checkpoints import checkpoint_dir
     load_state(resumed, checkpoint_dir(run_dir, iteration))
     v_resumed = _velocity(resumed, probe)
     resumed_loss = float(resumed.train_step([mbs[steps]])["loss"])

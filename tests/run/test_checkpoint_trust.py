@@ -1,5 +1,5 @@
 """One trust rule for every path that reads a checkpoint (megaflow.trainer.dcp_metadata): ``megaflow export``,
-``tools/convert_checkpoint.py to-diffusers`` and ``--resume`` (megaflow.run.state.load). Each crafted case of
+``tools/convert_checkpoint.py to-diffusers`` and ``--resume`` (megaflow.rundir.checkpoint_io.load). Each crafted case of
 tests/run/crafted_checkpoints.py -- a ``__reduce__`` payload in ``model/.metadata``, absolute and ``../`` storage
 paths, an offset of 10**18, a length of 10**15, a byte item on /dev/zero of 2**36 bytes, ``size="abc"``,
 ``chunks=None``, a truncated ``.distcp``, a state.json with ``iteration="4"`` or a negative ``prompts_consumed`` --
@@ -12,7 +12,7 @@ A full disk during the next save (simulated: torch's writer fails as it does on 
 state.json raises ENOSPC) ends in one line naming the checkpoint and the bytes it needs, leaves no staging or
 temporary file, and the previous checkpoint still loads.
 
-The checkpoint is megaflow.run.state.save's, from a Trainer with its optimizer built in this process on a
+The checkpoint is megaflow.rundir.checkpoint_io.save's, from a Trainer with its optimizer built in this process on a
 1-rank gloo group: no engine, no launch (~15 s once per module). Needs: CPU, 1 process."""
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _convert(model_dir: Path, out: Path, capsys) -> tuple[int, list[str]]:
 def test_the_untouched_checkpoint_reads_back_the_trainers_weights(saved, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
 
     run_dir, trainer, weights = saved
     rc, err = _export(run_dir, tmp_path / "export", capsys)
@@ -97,7 +97,7 @@ def test_the_untouched_checkpoint_reads_back_the_trainers_weights(saved, tmp_pat
     with torch.no_grad():
         for p in trainer.chunks[0].parameters():
             p.add_(1.0)  # the resume must put every weight back
-    loaded = state.load(trainer, checkpoint_of(run_dir))
+    loaded = checkpoint_io.load(trainer, checkpoint_of(run_dir))
     assert loaded["iteration"] == 1 and loaded["prompts_consumed"] == 4
     from megaflow.bridge.convert import engine_named_params
     assert all(torch.equal(v, weights[k]) for k, v in engine_named_params(trainer))
@@ -108,14 +108,14 @@ def test_a_save_starts_no_process_and_reads_back(saved, tmp_path):
     helper process, and what it wrote loads back."""
     import psutil
 
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
 
     run_dir, trainer, weights = saved
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    state.save(trainer, tmp_path, 2, family="sd3", diffusers_config={}, prompts_consumed=0,
+    checkpoint_io.save(trainer, tmp_path, 2, family="sd3", diffusers_config={}, prompts_consumed=0,
                metrics_rows=[{"iteration": 2}], keep=1)
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
-    assert state.load(trainer, tmp_path / "checkpoints" / "iter_000002")["iteration"] == 2
+    assert checkpoint_io.load(trainer, tmp_path / "checkpoints" / "iter_000002")["iteration"] == 2
 
 
 READERS = ("export", "convert", "resume")
@@ -124,7 +124,7 @@ ROWS = [(name, reader) for name in CRAFTS for reader in READERS if reader == "re
 
 @pytest.mark.parametrize("name,reader", ROWS)
 def test_a_crafted_checkpoint_is_refused_in_one_line(saved, tmp_path, capsys, name, reader):
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
 
     run_dir, _, _ = saved
     marker, out = tmp_path / "payload-ran", tmp_path / "out"
@@ -133,7 +133,7 @@ def test_a_crafted_checkpoint_is_refused_in_one_line(saved, tmp_path, capsys, na
     needle = CRAFTS[name][1]
     if reader == "resume":
         with pytest.raises(ValueError) as e:
-            state.load(_Untouchable(), ckpt)
+            checkpoint_io.load(_Untouchable(), ckpt)
         lines = [str(e.value)]
     else:
         rc, lines = (_export(tmp_path / "run", out, capsys) if reader == "export"
@@ -145,9 +145,9 @@ def test_a_crafted_checkpoint_is_refused_in_one_line(saved, tmp_path, capsys, na
 
 
 def _save_next(trainer, run_dir: Path):
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
     dconfig = json.loads((run_dir / "tiny-pipeline" / "transformer" / "config.json").read_text())
-    state.save(trainer, run_dir, 2, family="sd3", diffusers_config=dconfig, prompts_consumed=8,
+    checkpoint_io.save(trainer, run_dir, 2, family="sd3", diffusers_config=dconfig, prompts_consumed=8,
                metrics_rows=[{"iteration": 1}, {"iteration": 2}], keep=2)
 
 
@@ -185,7 +185,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_stays
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from megaflow.run import state
+    from megaflow.rundir import checkpoint_io
     from megaflow.trainer import checkpoint
     from megaflow.trainer.disk_full import NoSpace
 
@@ -195,7 +195,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_stays
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**9, 10**9, 0))
     if where == "state.json":
-        monkeypatch.setattr(state, "open", _FullDiskFile, raising=False)  # state.py's own writes only
+        monkeypatch.setattr(checkpoint_io, "open", _FullDiskFile, raising=False)  # checkpoint_io.py's own writes only
     else:
         monkeypatch.setattr(checkpoint, "dist_checkpointing", SimpleNamespace(save=_torch_writer_on_a_full_disk))
     with pytest.raises(NoSpace) as e:
@@ -213,13 +213,13 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_stays
     with torch.no_grad():
         for p in trainer.chunks[0].parameters():
             p.add_(1.0)
-    assert state.load(trainer, checkpoint_of(run_dir))["iteration"] == 1  # the previous checkpoint loads
+    assert checkpoint_io.load(trainer, checkpoint_of(run_dir))["iteration"] == 1  # the previous checkpoint loads
     from megaflow.bridge.convert import engine_named_params
     assert all(torch.equal(v, weights[k]) for k, v in engine_named_params(trainer))
 
 
 def test_the_cli_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
-    from megaflow.run import export
+    from megaflow.commands import export
     from megaflow.trainer.disk_full import NoSpace
 
     def full(*args, **kwargs):

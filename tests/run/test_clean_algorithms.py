@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaflow.run.checkpoints import list_checkpoints
+from megaflow.rundir.checkpoints import list_checkpoints
 
 from test_resume import Launch
 

@@ -1,4 +1,4 @@
-"""``megaflow train``'s evaluation hook (megaflow.run.evaluation) on a fake sampler: the requests it makes
+"""``megaflow train``'s evaluation hook (megaflow.commands.evaluation) on a fake sampler: the requests it makes
 (ODE, one per test prompt, fixed seeds, the prompts' metadata), its reward figures against the reward computed
 directly, and what it writes (eval.jsonl rows, captioned grids) and returns for the metrics backends (the row's
 figures, the images with prompt and score). Needs: CPU, no engine (~2 s)."""
@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megaflow.commands import evaluation
 from megaflow.config import load_config
 from megaflow.rewards.registry import build_reward
-from megaflow.run import evaluation
+from megaflow.rundir.eval_log import resume_eval_log
 
 COLORS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.9, 0.2, 0.1), (0.0, 0.0, 1.0)]
 
@@ -112,10 +113,10 @@ def test_resumed_run_keeps_one_after(tmp_path):
     rows = [{"iteration": 0, "when": "before"}, {"iteration": 2, "when": "iteration"},
             {"iteration": 3, "when": "after"}]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evaluation.resume_eval_log(tmp_path, 3)
+    resume_eval_log(tmp_path, 3)
     assert [json.loads(x)["when"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == \
         ["before", "iteration", "iteration"]
-    evaluation.resume_eval_log(tmp_path, 2)
+    resume_eval_log(tmp_path, 2)
     assert [json.loads(x)["iteration"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0, 2]
 
 
@@ -160,7 +161,7 @@ def test_shapes_figures():
 def test_demo_evaluation_for_the_backends(tmp_path):
     """The demo's ShapeEval result as the reporter takes it: the held-out figures, the TRAIN prompts' accuracy,
     and the held-out images saved under the result's folder, captioned with prompt and verdict."""
-    from megaflow.run.demo import demo_evaluation
+    from megaflow.commands.demo import demo_evaluation
     from megaflow.shapeeval.evaluate import evaluate_engine
 
     sampler = FakeSampler()

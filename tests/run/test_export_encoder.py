@@ -1,4 +1,4 @@
-"""The ``encode_prompts.py`` an SD3 export carries (megaflow.run.export: a copy of megaflow/models/sd3/text.py) is
+"""The ``encode_prompts.py`` an SD3 export carries (megaflow.commands.export: a copy of megaflow/models/sd3/text.py) is
 usable without megaflow: imported from its own file in a process where ``megaflow`` and ``megatron`` cannot be
 imported, it encodes prompts for the shipped ShapeEval pipeline exactly (bit for bit) as megaflow's own
 ``encode_prompts`` does; and the export decides to write it from the pipeline's megaflow.json. Needs: CPU, 1 process
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megaflow.run.export import _ENCODER_SOURCE, ENCODER_FILE, prompt_length
+from megaflow.commands.export import _ENCODER_SOURCE, ENCODER_FILE, prompt_length
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "assets" / "shapeeval-sd3"

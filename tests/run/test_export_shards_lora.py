@@ -17,7 +17,7 @@ import torch
 
 from megaflow import cli
 from megaflow.config import load_config, save_config
-from megaflow.run.export import parse_size
+from megaflow.commands.export import parse_size
 
 ITERATION = 3
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megaflow.run import interrupt
+from megaflow.rundir import interrupt
 
 
 def test_repeat_within_the_window_is_the_same_stop_and_a_later_one_abandons(monkeypatch):
@@ -56,7 +56,7 @@ def test_restore_after_a_plain_stop_gives_back_the_handlers():
 def test_abort_kills_our_children_and_exits_with_the_signal_code():
     """A process with a child that ignores SIGTERM: abort SIGKILLs it after KILL_GRACE_S and exits 143."""
     code = ("import signal, subprocess, sys, time\n"
-            "from megaflow.run import interrupt\n"
+            "from megaflow.rundir import interrupt\n"
             "interrupt.KILL_GRACE_S = 0.5\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)'], "
@@ -77,7 +77,7 @@ def test_kill_children_spares_the_resource_tracker_which_ends_with_us():
     ends, then ends by itself."""
     code = ("import subprocess, sys, time\n"
             "from multiprocessing import resource_tracker\n"
-            "from megaflow.run import interrupt\n"
+            "from megaflow.rundir import interrupt\n"
             "resource_tracker.ensure_running()\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
             "t0 = time.monotonic()\n"
@@ -97,7 +97,7 @@ def test_a_main_thread_blocked_in_c_is_still_aborted_by_the_second_signal():
     """The main thread waits on a lock with SIGTERM blocked, so the signals go to another thread and the Python
     handlers never run (as when it waits inside a collective): the wakeup-fd watch arms the watchdog."""
     code = ("import signal, sys, threading, time\n"
-            "from megaflow.run import interrupt\n"
+            "from megaflow.rundir import interrupt\n"
             "interrupt.DUPLICATE_S, interrupt.ABORT_GRACE_S = 0.2, 0.5\n"
             "stop = interrupt.StopRequests()\n"
             "threading.Thread(target=time.sleep, args=(120,), daemon=True).start()  # takes the signals\n"

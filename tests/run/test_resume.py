@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from megaflow.run.checkpoints import list_checkpoints
+from megaflow.rundir.checkpoints import list_checkpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -288,7 +288,7 @@ def test_run_dir_is_owned(tmp_path):
     """A rerun without --resume refuses a run with checkpoints; a finished run is never overwritten; a
     concurrent run with the same name refuses; all within the CLI's first second, writing nothing."""
     from megaflow.config import load_config
-    from megaflow.run.rundir import RunDir, check_run_dir
+    from megaflow.rundir.claim import RunDir, check_run_dir
     config = _write_config(tmp_path, "owned", 1)
     cfg = load_config(config, ["train.iterations=1"])
     held = RunDir(cfg, resume=False)  # as a live run holds it

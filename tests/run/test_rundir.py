@@ -1,4 +1,4 @@
-"""The run directory's checks have one home (megaflow.run.rundir): the CLI's ``check_run_dir`` (nothing created
+"""The run directory's checks have one home (megaflow.rundir.claim): the CLI's ``check_run_dir`` (nothing created
 or locked) and rank 0's claim ``RunDir`` (under the lock) give the same verdict with the same words.
 Needs: CPU, 1 process, no torch (< 1 s)."""
 from __future__ import annotations
@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from megaflow.config import load_config, save_config
-from megaflow.run import rundir
 from megaflow.config.files import CKPT_META
-from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
-from megaflow.run.rundir import RunDir, check_run_dir
+from megaflow.rundir import claim
+from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
+from megaflow.rundir.claim import RunDir, check_run_dir
 
 
-# A state.json as megaflow.run.state.save writes it (one rank's RNG states cut short: only their types are read here).
+# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states cut short: only their
+# types are read here).
 STATE = {"prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "numpy": ["MT19937", "", 0, 0, 0.0],
                                          "torch": ""}], "metrics": [], "layout": {"tp": 1, "pp": 1}}
 
@@ -163,7 +164,7 @@ def test_unwritable_output_dir_is_one_line(tmp_path, monkeypatch):
     runs.mkdir()
     cfg = _cfg(runs)
     if os.geteuid() == 0:
-        monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)
+        monkeypatch.setattr(claim.os, "access", lambda path, mode: False)
     else:
         runs.chmod(0o555)
     assert _verdicts(cfg, False) == (f"run.output_dir = {str(runs)!r}: not writable (permission denied)",) * 2

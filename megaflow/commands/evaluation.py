@@ -1,20 +1,22 @@
 """``megaflow train``'s evaluation (``eval.every``): the ``evaluate(sampler, when)`` hook the loop calls on the
-driver ("before", every ``eval.every``-th iteration, "after"). Design notes: docs/design/run.md.
+driver ("before", every ``eval.every``-th iteration, "after"); its rows go to the run's eval.jsonl
+(megaflow.rundir.eval_log). Design notes: docs/design/commands.md.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from megaflow.config import MegaflowConfig
 from megaflow.config.suggest import did_you_mean
 from megaflow.report.backends import MAX_IMAGES
 from megaflow.report.metrics import Evaluation
+from megaflow.rundir.eval_log import iteration_of, record
 
-Evaluate = Callable[[object, "str | int"], "Evaluation | None"]
+if TYPE_CHECKING:
+    from megaflow.run.loop import Evaluate
 GRID_COLUMNS = 8
 
 
@@ -33,39 +35,6 @@ def settled(cfg: MegaflowConfig, run_dir: Path) -> MegaflowConfig:
     run, when the pipeline (``model.pretrained`` or the run's tiny one) exists."""
     from megaflow.run.build import resolve_pipeline, with_pipeline_defaults
     return with_pipeline_defaults(cfg, resolve_pipeline(cfg, run_dir))
-
-
-def iteration_of(when: str | int, iterations: int) -> int:
-    """The iteration an evaluation stands for: 0 before training, ``iterations`` after, else ``when``."""
-    if when == "before":
-        return 0
-    if when == "after":
-        return iterations
-    return int(when)
-
-
-def record(run_dir: Path, when: str | int, iterations: int, figures: dict) -> dict:
-    """Append ``{"iteration", "when", **figures}`` to ``<run_dir>/eval.jsonl`` (``when``: "before", "after", or
-    "iteration" for an evaluation between iterations); the row."""
-    row = {"iteration": iteration_of(when, iterations), "when": when if isinstance(when, str) else "iteration",
-           **figures}
-    with open(Path(run_dir) / "eval.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(row, sort_keys=True) + "\n")
-    return row
-
-
-def resume_eval_log(run_dir: Path, start: int) -> None:
-    """Before a run resumed after iteration ``start`` evaluates: eval.jsonl keeps its rows up to ``start`` (an
-    "after" among them becomes "iteration": the run goes on past it) and loses the later ones."""
-    path = Path(run_dir) / "eval.jsonl"
-    if not path.is_file():
-        return
-    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    kept = [{**r, "when": "iteration" if r.get("when") == "after" else r.get("when")} for r in rows
-            if r.get("iteration", 0) <= start]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def grid_path(run_dir: Path, when: str | int, iterations: int) -> Path:

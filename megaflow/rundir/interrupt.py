@@ -2,7 +2,7 @@
 shut down, :class:`Interrupted`); a repeat within ``DUPLICATE_S`` counts as the same request. The CLI exits 130
 (SIGINT) or 143 (SIGTERM).
 
-Design notes: docs/design/run.md.
+Design notes: docs/design/rundir.md.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def _count(value: object, least: int = 0) -> bool:
 
 
 def _rng(value: object) -> bool:
-    """One rank's RNG states as megaflow.run.state.rng_state writes them."""
+    """One rank's RNG states as megaflow.rundir.checkpoint_io.rng_state writes them."""
     if not isinstance(value, dict) or not all(isinstance(value.get(k), str) and len(value[k]) <= MAX_RNG_TEXT
                                               for k in ("python", "torch")):
         return False

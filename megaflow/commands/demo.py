@@ -72,10 +72,10 @@ def _summary(cfg: MegaflowConfig, run_dir: Path, before: dict, after: dict, metr
 
 def run_demo(cfg: MegaflowConfig, *, verbose: bool = False) -> dict:
     """The demo; ``verbose``: engine logs on the terminal (see ``megaflow.run.loop.run``)."""
-    from megaflow.run.loop import run
-    from megaflow.shapeeval.evaluate import evaluate_engine
-    from megaflow.run.rundir import with_unused_name
     from megaflow.run.build import with_pipeline_defaults
+    from megaflow.run.loop import run
+    from megaflow.rundir.claim import with_unused_name
+    from megaflow.shapeeval.evaluate import evaluate_engine
 
     t0 = time.perf_counter()
     rss = PeakRSS()
@@ -119,7 +119,7 @@ def demo_evaluation(res: dict):
     """A ShapeEval result of the demo as the reporter takes it: ``eval/*`` figures (``eval/train_accuracy``:
     the TRAIN prompts' accuracy, when evaluated) and the first held-out images with prompt and verdict."""
     from megaflow.report.metrics import Evaluation
-    from megaflow.run.evaluation import shapes_figures, shapes_samples
+    from megaflow.commands.evaluation import shapes_figures, shapes_samples
     figures = shapes_figures(res)
     if "train" in res:
         figures["eval/train_accuracy"] = res["train"]["accuracy"]

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from megaflow.checksum import DEFAULT
 from megaflow.parallel.distributed import barrier, rank
-from megaflow.run import faults
-from megaflow.run.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
+from megaflow.rundir import faults
+from megaflow.rundir.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 

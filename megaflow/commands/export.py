@@ -1,6 +1,6 @@
 """A run's checkpoint as a diffusers pipeline (``megaflow export``): the run's pipeline with the transformer's
 weights replaced by the checkpoint's; the conversion is shared with ``tools/convert_checkpoint.py``.
-Design notes: docs/design/run.md.
+Design notes: docs/design/commands.md.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from megaflow.run.checkpoints import MODEL_DIR, find_checkpoint
+from megaflow.rundir.checkpoints import MODEL_DIR, find_checkpoint
 from megaflow.trainer.manifest import verify_manifest
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"

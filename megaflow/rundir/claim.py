@@ -1,5 +1,5 @@
 """Ownership of a run directory (``<run.output_dir>/<run.name>``), taken by rank 0 before any work.
-Design notes: docs/design/run.md.
+Design notes: docs/design/rundir.md.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
-from megaflow.run.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
+from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
