@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megaflow.bridge.base import SyncError, SyncReport, SyncStream
+from megaflow.bridge.base import SyncError, SyncReport, SyncStream, WeightTarget
 from megaflow.bridge.buckets import StagingSlots, iter_buckets
 from megaflow.checksum import DEFAULT
 
@@ -17,7 +17,7 @@ from megaflow.checksum import DEFAULT
 class ColocatedBridge:
     mode = "colocated"
 
-    def __init__(self, engines: Sequence, *, bucket_bytes: int = 64 << 20, verify: bool = True,
+    def __init__(self, engines: Sequence[WeightTarget], *, bucket_bytes: int = 64 << 20, verify: bool = True,
                  checksum: str = DEFAULT):
         if not engines:
             raise ValueError("ColocatedBridge needs at least one engine")

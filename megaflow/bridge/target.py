@@ -1,8 +1,10 @@
-"""A local ``nn.Module`` as a weight-update target (the methods the bridge calls on an engine). Loading is
-all-or-nothing per bucket: unknown names or shape/dtype mismatches reject it before anything is copied.
+"""A local ``nn.Module`` as a ``WeightTarget`` (the methods a bridge calls on an engine). Loading is all-or-nothing
+per bucket: unknown names or shape/dtype mismatches reject it before anything is copied.
 """
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -13,8 +15,18 @@ from megaflow.bridge.buckets import Bucket
 from megaflow.checksum import DEFAULT, tensor_digest
 
 
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 hex over (name, dtype, shape, raw bytes) of every tensor, in name order: ``ModuleTarget.checksum``."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda kv: kv[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
 class ModuleTarget:
-    """Loads named tensors into ``module``'s parameters and buffers by state_dict name."""
+    """Loads named tensors into ``module``'s parameters and buffers by state_dict name (a ``WeightTarget``)."""
 
     def __init__(self, module: torch.nn.Module, engine_id: str = "module"):
         self.module = module
@@ -68,3 +80,7 @@ class ModuleTarget:
             if tensor_digest(targets[name], checksum) != digest:
                 return False, f"tensor {name!r} differs from what was sent"
         return True, f"{len(expected_digests)} tensors match"
+
+    def checksum(self) -> str:
+        """``weights_checksum`` over the module's state_dict (parameters and persistent buffers)."""
+        return weights_checksum(self.module.state_dict(keep_vars=True).items())

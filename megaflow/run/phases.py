@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 import psutil
 import torch
+
+from megaflow.rollout.engine import Sampler
 
 log = logging.getLogger("megaflow.run.phases")
 
@@ -30,7 +33,7 @@ class Phases:
     """Switches engines off the accelerator for training when ``enabled`` (GPU colocated mode), and the
     ``trainer``'s offloadable parts off it outside training (``train.offload``; None: off)."""
 
-    def __init__(self, engines: list, *, enabled: bool, trainer=None):
+    def __init__(self, engines: Sequence[Sampler], *, enabled: bool, trainer=None):
         self.engines = engines
         self.enabled = enabled and torch.cuda.is_available()
         self.trainer = trainer
