@@ -69,7 +69,8 @@ class SyncReport:
     """What one sync moved and whether it verified."""
 
     mode: str
-    """The bridge's ``bridge.mode``; "run" for ``RunSync.push``'s report merged over every engine host."""
+    """The path's name: the bridge's ``bridge.mode``, "lora" for the adapters' path, "run" for ``RunSync.push``'s
+    report merged over every engine host."""
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0

@@ -1,5 +1,5 @@
-"""The rollout and training phases of a colocated engine host: free the engines' accelerator memory while the
-trainer runs. Design notes: docs/design/run.md.
+"""The rollout and training phases of an engine host that also trains (``MegaflowConfig.phased``): free the
+engines' accelerator memory while the trainer runs. Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def memory_snapshot() -> dict[str, float]:
 
 
 class Phases:
-    """Switches engines off the accelerator for training when ``enabled`` (GPU colocated mode), and the
+    """Switches engines off the accelerator for training when ``enabled`` (a phased run on GPU), and the
     ``trainer``'s offloadable parts off it outside training (``train.offload``; None: off)."""
 
     def __init__(self, engines: Sequence[Sampler], *, enabled: bool, trainer=None):

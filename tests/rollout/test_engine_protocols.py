@@ -114,7 +114,7 @@ def test_bridges_call_only_weight_target_members():
         used = called_on(path, {"engine", "e", "target"})
         allowed = lora if path.name == "lora.py" else set(members(WeightTarget))
         assert used <= allowed, f"{path.name} calls {sorted(used - allowed)} on an engine, not a weight-target member"
-    assert "load_bucket" in called_on(PACKAGE / "bridge" / "colocated.py", {"engine", "e"})  # the scan sees calls
+    assert "load_bucket" in called_on(PACKAGE / "bridge" / "shared_memory.py", {"engine", "e"})  # the scan sees calls
 
 
 def test_the_rollout_side_calls_only_sampler_members():

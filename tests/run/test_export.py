@@ -177,7 +177,7 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys):
 def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
     """Engine A: the original pipeline + the trained weights through the bridge (as the controller's
     sync_weights does); engine B: the exported pipeline. Same requests and seeds -> equal samples."""
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.rollout.sglang.config import engine_config
     from megaflow.rollout.sglang import SGLangEngine
     from megaflow.rollout.types import RolloutRequest
@@ -196,7 +196,7 @@ def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
         try:
             before = engine.generate(requests()) if push else None
             if push:
-                assert ColocatedBridge([engine]).push(iter(weights.items())).verified
+                assert SharedMemoryBridge([engine]).push(iter(weights.items())).verified
             return before, engine.generate(requests())
         finally:
             engine.shutdown()
