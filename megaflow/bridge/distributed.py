@@ -60,7 +60,8 @@ class DistributedBridge:
 class DistributedReceiver:
     """Receiver side: ``receive`` mirrors one ``push`` and loads buckets into local engines."""
 
-    def __init__(self, engines: Sequence[WeightTarget], *, group=None, src: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, engines: Sequence[WeightTarget], *, group=None, src: int = 0,
+                 device: torch.device | str = "cpu"):
         self.engines = list(engines)
         self.group, self.src = as_group(group), src
         self.device = torch.device(device)

@@ -3,8 +3,6 @@ per bucket: unknown names or shape/dtype mismatches reject it before anything is
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -12,17 +10,7 @@ from safetensors.torch import load_file
 
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.bridge.buckets import Bucket
-from megaflow.checksum import DEFAULT, tensor_digest
-
-
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 hex over (name, dtype, shape, raw bytes) of every tensor, in name order: ``ModuleTarget.checksum``."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(named_tensors, key=lambda kv: kv[0]):
-        t = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
+from megaflow.checksum import DEFAULT, tensor_digest, weights_checksum
 
 
 class ModuleTarget:

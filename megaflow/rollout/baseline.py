@@ -243,7 +243,7 @@ class DiffusersEngine:
         return self.update_weights(src.state_dict().items())
 
     def checksum(self) -> str:
-        """``bridge.target.weights_checksum`` over the DiT's parameters and buffers."""
+        """``megaflow.checksum.weights_checksum`` over the DiT's state_dict (``ModuleTarget.checksum``)."""
         with self._lock:
             return ModuleTarget(self.transformer, self.engine_id).checksum()
 

@@ -1,4 +1,4 @@
-"""Weight-update bridge: buckets, colocated / disk / distributed paths, verification.
+"""Weight-update bridge: buckets, shared-memory / disk / distributed paths, verification.
 Needs: CPU, 1 process (distributed: 2 gloo processes). Targets are real tiny diffusers SD3 DiTs."""
 import pytest
 import torch
@@ -66,7 +66,7 @@ def test_bucket_digests_equal_per_tensor_digests_and_shared_memory(checksum):
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 10, 64 << 20])
-def test_colocated_push_updates_and_verifies(bucket_bytes):
+def test_shared_memory_push_updates_and_verifies(bucket_bytes):
     src, dst1, dst2 = tiny_dit(0), tiny_dit(1), tiny_dit(2)
     bridge = SharedMemoryBridge([ModuleTarget(dst1), ModuleTarget(dst2)], bucket_bytes=bucket_bytes)
     report = bridge.push(src.state_dict().items())
@@ -75,6 +75,19 @@ def test_colocated_push_updates_and_verifies(bucket_bytes):
     for dst in (dst1, dst2):
         for k, v in src.state_dict().items():
             assert torch.equal(v, dst.state_dict()[k]), k
+
+
+def test_module_target_checksum_follows_its_weights():
+    """``ModuleTarget.checksum`` (megaflow.checksum.weights_checksum): equal for equal state_dicts, different after a
+    one-element change, and the source's after a push."""
+    src, dst = tiny_dit(0), tiny_dit(1)
+    source, target = ModuleTarget(src), ModuleTarget(dst)
+    assert source.checksum() != target.checksum() and source.checksum() == ModuleTarget(tiny_dit(0)).checksum()
+    SharedMemoryBridge([target], bucket_bytes=4 << 10).push(src.state_dict().items())
+    assert target.checksum() == source.checksum()
+    with torch.no_grad():
+        next(dst.parameters()).view(-1)[0] += 1.0
+    assert target.checksum() != source.checksum()
 
 
 class _Rendezvous(ModuleTarget):
@@ -89,7 +102,7 @@ class _Rendezvous(ModuleTarget):
         return super().load_bucket(bucket, **kw)
 
 
-def test_colocated_push_loads_engines_in_parallel():
+def test_shared_memory_push_loads_engines_in_parallel():
     import threading
     src, barrier = tiny_dit(0), threading.Barrier(2, timeout=10)
     targets = [_Rendezvous(tiny_dit(1), barrier), _Rendezvous(tiny_dit(2), barrier)]
@@ -99,7 +112,7 @@ def test_colocated_push_loads_engines_in_parallel():
         assert all(torch.equal(v, t.module.state_dict()[k]) for k, v in src.state_dict().items())
 
 
-def test_colocated_reuses_its_staging_slots_across_syncs():
+def test_shared_memory_reuses_its_staging_slots_across_syncs():
     """Each bucket position of a sync has its own shared-memory slot (touched once), reused by the bucket at
     that position in every later sync with the same layout; each sync still lands bit for bit."""
     seen = []
@@ -150,7 +163,7 @@ def _bumped(bucket, name):
     return Bucket(flat=flat, metadata=bucket.metadata)
 
 
-def test_colocated_stops_at_the_first_bucket_that_does_not_verify():
+def test_shared_memory_stops_at_the_first_bucket_that_does_not_verify():
     """With verify, every engine checks each bucket against the bridge's digests as it loads it; the first
     bucket that does not verify (here the first one) fails the sync before the next is handed over."""
     src, dst = tiny_dit(0), tiny_dit(1)
@@ -165,7 +178,7 @@ def test_colocated_stops_at_the_first_bucket_that_does_not_verify():
     assert len(loads) == 1
 
 
-def test_colocated_rejects_unknown_name_without_partial_write():
+def test_shared_memory_rejects_unknown_name_without_partial_write():
     dst = tiny_dit(1)
     before = state(dst)
     named = [("pos_embed.proj.weight", torch.zeros_like(before["pos_embed.proj.weight"])),

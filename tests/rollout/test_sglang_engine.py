@@ -236,8 +236,8 @@ def test_engine_refuses_a_bucket_damaged_after_it_was_hashed(engine, reference, 
         assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok
 
 
-def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
-    """A verified colocated sync leaves the engine holding exactly the bytes sent (SGLang's own checksum of
+def test_shared_memory_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
+    """A verified shared-memory sync leaves the engine holding exactly the bytes sent (SGLang's own checksum of
     the sent tensors, computed here), in well under 0.3 s for the 1.2 MB tiny DiT (0.6 s before the
     plugin froze the workers' heaps: SGLang's per-update gc.collect), also when a later sync only names the
     staging slot the worker keeps mapped."""

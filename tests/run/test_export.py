@@ -4,7 +4,7 @@ Needs: CPU. The run is made by hand: a tiny SD3 pipeline as the run's ``tiny-pip
 config.toml, and checkpoint 3 saved from the run's Trainer (built in one gloo rank) after its
 weights were moved by 2 Adam steps. Checks: diffusers' StableDiffusion3Pipeline loads the export and
 its transformer equals the trainer's weights bit for bit, every other file is byte-identical; an
-SGLang engine on the ORIGINAL pipeline with those weights pushed through the colocated bridge and an
+SGLang engine on the ORIGINAL pipeline with those weights pushed through the shared-memory bridge and an
 engine on the EXPORTED pipeline give identical samples (same requests and seeds; tolerance 0, bit
 for bit). A FLUX run (weights moved by seeded noise, model-only checkpoint) loads in FluxPipeline the
 same way. The bad-input cases exit 2 with one line, before any checkpoint is read, and write nothing.
