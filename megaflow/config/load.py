@@ -50,7 +50,7 @@ def current_values(data: dict) -> dict:
 def _read_renamed(where: str, section: str, key: str, value: Any) -> Any:
     """``current_value``, with a one-line note on stderr (once a process) when the spelling is an old one."""
     new = current_value(section, key, value)
-    if new != value and (note := f"{section}.{key} = {value!r}") not in _noted:
+    if new is not value and (note := f"{section}.{key} = {value!r}") not in _noted:
         _noted.add(note)
         print(f"megaflow: {where}{note} is deprecated, read as {new!r}; write {section}.{key} = {new!r}",
               file=sys.stderr)
