@@ -5,7 +5,8 @@
 Invariant: a tensor's digest covers its dtype string, its shape tuple's repr and its raw bytes, in that order (the
 recipe of SGLang's update-weights checker: the same ``sha256`` digests), and the bridge's hash on the trainer's side
 and every engine's re-hash of what it holds are this one function (``tensor_digest``). Checkpoint manifests
-(``megaflow.trainer.manifest``) use ``file_digest``. On the ground floor: torch and xxhash only.
+(``megaflow.trainer.manifest``) use ``file_digest``; an in-process target's whole-model ``checksum()`` is
+``weights_checksum``. On the ground floor: torch and xxhash only.
 """
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def file_digest(path: Path | str, algorithm: str) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def weights_checksum(named_tensors) -> str:
+    """SHA-256 hex over name, dtype, shape and raw bytes of every tensor, in name order: the whole-model checksum an
+    in-process target reports (``bridge.target.ModuleTarget``, the diffusers baseline; SGLang has its own)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda kv: kv[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()

@@ -201,6 +201,8 @@ def architecture_paths() -> list[tuple[str, str | None]]:
 
 
 def architecture_path_exists(path: str, room: str | None) -> bool:
+    """``path`` as the page names it: a repository file, a package path (``room/module.py``), or a bare module
+    name, which in a room's row must be that room's (at any depth) and elsewhere anywhere in the package."""
     root, pkg = PACKAGE.parent, PACKAGE
     if path.split("/")[0] in REPO_DIRS and (root / path).exists():  # a file of the repository, as named
         return True
@@ -208,10 +210,10 @@ def architecture_path_exists(path: str, room: str | None) -> bool:
         path = path.rsplit(".", 1)[0] + ".py"
     if path.split("/")[0] in REPO_DIRS:
         return (root / path).exists()
-    if "/" in path.rstrip("/"):
+    if "/" in path.rstrip("/") or path.rstrip("/").removesuffix(".py") == room:  # a package path, or the room
         return (pkg / path).exists()
-    if room is not None and (pkg / room / path).exists():
-        return True
+    if room is not None:
+        return any((pkg / room).rglob(path.rstrip("/")))
     return (pkg / path).exists() or any(pkg.rglob(path.rstrip("/")))
 
 
@@ -235,7 +237,14 @@ def test_every_module_the_architecture_page_names_exists():
     assert len(paths) > 50 and ("loop.py", "run") in paths, paths[:10]  # the page was read
     missing = sorted({f"{room + '/' if room else ''}{path}" for path, room in paths
                       if not architecture_path_exists(path, room)})
-    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md names modules that do not exist (where it says): {missing}"
+
+
+def test_a_module_named_in_the_wrong_room_is_missing():
+    assert architecture_path_exists("hosted.py", "rollout") and architecture_path_exists("server.py", "rollout")
+    assert not architecture_path_exists("hosted.py", "bridge")  # rollout's, not bridge's
+    assert not architecture_path_exists("colocated.py", "bridge") and not architecture_path_exists("nosuch.py", None)
+    assert architecture_path_exists("checksum.py", "checksum") and architecture_path_exists("bridge/", "bridge")
 
 
 def test_every_docs_page_a_module_docstring_names_exists():

@@ -55,7 +55,7 @@ def _source_state(pipeline_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int, bucket_mb: float,
                  seed: int, checksum: str) -> dict:
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig, weights_checksum
 
     state = _source_state(pipeline_dir, seed)
@@ -77,7 +77,7 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
     try:
         for verify in (False, True):
             key = "verify" if verify else "no_verify"
-            bridge = ColocatedBridge(started, bucket_bytes=int(bucket_mb * 2**20), verify=verify,
+            bridge = SharedMemoryBridge(started, bucket_bytes=int(bucket_mb * 2**20), verify=verify,
                                      checksum=checksum)
             reports = []
             for _ in range(warmup):

@@ -1,14 +1,15 @@
-"""The weight-update bridge interface: ``push(named_tensors) -> SyncReport``.
+"""The weight-update bridge interface: ``WeightBridge.push(named_tensors) -> SyncReport`` into ``WeightTarget``s.
 
+A bridge calls only ``WeightTarget`` methods on an engine; sampling is the ``rollout.engine.Sampler``'s role.
 Design notes: docs/design/bridge.md.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +29,37 @@ class WeightUpdateResult:
     message: str = ""
 
 
+@runtime_checkable
+class WeightTarget(Protocol):
+    """What a bridge loads weights into (an SGLang engine, a balancer over several, an ``nn.Module``): it takes
+    DiT tensors by engine (diffusers state_dict) name and re-hashes what it holds. Every method blocks."""
+
+    engine_id: str
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
+        """Load tensors given by engine name, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
+        ...
+
+    def load_bucket(self, bucket: Bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
+                    ) -> WeightUpdateResult:
+        """Load one ``Bucket``; ``digests``: the sender's, checked against the target's re-hash (ok False naming
+        mismatches or tensors not loaded). None: no check."""
+        ...
+
+    def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
+        """Reload the DiT from a diffusers pipeline / transformer directory (all-or-nothing)."""
+        ...
+
+    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
+        """Re-hash the named tensors held with ``checksum`` (``megaflow.checksum``); (all match, message naming
+        the first mismatch)."""
+        ...
+
+    def checksum(self) -> str:
+        """SHA-256 hex digest over the DiT parameters as the target holds them."""
+        ...
+
+
 class SyncError(RuntimeError):
     """A weight sync did not verify (the engine holds different weights than were sent)."""
 
@@ -37,7 +69,8 @@ class SyncReport:
     """What one sync moved and whether it verified."""
 
     mode: str
-    """The bridge's ``bridge.mode``; "run" for ``RunSync.push``'s report merged over every engine host."""
+    """The path's name: the bridge's ``bridge.mode``, "lora" for the adapters' path, "run" for ``RunSync.push``'s
+    report merged over every engine host."""
     num_tensors: int = 0
     num_bytes: int = 0
     num_buckets: int = 0
@@ -108,7 +141,7 @@ class SyncStream:
                           expected_digests=dict(self.digests))
 
 
-def verify_engines(engines, expected_digests: dict[str, str], checksum: str,
+def verify_engines(engines: Sequence[WeightTarget], expected_digests: dict[str, str], checksum: str,
                    pool: ThreadPoolExecutor | None = None) -> str:
     """Ask every engine (in parallel on ``pool`` when given) to re-hash the tensors in ``expected_digests`` with
     ``checksum``; raise SyncError on a mismatch, else return a one-line summary."""

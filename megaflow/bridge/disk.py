@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megaflow.bridge.base import SyncStream, SyncError, SyncReport, verify_engines
+from megaflow.bridge.base import SyncStream, SyncError, SyncReport, WeightTarget, verify_engines
 from megaflow.bridge.buckets import iter_buckets
 from megaflow.checksum import DEFAULT
 
@@ -20,7 +20,8 @@ from megaflow.checksum import DEFAULT
 class DiskBridge:
     mode = "disk"
 
-    def __init__(self, engines: Sequence, root: str | os.PathLike, *, transformer_config: dict | None = None,
+    def __init__(self, engines: Sequence[WeightTarget], root: str | os.PathLike, *,
+                 transformer_config: dict | None = None,
                  bucket_bytes: int = 256 << 20, verify: bool = True, keep: int = 1, checksum: str = DEFAULT):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megaflow.bridge.base import SyncError, SyncReport, SyncStream, verify_engines
+from megaflow.bridge.base import SyncError, SyncReport, SyncStream, WeightTarget, verify_engines
 from megaflow.bridge.buckets import Bucket, StagingBuffer, iter_buckets
 from megaflow.checksum import DEFAULT
 from megaflow.parallel.groups import as_group
@@ -23,7 +23,7 @@ class DistributedBridge:
     mode = "distributed"
 
     def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20, verify: bool = True,
-                 device: torch.device | str = "cpu", engines: Sequence = (), checksum: str = DEFAULT):
+                 device: torch.device | str = "cpu", engines: Sequence[WeightTarget] = (), checksum: str = DEFAULT):
         self.group, self.src, self.engines = as_group(group), src, list(engines)
         self.bucket_bytes, self.verify, self.checksum = int(bucket_bytes), verify, checksum
         self.device = torch.device(device)
@@ -60,7 +60,8 @@ class DistributedBridge:
 class DistributedReceiver:
     """Receiver side: ``receive`` mirrors one ``push`` and loads buckets into local engines."""
 
-    def __init__(self, engines: Sequence, *, group=None, src: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, engines: Sequence[WeightTarget], *, group=None, src: int = 0,
+                 device: torch.device | str = "cpu"):
         self.engines = list(engines)
         self.group, self.src = as_group(group), src
         self.device = torch.device(device)

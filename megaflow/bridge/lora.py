@@ -5,10 +5,11 @@ Design notes: docs/design/bridge.md.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from megaflow.bridge.base import SyncStream, SyncError, SyncReport
+from megaflow.bridge.base import SyncStream, SyncError, SyncReport, WeightTarget, WeightUpdateResult
 
 
 def sync_stream(trainer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -20,12 +21,23 @@ def sync_stream(trainer) -> Iterator[tuple[str, torch.Tensor]]:
     return engine_named_params(trainer)
 
 
+@runtime_checkable
+class LoRATarget(WeightTarget, Protocol):
+    """A ``WeightTarget`` that also merges LoRA adapters into its base (the SGLang engine, the balancer)."""
+
+    def update_lora(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, alpha: float, rank: int,
+                    verify: bool = True) -> WeightUpdateResult:
+        """Replace the adapters (PEFT names), merged as ``base + alpha / rank * B @ A``; ``verify``: every adapter
+        tensor re-hashed against what was sent."""
+        ...
+
+
 class LoRABridge:
     """Pushes the adapters into every engine through SGLang's LoRA merge (see the module's design notes)."""
 
     mode = "lora"
 
-    def __init__(self, engines: Sequence, *, alpha: float, rank: int, verify: bool = True):
+    def __init__(self, engines: Sequence[LoRATarget], *, alpha: float, rank: int, verify: bool = True):
         if not engines:
             raise ValueError("LoRABridge needs at least one engine")
         self.engines, self.alpha, self.rank, self.verify = list(engines), float(alpha), int(rank), verify

@@ -1,5 +1,5 @@
-"""A local ``nn.Module`` as a weight-update target (the methods the bridge calls on an engine). Loading is
-all-or-nothing per bucket: unknown names or shape/dtype mismatches reject it before anything is copied.
+"""A local ``nn.Module`` as a ``WeightTarget`` (the methods a bridge calls on an engine). Loading is all-or-nothing
+per bucket: unknown names or shape/dtype mismatches reject it before anything is copied.
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.bridge.buckets import Bucket
-from megaflow.checksum import DEFAULT, tensor_digest
+from megaflow.checksum import DEFAULT, tensor_digest, weights_checksum
 
 
 class ModuleTarget:
-    """Loads named tensors into ``module``'s parameters and buffers by state_dict name."""
+    """Loads named tensors into ``module``'s parameters and buffers by state_dict name (a ``WeightTarget``)."""
 
     def __init__(self, module: torch.nn.Module, engine_id: str = "module"):
         self.module = module
@@ -68,3 +68,7 @@ class ModuleTarget:
             if tensor_digest(targets[name], checksum) != digest:
                 return False, f"tensor {name!r} differs from what was sent"
         return True, f"{len(expected_digests)} tensors match"
+
+    def checksum(self) -> str:
+        """``weights_checksum`` over the module's state_dict (parameters and persistent buffers)."""
+        return weights_checksum(self.module.state_dict(keep_vars=True).items())

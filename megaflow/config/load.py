@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 import tomllib
 from collections import Counter
@@ -29,6 +30,31 @@ _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "d
 MAX_CONFIG_BYTES = 1 << 20  # a run file is a few KB; a larger one is refused before it is parsed
 MAX_NESTING = 16  # lists / tables inside a config value (reward.kwargs tables nest 2-3 deep)
 MAX_ITEMS = 4096  # entries of one list or table in a config value
+RENAMED_VALUES = {("bridge", "mode"): {"colocated": "shared_memory"}}
+"""Old spellings of a value that users' configs (and saved runs' config.toml) still hold: read as the new one."""
+_noted: set[str] = set()
+
+
+def current_value(section: str, key: str, value: Any) -> Any:
+    """``value`` of ``section.key`` in its current spelling (RENAMED_VALUES), else as given."""
+    renamed = RENAMED_VALUES.get((section, key), {})
+    return renamed.get(value, value) if isinstance(value, str) else value
+
+
+def current_values(data: dict) -> dict:
+    """A parsed config (``{section: {key: value}}``) with every old spelling replaced (``current_value``)."""
+    return {section: {k: current_value(section, k, v) for k, v in values.items()} if isinstance(values, dict)
+            else values for section, values in data.items()}
+
+
+def _read_renamed(where: str, section: str, key: str, value: Any) -> Any:
+    """``current_value``, with a one-line note on stderr (once a process) when the spelling is an old one."""
+    new = current_value(section, key, value)
+    if new is not value and (note := f"{section}.{key} = {value!r}") not in _noted:
+        _noted.add(note)
+        print(f"megaflow: {where}{note} is deprecated, read as {new!r}; write {section}.{key} = {new!r}",
+              file=sys.stderr)
+    return new
 
 
 def check_value_shape(key: str, value: Any) -> None:
@@ -103,6 +129,7 @@ def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str, 
     for key, value in values.items():
         if key not in fields:
             raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}{suggest_key(cfg, section, key)}")
+        value = _read_renamed(where, section, key, value)
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
         explicit.add(f"{section}.{key}")
 

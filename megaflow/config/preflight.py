@@ -240,12 +240,12 @@ def _check_bridge(cfg: MegaflowConfig) -> None:
                               "hold no trainer weights; use bridge.mode = 'distributed'")
     if b.mode == "disk" and r.engine_hosts != "rank0":
         raise ConfigError(f"bridge.mode = 'disk' writes the weights on rank 0 only; with rollout.engine_hosts = "
-                          f"{r.engine_hosts!r} use bridge.mode = 'colocated' or 'distributed'")
+                          f"{r.engine_hosts!r} use bridge.mode = 'shared_memory' or 'distributed'")
     t = cfg.train
     if t.offload != "none" and not cfg.phased:
-        raise ConfigError(f"train.offload = {t.offload!r} with bridge.mode = {b.mode!r}, train.max_staleness = "
-                          f"{t.max_staleness}: the trainer offloads only while the engines sample alone (bridge.mode "
-                          "= 'colocated', train.max_staleness = 0)")
+        raise ConfigError(f"train.offload = {t.offload!r} with rollout.placement = {r.placement!r}, "
+                          f"train.max_staleness = {t.max_staleness}: the trainer offloads only while engines on its "
+                          "ranks sample alone (rollout.placement = 'colocated', train.max_staleness = 0)")
     engine_dtype = _ENGINE_DTYPE[r.precision]
     if b.verify and engine_dtype != cfg.model.dtype:
         raise ConfigError(f"rollout.precision = {r.precision!r} with model.dtype = {cfg.model.dtype!r} and "
@@ -265,9 +265,9 @@ def _check_lora(cfg: MegaflowConfig, *, files: bool = True) -> None:
         if lo.init:
             raise ConfigError(f"lora.init = {lo.init!r} needs lora.rank > 0")
         return
-    if cfg.bridge.mode != "colocated":
+    if cfg.bridge.mode != "shared_memory":
         raise ConfigError(f"lora.rank = {lo.rank} with bridge.mode = {cfg.bridge.mode!r}: the LoRA sync "
-                          "(SGLang's lora_merge tensor update) runs only with bridge.mode = 'colocated'")
+                          "(SGLang's lora_merge tensor update) runs only with bridge.mode = 'shared_memory'")
     if lo.init and files:
         path = Path(lo.init) / ("pytorch_lora_weights.safetensors" if Path(lo.init).is_dir() else "")
         if not path.is_file():

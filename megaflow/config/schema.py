@@ -170,11 +170,11 @@ class TrainConfig:
                              "was sampled by the policy one update older than the trainer's (rollout/staleness); "
                              "FlowGRPO's ratio compares with the sampling policy's log-probs (algo.mismatch can "
                              "correct), NFT's theta_old is one blend newer than the one that sampled. The engines "
-                             "keep their memory during training (no colocated release on GPU). Checkpoints hold "
+                             "keep their memory during training (no release on GPU). Checkpoints hold "
                              "the batch collected ahead, so a resumed run equals the uninterrupted one.",
                              ge=0, le=1)
     offload: str = opt("none", "What the trainer moves to host memory while the engines sample, and back before it "
-                       "trains (bridge.mode = 'colocated' with max_staleness = 0 only). optimizer: the optimizer "
+                       "trains (rollout.placement = 'colocated' with max_staleness = 0 only). optimizer: the optimizer "
                        "states (Adam moments, mixed-precision fp32 main params) and the DDP grad buffers; all: also "
                        "the model weights, after each weight sync.", choices=("none", "optimizer", "all"))
     warmup_iterations: int = opt(0, "Linear learning-rate warm-up over the first N iterations (a fresh Adam's first "
@@ -208,11 +208,12 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class BridgeConfig:
-    mode: str = opt("colocated", "Weight transfer path to the engines: colocated (every engine host pushes the "
-                    "weights it gathered itself into its engines), distributed (global rank 0 broadcasts buckets "
-                    "to the engine hosts over a dedicated group: gloo on CPU, NCCL with device tensors on GPU) or "
-                    "disk (safetensors files + reload; engine_hosts = rank0 only).",
-                    choices=("colocated", "distributed", "disk"))
+    mode: str = opt("shared_memory", "Weight transfer path to the engines: shared_memory (every engine host hands "
+                    "the weights it gathered itself to its own engines through shared memory, CUDA IPC on GPU), "
+                    "distributed (global rank 0 broadcasts buckets to the engine hosts over a dedicated group: gloo "
+                    "on CPU, NCCL with device tensors on GPU) or disk (safetensors files + reload; engine_hosts = "
+                    "rank0 only). The old spelling 'colocated' is read as shared_memory, with a note.",
+                    choices=("shared_memory", "distributed", "disk"))
     bucket_mb: float = opt(64.0, "Bucket size for streamed weight updates, MiB.", gt=0.0)
     verify: bool = opt(True, "Verify every sync: each tensor is hashed (bridge.checksum) once while streaming "
                        "and once by every engine afterwards; a mismatch or a missing tensor stops the run. false = "
@@ -328,6 +329,7 @@ class MegaflowConfig:
     @property
     def phased(self) -> bool:
         """The engine hosts switch between a rollout and a training phase: the engines sample alone, then the
-        trainer trains alone (bridge.mode = 'colocated', synchronous loop). On GPU the engines release their memory
-        for training, and ``train.offload`` moves the trainer's parts off the device for the rollout."""
-        return self.bridge.mode == "colocated" and self.train.max_staleness == 0
+        trainer trains alone. That takes engines on trainer ranks (rollout.placement = 'colocated', whatever
+        bridge.mode moves the weights) and a synchronous loop (train.max_staleness = 0). On GPU the engines release
+        their memory for training, and ``train.offload`` moves the trainer's parts off the device for the rollout."""
+        return self.rollout.placement == "colocated" and self.train.max_staleness == 0

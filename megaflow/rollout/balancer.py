@@ -1,4 +1,5 @@
-"""Data-parallel rollouts: N engines behind the one ``RolloutEngine`` protocol. Design notes: docs/design/rollout.md."""
+"""Data-parallel rollouts: N engines behind one ``RolloutEngine`` (a ``Sampler`` and a ``WeightTarget``, fanned out).
+Design notes: docs/design/rollout.md."""
 from __future__ import annotations
 
 import random

@@ -4,7 +4,6 @@ from ``megaflow.flow.step``. Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -21,7 +20,7 @@ from megaflow.checksum import DEFAULT
 from megaflow.rollout.engine import EngineHealth
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
-__all__ = ["DiffusersEngine", "DiffusersEngineConfig", "weights_checksum"]
+__all__ = ["DiffusersEngine", "DiffusersEngineConfig"]
 
 
 @dataclass(kw_only=True)
@@ -41,15 +40,6 @@ class DiffusersEngineConfig:
         if self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {self.max_sequence_length}")
 
-
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 hex over (name, dtype, shape, raw bytes) of every tensor, in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(named_tensors, key=lambda kv: kv[0]):
-        t = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
 
 
 def _batch_key(r: RolloutRequest) -> tuple:
@@ -217,10 +207,6 @@ class DiffusersEngine:
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
     # ---------------------------------------------------------------- weights and control
-    def _dit_tensors(self) -> dict[str, torch.Tensor]:
-        """DiT parameters and buffers by diffusers state_dict name (what the engine names them)."""
-        return dict(self.transformer.state_dict(keep_vars=True))
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
         """Copy tensors into the DiT; all-or-nothing: unknown names or shape mismatches load nothing."""
         t0 = time.perf_counter()
@@ -257,9 +243,9 @@ class DiffusersEngine:
         return self.update_weights(src.state_dict().items())
 
     def checksum(self) -> str:
-        """``weights_checksum`` over the DiT's parameters and buffers."""
+        """``megaflow.checksum.weights_checksum`` over the DiT's state_dict (``ModuleTarget.checksum``)."""
         with self._lock:
-            return weights_checksum(self._dit_tensors().items())
+            return ModuleTarget(self.transformer, self.engine_id).checksum()
 
     def release(self) -> None:
         """Nothing to free: the baseline holds its modules on CPU."""

@@ -1,20 +1,16 @@
-"""The rollout engine protocol: the one interface the loop, balancer and bridge talk to.
-
-An engine samples (``generate``), takes weights, reports checksums, frees/retakes memory (``release`` /
-``resume``), answers ``health`` and stops its processes (``shutdown``). All methods but ``submit`` block;
-``generate`` and ``submit`` are thread-safe.
+"""The rollout engine's two roles, one protocol each: ``Sampler`` (what the loop, hosted rollout and evaluation
+call: sample, free / retake memory, health, shutdown) and ``bridge.base.WeightTarget`` (what a bridge calls: load,
+verify). ``RolloutEngine`` is both: what the SGLang engine, the diffusers baseline and the balancer implement.
+All methods but ``submit`` block; ``generate`` and ``submit`` are thread-safe.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import torch
-
-from megaflow.bridge.base import WeightUpdateResult
-from megaflow.checksum import DEFAULT
+from megaflow.bridge.base import WeightTarget
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 
@@ -32,8 +28,8 @@ class EngineHealth:
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
-    """What every rollout engine (and the balancer over several) provides."""
+class Sampler(Protocol):
+    """What the loop needs of an engine (or the balancer over several): samples, and its memory and processes."""
 
     engine_id: str
 
@@ -45,29 +41,6 @@ class RolloutEngine(Protocol):
         """Start sampling every request (as one ``generate`` call would, same batching); one future per
         request, resolving to its trajectories as soon as they are back (e.g. to score a group while the
         others still sample). ``generate`` = wait for all of them."""
-        ...
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdateResult:
-        """Load DiT tensors given by engine (diffusers state_dict) names, e.g. 'transformer_blocks.0.attn.to_q.weight'."""
-        ...
-
-    def load_bucket(self, bucket, *, digests: dict[str, str] | None = None, checksum: str = DEFAULT
-                    ) -> WeightUpdateResult:
-        """Load one ``Bucket`` of DiT tensors; ``digests``: the sender's, checked against the engine's re-hash (ok False
-        naming mismatches or tensors not loaded). None: no check."""
-        ...
-
-    def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named tensors the engine holds with ``checksum`` (``megaflow.checksum``);
-        (all match, message naming the first mismatch)."""
-        ...
-
-    def update_weights_from_disk(self, path: str) -> WeightUpdateResult:
-        """Reload the DiT from a diffusers pipeline / transformer directory (all-or-nothing)."""
-        ...
-
-    def checksum(self) -> str:
-        """SHA-256 hex digest over the DiT parameters as the engine holds them."""
         ...
 
     def release(self) -> None:
@@ -84,3 +57,8 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Stop exactly the processes this engine started. Idempotent."""
         ...
+
+
+@runtime_checkable
+class RolloutEngine(Sampler, WeightTarget, Protocol):
+    """An engine in both roles: sampled by the loop, loaded by a bridge."""

@@ -12,6 +12,7 @@ import torch
 
 from megaflow.parallel.groups import as_group
 from megaflow.parallel.placement import Placement
+from megaflow.rollout.engine import Sampler
 from megaflow.rollout.exchange import broadcast_share, pack_share, unpack_share
 from megaflow.rollout.types import RewardScores, RolloutRequest, Trajectory
 from megaflow.seeds import HOST_PLAN, iteration_seed
@@ -32,7 +33,7 @@ def plan_groups(requests: Sequence[RolloutRequest], hosts: Sequence[int], engine
     return plan
 
 
-def sample_and_score(rollout, scorer, requests: Sequence[RolloutRequest]):
+def sample_and_score(rollout: Sampler, scorer, requests: Sequence[RolloutRequest]):
     """(trajectories in request order, RewardScores, timings): each group is scored as soon as it is back, while the
     others still sample; scores put back in request order."""
     t0 = time.perf_counter()
@@ -69,8 +70,8 @@ class HostedRollout:
     that hosts none), its scorer, and the gloo ``group`` spanning every launched rank. On the driver of a
     disaggregated run, ``commands`` (megaflow.rollout.engine_commands.Commands) reach the engine ranks."""
 
-    def __init__(self, placement: Placement, *, engines: Sequence, local, scorer, group, seed: int,
-                 commands=None):
+    def __init__(self, placement: Placement, *, engines: Sequence[Sampler], local: Sampler | None, scorer, group,
+                 seed: int, commands=None):
         if placement.is_host != bool(engines):
             raise ValueError(f"rank {placement.rank}: is_host={placement.is_host} but {len(engines)} engine(s)")
         self.placement, self.engines, self.local, self.scorer = placement, list(engines), local, scorer

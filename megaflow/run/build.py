@@ -54,7 +54,7 @@ class Run:
     ema: EMA | None
     """The EMA of the trained weights (``train.ema_decay``), which evaluation and export read; None when off."""
     phases: Phases
-    """The engines' accelerator memory, released around training (colocated, GPU), and the trainer's offload
+    """The engines' accelerator memory, released around training (a phased run on GPU), and the trainer's offload
     outside training (``train.offload``)."""
     reporter: RunReporter
     """Metrics, progress, curves and samples (written by the driver)."""
@@ -278,16 +278,16 @@ def build_rollout(cfg: MegaflowConfig, placement, pipeline_dir: Path, groups, *,
 
 
 def build_bridge(cfg: MegaflowConfig, engines: list, run_dir: Path, pipeline_dir: Path):
-    """The local weight bridge of ``bridge.mode`` (colocated or disk) from this rank into ``engines``; under LoRA
+    """The local weight bridge of ``bridge.mode`` (shared_memory or disk) from this rank into ``engines``; under LoRA
     (``lora.rank`` > 0) the adapter bridge (megaflow.bridge.lora: only the adapters move, merged by the engines)."""
     b = cfg.bridge
     nbytes = int(b.bucket_mb * 2**20)
-    if cfg.lora.rank > 0:  # preflight: only with bridge.mode = colocated
+    if cfg.lora.rank > 0:  # preflight: only with bridge.mode = shared_memory
         from megaflow.bridge.lora import LoRABridge
         return LoRABridge(engines, alpha=cfg.lora.alpha, rank=cfg.lora.rank, verify=b.verify)
-    if b.mode == "colocated":
-        from megaflow.bridge.colocated import ColocatedBridge
-        return ColocatedBridge(engines, bucket_bytes=nbytes, verify=b.verify, checksum=b.checksum)
+    if b.mode == "shared_memory":
+        from megaflow.bridge.shared_memory import SharedMemoryBridge
+        return SharedMemoryBridge(engines, bucket_bytes=nbytes, verify=b.verify, checksum=b.checksum)
     if b.mode == "disk":
         from megaflow.bridge.disk import DiskBridge
         tconf = json.loads((pipeline_dir / "transformer" / "config.json").read_text())

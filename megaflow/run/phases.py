@@ -1,14 +1,17 @@
-"""The rollout and training phases of a colocated engine host: free the engines' accelerator memory while the
-trainer runs. Design notes: docs/design/run.md.
+"""The rollout and training phases of an engine host that also trains (``MegaflowConfig.phased``): free the
+engines' accelerator memory while the trainer runs. Design notes: docs/design/run.md.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 import psutil
 import torch
+
+from megaflow.rollout.engine import Sampler
 
 log = logging.getLogger("megaflow.run.phases")
 
@@ -27,10 +30,10 @@ def memory_snapshot() -> dict[str, float]:
 
 
 class Phases:
-    """Switches engines off the accelerator for training when ``enabled`` (GPU colocated mode), and the
+    """Switches engines off the accelerator for training when ``enabled`` (a phased run on GPU), and the
     ``trainer``'s offloadable parts off it outside training (``train.offload``; None: off)."""
 
-    def __init__(self, engines: list, *, enabled: bool, trainer=None):
+    def __init__(self, engines: Sequence[Sampler], *, enabled: bool, trainer=None):
         self.engines = engines
         self.enabled = enabled and torch.cuda.is_available()
         self.trainer = trainer

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
+from megaflow.config.load import current_values
 from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
@@ -282,7 +283,7 @@ def _put_back(path: Path, data: bytes | None) -> None:
 
 
 def _check_same_run(cfg: MegaflowConfig, saved: Path) -> None:
-    old = tomllib.loads(saved.read_text())
+    old = current_values(tomllib.loads(saved.read_text()))  # a run saved before a value was renamed
     new = tomllib.loads(dump_config(cfg))
     for section, values in new.items():
         if section in _RESUMABLE_SECTIONS:

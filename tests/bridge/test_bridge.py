@@ -1,10 +1,10 @@
-"""Weight-update bridge: buckets, colocated / disk / distributed paths, verification.
+"""Weight-update bridge: buckets, shared-memory / disk / distributed paths, verification.
 Needs: CPU, 1 process (distributed: 2 gloo processes). Targets are real tiny diffusers SD3 DiTs."""
 import pytest
 import torch
 
 from megaflow.bridge import Bucket, SyncError, iter_buckets, pack, tensor_digest
-from megaflow.bridge.colocated import ColocatedBridge
+from megaflow.bridge.shared_memory import SharedMemoryBridge
 from megaflow.bridge.disk import DiskBridge
 from megaflow.bridge.target import ModuleTarget
 
@@ -66,15 +66,28 @@ def test_bucket_digests_equal_per_tensor_digests_and_shared_memory(checksum):
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 10, 64 << 20])
-def test_colocated_push_updates_and_verifies(bucket_bytes):
+def test_shared_memory_push_updates_and_verifies(bucket_bytes):
     src, dst1, dst2 = tiny_dit(0), tiny_dit(1), tiny_dit(2)
-    bridge = ColocatedBridge([ModuleTarget(dst1), ModuleTarget(dst2)], bucket_bytes=bucket_bytes)
+    bridge = SharedMemoryBridge([ModuleTarget(dst1), ModuleTarget(dst2)], bucket_bytes=bucket_bytes)
     report = bridge.push(src.state_dict().items())
     assert report.verified and report.num_tensors == len(src.state_dict())
     assert report.num_buckets >= (2 if bucket_bytes < 1 << 20 else 1)
     for dst in (dst1, dst2):
         for k, v in src.state_dict().items():
             assert torch.equal(v, dst.state_dict()[k]), k
+
+
+def test_module_target_checksum_follows_its_weights():
+    """``ModuleTarget.checksum`` (megaflow.checksum.weights_checksum): equal for equal state_dicts, different after a
+    one-element change, and the source's after a push."""
+    src, dst = tiny_dit(0), tiny_dit(1)
+    source, target = ModuleTarget(src), ModuleTarget(dst)
+    assert source.checksum() != target.checksum() and source.checksum() == ModuleTarget(tiny_dit(0)).checksum()
+    SharedMemoryBridge([target], bucket_bytes=4 << 10).push(src.state_dict().items())
+    assert target.checksum() == source.checksum()
+    with torch.no_grad():
+        next(dst.parameters()).view(-1)[0] += 1.0
+    assert target.checksum() != source.checksum()
 
 
 class _Rendezvous(ModuleTarget):
@@ -89,17 +102,17 @@ class _Rendezvous(ModuleTarget):
         return super().load_bucket(bucket, **kw)
 
 
-def test_colocated_push_loads_engines_in_parallel():
+def test_shared_memory_push_loads_engines_in_parallel():
     import threading
     src, barrier = tiny_dit(0), threading.Barrier(2, timeout=10)
     targets = [_Rendezvous(tiny_dit(1), barrier), _Rendezvous(tiny_dit(2), barrier)]
-    report = ColocatedBridge(targets, bucket_bytes=16 << 10).push(src.state_dict().items())
+    report = SharedMemoryBridge(targets, bucket_bytes=16 << 10).push(src.state_dict().items())
     assert report.verified and report.num_buckets > 1
     for t in targets:
         assert all(torch.equal(v, t.module.state_dict()[k]) for k, v in src.state_dict().items())
 
 
-def test_colocated_reuses_its_staging_slots_across_syncs():
+def test_shared_memory_reuses_its_staging_slots_across_syncs():
     """Each bucket position of a sync has its own shared-memory slot (touched once), reused by the bucket at
     that position in every later sync with the same layout; each sync still lands bit for bit."""
     seen = []
@@ -109,7 +122,7 @@ def test_colocated_reuses_its_staging_slots_across_syncs():
             seen.append((bucket.flat.untyped_storage().data_ptr(), bucket.flat.is_shared(), bucket.slot))
             return super().load_bucket(bucket, **kw)
     dst = tiny_dit(2)
-    bridge = ColocatedBridge([Recording(dst)], bucket_bytes=16 << 10)
+    bridge = SharedMemoryBridge([Recording(dst)], bucket_bytes=16 << 10)
     per_sync = []
     for seed in (0, 1):
         src = tiny_dit(seed)
@@ -150,7 +163,7 @@ def _bumped(bucket, name):
     return Bucket(flat=flat, metadata=bucket.metadata)
 
 
-def test_colocated_stops_at_the_first_bucket_that_does_not_verify():
+def test_shared_memory_stops_at_the_first_bucket_that_does_not_verify():
     """With verify, every engine checks each bucket against the bridge's digests as it loads it; the first
     bucket that does not verify (here the first one) fails the sync before the next is handed over."""
     src, dst = tiny_dit(0), tiny_dit(1)
@@ -161,17 +174,17 @@ def test_colocated_stops_at_the_first_bucket_that_does_not_verify():
             loads.append(bucket)
             return super().load_bucket(_bumped(bucket, bucket.metadata[0].name) if len(loads) == 1 else bucket, **kw)
     with pytest.raises(SyncError, match="failed at bucket 1: did not verify"):
-        ColocatedBridge([CorruptFirst(dst)], bucket_bytes=4 << 10).push(src.state_dict().items())
+        SharedMemoryBridge([CorruptFirst(dst)], bucket_bytes=4 << 10).push(src.state_dict().items())
     assert len(loads) == 1
 
 
-def test_colocated_rejects_unknown_name_without_partial_write():
+def test_shared_memory_rejects_unknown_name_without_partial_write():
     dst = tiny_dit(1)
     before = state(dst)
     named = [("pos_embed.proj.weight", torch.zeros_like(before["pos_embed.proj.weight"])),
              ("no.such.weight", torch.zeros(2))]
     with pytest.raises(SyncError, match="unknown tensor 'no.such.weight'"):
-        ColocatedBridge([ModuleTarget(dst)], bucket_bytes=1 << 20).push(named)
+        SharedMemoryBridge([ModuleTarget(dst)], bucket_bytes=1 << 20).push(named)
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
 
 
@@ -185,7 +198,7 @@ class _Corrupting(ModuleTarget):
 def test_verification_catches_lossy_transfer():
     src, dst = tiny_dit(0), tiny_dit(1)
     with pytest.raises(SyncError, match="proj_out.bias"):
-        ColocatedBridge([_Corrupting(dst)]).push(src.state_dict().items())
+        SharedMemoryBridge([_Corrupting(dst)]).push(src.state_dict().items())
 
 
 
@@ -212,11 +225,11 @@ def test_a_bucket_damaged_between_pack_and_load_is_refused(checksum, damage):
     src = tiny_dit(0)
     state = list(src.state_dict().items())
     one_bucket = sum(t.numel() * t.element_size() for _, t in state) * 2
-    report = ColocatedBridge([ModuleTarget(tiny_dit(1))], bucket_bytes=one_bucket, checksum=checksum).push(state)
+    report = SharedMemoryBridge([ModuleTarget(tiny_dit(1))], bucket_bytes=one_bucket, checksum=checksum).push(state)
     assert report.verified and report.checksum == checksum and report.num_buckets == 1
     assert len(next(iter(report.expected_digests.values()))) == {"xxh3": 32, "sha256": 64}[checksum]
     with pytest.raises(SyncError, match="differs from what was sent"):
-        ColocatedBridge([_DamagedInFlight(tiny_dit(1), damage)], bucket_bytes=one_bucket,
+        SharedMemoryBridge([_DamagedInFlight(tiny_dit(1), damage)], bucket_bytes=one_bucket,
                         checksum=checksum).push(state)
 
 @pytest.fixture
@@ -239,15 +252,15 @@ def hash_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disk"])
+@pytest.mark.parametrize("mode", ["shared_memory", "disk"])
 def test_verify_false_hashes_nothing_true_hashes_once(mode, hash_calls, tmp_path):
     src, dst1, dst2 = tiny_dit(0), tiny_dit(1), tiny_dit(2)
     n = len(src.state_dict())
     targets = [ModuleTarget(dst1), ModuleTarget(dst2)]
 
     def bridge(verify):
-        if mode == "colocated":
-            return ColocatedBridge(targets, bucket_bytes=4 << 10, verify=verify)
+        if mode == "shared_memory":
+            return SharedMemoryBridge(targets, bucket_bytes=4 << 10, verify=verify)
         return DiskBridge(targets, tmp_path / "sync", bucket_bytes=4 << 10, verify=verify)
     report = bridge(False).push(src.state_dict().items())
     assert not report.verified and hash_calls == {"bridge": [], "engine": []}
@@ -260,9 +273,9 @@ def test_verify_false_hashes_nothing_true_hashes_once(mode, hash_calls, tmp_path
 
 def test_verify_false_lets_a_lossy_transfer_through_true_catches_it(hash_calls):
     src = tiny_dit(0)
-    ColocatedBridge([_Corrupting(tiny_dit(1))], verify=False).push(src.state_dict().items())
+    SharedMemoryBridge([_Corrupting(tiny_dit(1))], verify=False).push(src.state_dict().items())
     with pytest.raises(SyncError, match="proj_out.bias"):
-        ColocatedBridge([_Corrupting(tiny_dit(1))], verify=True).push(src.state_dict().items())
+        SharedMemoryBridge([_Corrupting(tiny_dit(1))], verify=True).push(src.state_dict().items())
 
 
 def test_disk_push_atomic_and_pruned(tmp_path):

@@ -95,3 +95,28 @@ def test_config_show_every_shipped_config(capsys, monkeypatch):
             assert main(["config", "show", "-c", str(f)]) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and ("model.pretrained" in err or "data.prompts" in err), err
+
+
+def test_old_bridge_mode_spelling_is_read_with_one_line(tmp_path):
+    """bridge.mode = 'colocated' (the name before 'shared_memory') still loads, from a file or --set, saying so in
+    one line on stderr; the resolved config holds the new name, and a placement of that name is left alone."""
+    old = tmp_path / "old.toml"
+    old.write_text('[bridge]\nmode = "colocated"\n[rollout]\nplacement = "colocated"\n')
+    for args in (["config", "show", "-c", str(old)], ["config", "show", "--set", 'bridge.mode="colocated"']):
+        r = subprocess.run([sys.executable, "-m", "megaflow.cli", *args], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("\n") == 1 and "bridge.mode = 'colocated' is deprecated" in r.stderr, r.stderr
+        assert "'shared_memory'" in r.stderr
+        shown = tomllib.loads(r.stdout)
+        assert shown["bridge"]["mode"] == "shared_memory" and shown["rollout"]["placement"] == "colocated"
+    assert load_config(old) == load_config(None, ['bridge.mode="shared_memory"'])
+    with pytest.raises(ConfigError, match="bridge.mode: value 'colocate' not one of shared_memory"):
+        load_config(None, ['bridge.mode="colocate"'])
+
+
+def test_phased_keys_on_placement_and_staleness():
+    assert load_config(None, []).phased
+    assert load_config(None, ['bridge.mode="distributed"']).phased  # engines on trainer ranks, whatever the path
+    assert not load_config(None, ["train.max_staleness=1"]).phased
+    assert not load_config(None, ['rollout.placement="disaggregated"', "rollout.engine_ranks=1",
+                                  'bridge.mode="distributed"']).phased

@@ -210,16 +210,18 @@ def test_disaggregated_placement_is_checked_across_fields(monkeypatch):
         pf.preflight(load_config(None, dis[1:]), "show")
     with pytest.raises(ConfigError, match="rollout.engine_hosts = 'rank' is read only"):
         pf.preflight(load_config(None, [*dis, 'rollout.engine_hosts="rank"']), "show")
-    with pytest.raises(ConfigError, match="runs only with bridge.mode = 'colocated'"):
+    with pytest.raises(ConfigError, match="runs only with bridge.mode = 'shared_memory'"):
         pf.preflight(load_config(None, [*dis, "lora.rank=4"]), "show")
 
 
-def test_trainer_offload_needs_the_synchronous_colocated_loop():
+def test_trainer_offload_needs_the_synchronous_loop_with_engines_on_trainer_ranks():
     pf.preflight(load_config(None, ['train.offload="all"']), "show")
-    with pytest.raises(ConfigError, match=r"train.offload = 'optimizer' with bridge.mode = 'colocated', "
-                       r"train.max_staleness = 1: .* only while the engines sample alone"):
+    for mode in ("distributed", "disk"):  # phased whatever moves the weights
+        pf.preflight(load_config(None, ['train.offload="all"', f'bridge.mode="{mode}"']), "show")
+    with pytest.raises(ConfigError, match=r"train.offload = 'optimizer' with rollout.placement = 'colocated', "
+                       r"train.max_staleness = 1: .* only while engines on its ranks sample alone"):
         pf.preflight(load_config(None, ['train.offload="optimizer"', "train.max_staleness=1"]), "show")
-    with pytest.raises(ConfigError, match=r"train.offload = 'all' with bridge.mode = 'distributed'"):
+    with pytest.raises(ConfigError, match=r"train.offload = 'all' with rollout.placement = 'disaggregated'"):
         pf.preflight(load_config(None, ['rollout.placement="disaggregated"', 'rollout.engine_ranks=1',
                                         'bridge.mode="distributed"', 'train.offload="all"']), "show")
     with pytest.raises(ConfigError, match="train.offload"):

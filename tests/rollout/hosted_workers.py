@@ -86,7 +86,7 @@ def weights(step: int) -> list[tuple[str, torch.Tensor]]:
 def hosted_rank(engine_hosts: str, mode: str):
     """Collect one batch and sync twice; returns what this rank saw (trajectories as tensors, scores,
     metrics, the tensors its engines hold)."""
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.bridge.distributed import DistributedBridge, DistributedReceiver
     from megaflow.bridge.run_sync import RunSync
     from megaflow.parallel.placement import placement_from_env
@@ -106,7 +106,7 @@ def hosted_rank(engine_hosts: str, mode: str):
         else:
             sync = RunSync(p, group=group, receiver=DistributedReceiver(engines, group=wgroup) if engines else None)
     else:
-        sync = RunSync(p, group=group, bridge=ColocatedBridge(engines, bucket_bytes=200) if engines else None)
+        sync = RunSync(p, group=group, bridge=SharedMemoryBridge(engines, bucket_bytes=200) if engines else None)
     syncs = [sync.push(iter(weights(s))).as_metrics() for s in (1, 2)]
     failed = ""
     if p.rank == p.hosts[-1]:

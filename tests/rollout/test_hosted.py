@@ -36,7 +36,7 @@ def _reference():
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("mode", ["colocated", "distributed"])
+@pytest.mark.parametrize("mode", ["shared_memory", "distributed"])
 def test_hosted_rollout_and_sync_match_single_process(mode):
     trajs, scores, _ = _reference()
     env = {"LOCAL_WORLD_SIZE": "2"}  # 4 ranks as 2 nodes of 2 processes: hosts are ranks 0 and 2
@@ -66,8 +66,8 @@ def test_hosted_rollout_and_sync_match_single_process(mode):
             held = res["engine_weights"]
             same = [torch.equal(held[n], sent[n]) for n in sent]
             assert held.keys() == sent.keys()
-            if mode == "colocated" and res["rank"] == 2:  # ... but a colocated sync stops at the first bucket
-                assert same[0] and not all(same)  # that does not verify: the later ones never reach it
+            if mode == "shared_memory" and res["rank"] == 2:  # ... but a shared-memory sync stops at the first
+                assert same[0] and not all(same)  # bucket that does not verify: the later ones never reach it
             else:  # the distributed sync loads every bucket, then checks once
                 assert all(same)
         else:

@@ -189,7 +189,7 @@ def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch,
     bucket in its load request (no separate check request)."""
     import megaflow.bridge.buckets as buckets
     from megaflow.bridge import SyncError
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.rollout.sglang import engine as engine_module
     calls, checks = [], []
     real_bucket, real_tensor = buckets.Bucket.digests, engine_module.tensor_digest
@@ -199,14 +199,14 @@ def test_bridge_verify_flag_hashes_once_or_never(engine, reference, monkeypatch,
     monkeypatch.setattr(engine._server, "verify", lambda d: checks.append(d) or real_verify(d))
     state = list(reference.transformer.state_dict().items())  # the weights the engine holds already
     checksum0 = engine.checksum()
-    assert not ColocatedBridge([engine], bucket_bytes=64 << 10, verify=False).push(state).verified
+    assert not SharedMemoryBridge([engine], bucket_bytes=64 << 10, verify=False).push(state).verified
     assert calls == []
-    assert ColocatedBridge([engine], bucket_bytes=64 << 10, verify=True).push(state).verified
+    assert SharedMemoryBridge([engine], bucket_bytes=64 << 10, verify=True).push(state).verified
     assert len(calls) == len(state) and checks == []
     unknown = [("no_such.weight", torch.zeros(2))]
-    ColocatedBridge([engine], verify=False).push(unknown)
+    SharedMemoryBridge([engine], verify=False).push(unknown)
     with pytest.raises(SyncError, match="not verified after update.*missing 1 tensor"):
-        ColocatedBridge([engine], verify=True).push(unknown)
+        SharedMemoryBridge([engine], verify=True).push(unknown)
     assert checks == []
     assert engine.checksum() == checksum0
     # the engine replays what it was sent after a worker restart: leave it holding the pipeline's weights only
@@ -236,15 +236,15 @@ def test_engine_refuses_a_bucket_damaged_after_it_was_hashed(engine, reference, 
         assert engine.update_weights_from_disk(str(tiny_sd3_dir)).ok
 
 
-def test_colocated_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
-    """A verified colocated sync leaves the engine holding exactly the bytes sent (SGLang's own checksum of
+def test_shared_memory_sync_is_bit_exact_and_fast(engine, reference, tiny_sd3_dir):
+    """A verified shared-memory sync leaves the engine holding exactly the bytes sent (SGLang's own checksum of
     the sent tensors, computed here), in well under 0.3 s for the 1.2 MB tiny DiT (0.6 s before the
     plugin froze the workers' heaps: SGLang's per-update gc.collect), also when a later sync only names the
     staging slot the worker keeps mapped."""
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     gen = torch.Generator().manual_seed(1)
     state = {n: p + 0.01 * torch.randn(p.shape, generator=gen) for n, p in reference.transformer.state_dict().items()}
-    bridge = ColocatedBridge([engine], verify=True)
+    bridge = SharedMemoryBridge([engine], verify=True)
     seconds = []
     for _ in range(3):
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """End to end: `megaflow train` with algo.name = awm and dgpo (ODE rollouts on a real SGLang engine, the megatron
-trainer, the colocated bridge) on configs/cpu_demo.toml made tiny, 3 iterations (DGPO at TP=2 under torchrun), and
+trainer, the shared-memory bridge) on configs/cpu_demo.toml made tiny, 3 iterations (DGPO at TP=2 under torchrun), and
 their exact resume.
 
 One uninterrupted run per algorithm (module fixture, a checkpoint every iteration) is shared by every test of it:

@@ -1,6 +1,6 @@
 """Disaggregated placement against a single-process run: ``megaflow demo`` under torchrun with 2 ranks, rank 1
 only sampling (rollout.placement = "disaggregated", rollout.engine_ranks = 1, the distributed bridge), and the
-same demo in one process (its engine beside its trainer, the colocated bridge).
+same demo in one process (its engine beside its trainer, the shared-memory bridge).
 
 Reference: the single-process run. Both train one trainer rank from the same weights, seeds and prompts,
 and both engines are the same SGLang engine on the same weights, so the runs must agree exactly: the

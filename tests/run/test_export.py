@@ -4,7 +4,7 @@ Needs: CPU. The run is made by hand: a tiny SD3 pipeline as the run's ``tiny-pip
 config.toml, and checkpoint 3 saved from the run's Trainer (built in one gloo rank) after its
 weights were moved by 2 Adam steps. Checks: diffusers' StableDiffusion3Pipeline loads the export and
 its transformer equals the trainer's weights bit for bit, every other file is byte-identical; an
-SGLang engine on the ORIGINAL pipeline with those weights pushed through the colocated bridge and an
+SGLang engine on the ORIGINAL pipeline with those weights pushed through the shared-memory bridge and an
 engine on the EXPORTED pipeline give identical samples (same requests and seeds; tolerance 0, bit
 for bit). A FLUX run (weights moved by seeded noise, model-only checkpoint) loads in FluxPipeline the
 same way. The bad-input cases exit 2 with one line, before any checkpoint is read, and write nothing.
@@ -177,7 +177,7 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys):
 def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
     """Engine A: the original pipeline + the trained weights through the bridge (as the controller's
     sync_weights does); engine B: the exported pipeline. Same requests and seeds -> equal samples."""
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.rollout.sglang.config import engine_config
     from megaflow.rollout.sglang import SGLangEngine
     from megaflow.rollout.types import RolloutRequest
@@ -196,7 +196,7 @@ def test_exported_samples_equal_the_engines_at_the_same_weights(run, exported):
         try:
             before = engine.generate(requests()) if push else None
             if push:
-                assert ColocatedBridge([engine]).push(iter(weights.items())).verified
+                assert SharedMemoryBridge([engine]).push(iter(weights.items())).verified
             return before, engine.generate(requests())
         finally:
             engine.shutdown()

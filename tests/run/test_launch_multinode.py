@@ -1,7 +1,7 @@
 """scripts/launch.sh with NNODES=2, run as two launches on this host (NODE_RANK 0 and 1, NPROC=1 each).
-Colocated (per bridge mode): the CPU demo trains with rollout.engine_hosts = "node", i.e. one engine on
-each "node" beside its trainer rank. Disaggregated: node 0 only trains, node 1 only samples
-(rollout.placement = "disaggregated", rollout.engine_ranks = 1, the distributed bridge).
+Engines beside the trainers (per bridge mode: shared_memory, distributed): the CPU demo trains with
+rollout.engine_hosts = "node", i.e. one engine on each "node" beside its trainer rank. Disaggregated: node 0 only
+trains, node 1 only samples (rollout.placement = "disaggregated", rollout.engine_ranks = 1, the distributed bridge).
 Needs: CPU, 2 torchrun launches with 1 process each; ~1.5 min per case.
 
 Asserted from the run's metrics.jsonl and logs: every iteration's groups were sampled on the engine hosts
@@ -39,7 +39,7 @@ def _descendants(procs: list[subprocess.Popen], seen: dict) -> None:
 
 
 PLACEMENTS = {  # case -> --set overrides
-    "colocated": ["rollout.engine_hosts=node", "bridge.mode=colocated"],
+    "shared_memory": ["rollout.engine_hosts=node", "bridge.mode=shared_memory"],
     "distributed": ["rollout.engine_hosts=node", "bridge.mode=distributed"],
     "disaggregated": ["rollout.placement=disaggregated", "rollout.engine_ranks=1", "bridge.mode=distributed"],
 }

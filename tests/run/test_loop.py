@@ -114,12 +114,13 @@ def test_nft_synchronous_loop_reproduces_the_loop_before_async(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
+def test_train_loop_disk_bridge_with_kl_tis_and_offload(tmp_path):
     """KL to the frozen reference: 0 at iteration 1 (the policy IS the reference), > 0 at iteration 2 (after an
     update); TIS weights 1 while the engine samples with the trainer's weights; the disk bridge keeps only the
-    last sync's files."""
+    last sync's files. The run is phased (engines on the trainer's rank, synchronous) whatever the bridge, so
+    train.offload = "all" takes the trainer's states and weights off during every rollout."""
     m = _train(tmp_path, "disk", "--set", "train.iterations=2", "--set", 'bridge.mode="disk"',
-               "--set", "algo.kl_beta=0.04", "--set", 'algo.mismatch="tis"',
+               "--set", "algo.kl_beta=0.04", "--set", 'algo.mismatch="tis"', "--set", 'train.offload="all"',
                "--set", 'algo.mismatch_level="trajectory"')  # weights over each sample's trained steps
     rows = {r["iteration"]: r for r in map(json.loads, (tmp_path / "disk" / "metrics.jsonl").read_text().splitlines())}
     first = rows[1]
@@ -130,6 +131,7 @@ def test_train_loop_disk_bridge_with_kl_and_tis(tmp_path):
     assert first["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert sorted(p.name for p in (tmp_path / "disk" / "weights").iterdir()) == ["sync-000003"]
+    assert all(rows[it]["offload/bytes"] > 0 and rows[it]["reload/seconds"] >= 0 for it in (1, 2)), rows
 
 
 @pytest.mark.slow

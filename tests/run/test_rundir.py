@@ -73,6 +73,7 @@ def _verdicts(cfg, resume: bool) -> tuple[str, str]:
     ("resume, no checkpoint", "no checkpoint to resume from"),
     ("resume, config lost, other family", "model.family = 'flux' differs from the checkpoint's 'sd3'"),
     ("resume, config lost, other tp", "parallel.tp = 2 differs from the checkpoint's 1"),
+    ("resume, config saved with an old spelling", ""),
     ("output_dir a file", "run.output_dir = "),
     ("output_dir a dangling symlink", "a dangling symlink (to "),
     ("a dangling symlink", "r is a dangling symlink"),
@@ -95,6 +96,11 @@ def test_check_run_dir_and_the_claim_agree(tmp_path, case, needle):
         _checkpoint(cfg, run_dir, 4 if case == "finished" else 2)
         if case == "other config":
             cfg = _cfg(runs, "train.lr=0.5")
+    elif case == "resume, config saved with an old spelling":  # bridge.mode = "colocated", now "shared_memory"
+        _checkpoint(cfg, run_dir, 2)
+        saved = run_dir / "config.toml"
+        saved.write_text(saved.read_text().replace('mode = "shared_memory"', 'mode = "colocated"'))
+        assert 'mode = "colocated"' in saved.read_text()
     elif case.startswith("resume, config lost"):
         _checkpoint(cfg, run_dir, 2, config=False)
         cfg = _cfg(runs, "model.family=flux" if "family" in case else "parallel.tp=2")

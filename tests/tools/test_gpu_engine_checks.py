@@ -256,7 +256,7 @@ def test_sd3_logprob_and_sync_check_bodies_on_cpu(bodies):
     rec = _record(bodies, "sd3")
     assert rec["status"] == "pass" and rec["fp32"]["rel"] <= engine.TOLERANCE["fp32"], rec
     assert rec["fp32"]["velocity_max_abs"] < 1e-4 and rec["fp32"]["samples"] == 4, rec
-    sync = rec["sync"]  # engine_sync's body: the colocated bridge through shared memory on CPU
+    sync = rec["sync"]  # engine_sync's body: the shared-memory bridge through shared memory on CPU
     assert sync["status"] == "pass" and sync["verified"] and sync["checksum_is_pushed_weights"], sync
     assert sync["buckets"] > 1 and sync["image_change_max"] > 1e-3, sync
 

@@ -45,7 +45,7 @@ class SGLangEngineConfig:
     """Restarts after crashes before the engine gives up."""
     replay_weights_on_restart: bool = True
     """Keep every tensor pushed by update_weights / load_bucket and re-apply it after a restart: a bucket from
-    a bridge's staging slot (the colocated bridge on CPU) is kept as a view of the slot, no copy; anything else
+    a bridge's staging slot (the shared-memory bridge on CPU) is kept as a view of the slot, no copy; anything else
     as a host copy (one copy per sync into tensors reused across syncs). See ``megaflow.rollout.sglang.replay``."""
     num_threads: int | None = None
     """Torch threads per worker, passed as ``OMP_NUM_THREADS`` at spawn; None: inherited, else SGLang's choice

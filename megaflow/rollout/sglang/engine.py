@@ -77,7 +77,8 @@ def plan_calls(requests: Sequence[RolloutRequest], *, max_outputs: int, merge: b
 
 
 class SGLangEngine:
-    """One SGLang diffusion engine (its own worker processes), implementing ``RolloutEngine``."""
+    """One SGLang diffusion engine (its own worker processes): a ``RolloutEngine`` (``Sampler`` and ``WeightTarget``)
+    that also merges LoRA adapters (``bridge.lora.LoRATarget``)."""
 
     def __init__(self, config: SGLangEngineConfig, *, warm=None):
         """Start the engine (``warm``: its worker, started ahead by megaflow.rollout.sglang.warm.WarmWorker with

@@ -136,7 +136,7 @@ def _read_sglang_payload(serialized: str):
 
 
 class _IPCEngine:
-    """Parent side of the child: the engine methods ``ColocatedBridge`` calls."""
+    """Parent side of the child: the engine methods ``SharedMemoryBridge`` calls."""
 
     engine_id = "ipc-child"
 
@@ -159,7 +159,7 @@ class _IPCEngine:
 
 
 def cuda_ipc() -> dict:
-    """ColocatedBridge -> CUDA IPC -> a child process's CUDA module, verified; the SGLang payload if it imports."""
+    """SharedMemoryBridge -> CUDA IPC -> a child process's CUDA module, verified; the SGLang payload if it imports."""
     require_cuda()
     import torch
 
@@ -170,7 +170,7 @@ def colocated_to_child(dev) -> dict:
     """``cuda_ipc``'s body for any device (on CPU the buckets travel as shared memory; the CPU test runs it)."""
     import torch.multiprocessing as mp
 
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
 
     sent = _named_tensors(dev, seed=2)
     ctx = mp.get_context("spawn")
@@ -180,7 +180,7 @@ def colocated_to_child(dev) -> dict:
     child.start()
     try:
         engine = _IPCEngine(requests, replies, _gpu_uuid(dev) if dev.type == "cuda" else "")
-        report = ColocatedBridge([engine], bucket_bytes=2 << 20, verify=True).push(sent)
+        report = SharedMemoryBridge([engine], bucket_bytes=2 << 20, verify=True).push(sent)
         push = {"verified": bool(report.verified), "tensors": report.num_tensors, "buckets": report.num_buckets,
                 "mbytes": round(report.num_bytes / 2**20, 2), "push_s": round(report.seconds, 4),
                 "message": report.message}
@@ -193,7 +193,7 @@ def colocated_to_child(dev) -> dict:
             child.kill()
     ok = push["verified"] and sglang.get("status") != "fail"
     return {"status": "pass" if ok else "fail", "device": str(dev), "colocated_bridge": push, "sglang_payload": sglang,
-            "headline": f"colocated bridge to a child process verified={push['verified']} ({push['buckets']} "
+            "headline": f"shared-memory bridge to a child process verified={push['verified']} ({push['buckets']} "
                         f"buckets); sglang payload: {sglang['status']}"}
 
 

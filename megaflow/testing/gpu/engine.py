@@ -156,11 +156,11 @@ def engine_sync() -> dict:
 
 
 def sync_body(dev, root: Path) -> dict:
-    """``engine_sync``'s body: the tiny SD3 DiT's weights + noise, on ``dev``, through ``ColocatedBridge`` (CUDA IPC
+    """``engine_sync``'s body: the tiny SD3 DiT's weights + noise, on ``dev``, through ``SharedMemoryBridge`` (CUDA IPC
     on a GPU, shared memory on CPU: the CPU test runs it)."""
     import torch
 
-    from megaflow.bridge.colocated import ColocatedBridge
+    from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.testing.reference import ReferenceSampler
     from megaflow.rollout.sglang import weights_checksum
 
@@ -171,7 +171,7 @@ def sync_body(dev, root: Path) -> dict:
         gen = torch.Generator().manual_seed(0)
         state = [(n, (p + 0.05 * torch.randn(p.shape, generator=gen)).to(dev))
                  for n, p in ReferenceSampler(path).transformer.state_dict().items()]
-        report = ColocatedBridge([engine], bucket_bytes=1 << 20, verify=True).push(state)
+        report = SharedMemoryBridge([engine], bucket_bytes=1 << 20, verify=True).push(state)
         same_checksum = engine.checksum() == weights_checksum([(n, t.cpu()) for n, t in state])
         after = rollout(engine)
     finally:

@@ -1,4 +1,4 @@
-"""GPU check of the trainer offload (``train.offload``, colocated mode): an SD3.5-M-shaped trainer's states and
+"""GPU check of the trainer offload (``train.offload``, a phased run): an SD3.5-M-shaped trainer's states and
 weights to pinned host memory and back; bytes, seconds, CUDA memory, an exact round-trip checksum and the loss
 after. Details: docs/design/testing.md.
 """

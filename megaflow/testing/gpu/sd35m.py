@@ -30,7 +30,7 @@ VAE = dict(in_channels=3, out_channels=3, latent_channels=16, down_block_types=(
 LOOP_SETTINGS = ["rollout.height=512", "rollout.width=512", f"rollout.num_steps={STEPS}", "rollout.precision=bf16",
                  "rollout.group_size=4", "rollout.prompts_per_iter=2", "rollout.max_batch_outputs=8",
                  "rollout.guidance_scale=1.0", "model.dtype=bfloat16", "train.micro_batch_size=4",
-                 "train.offload=optimizer", "train.iterations=3", "bridge.mode=colocated", "run.num_threads=8",
+                 "train.offload=optimizer", "train.iterations=3", "bridge.mode=shared_memory", "run.num_threads=8",
                  "parallel.tp=1", "rollout.attention_backend=torch_sdpa"]
 """``--set`` overrides of the loop checks on configs/cpu_demo.toml (its reward: color_target, cheap)."""
 ALGO_SETTINGS = {"nft": ["algo.name=nft", "rollout.sde_type=ode"], "flowgrpo": ["algo.name=flowgrpo"]}

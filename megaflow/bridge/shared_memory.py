@@ -1,4 +1,5 @@
-"""Colocated path: engines on this host; buckets go in through shared memory (CUDA IPC on GPU).
+"""The shared-memory path (``bridge.mode = "shared_memory"``): an engine host loads its own engines; each bucket goes
+in through shared memory (a CUDA IPC handle on GPU), never over the network.
 
 Design notes: docs/design/bridge.md.
 """
@@ -9,18 +10,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megaflow.bridge.base import SyncError, SyncReport, SyncStream
+from megaflow.bridge.base import SyncError, SyncReport, SyncStream, WeightTarget
 from megaflow.bridge.buckets import StagingSlots, iter_buckets
 from megaflow.checksum import DEFAULT
 
 
-class ColocatedBridge:
-    mode = "colocated"
+class SharedMemoryBridge:
+    mode = "shared_memory"
 
-    def __init__(self, engines: Sequence, *, bucket_bytes: int = 64 << 20, verify: bool = True,
+    def __init__(self, engines: Sequence[WeightTarget], *, bucket_bytes: int = 64 << 20, verify: bool = True,
                  checksum: str = DEFAULT):
         if not engines:
-            raise ValueError("ColocatedBridge needs at least one engine")
+            raise ValueError("SharedMemoryBridge needs at least one engine")
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
@@ -38,7 +39,7 @@ class ColocatedBridge:
         stream = SyncStream(named_tensors, digest=self.verify, checksum=self.checksum)
         num_buckets = 0
         loading: list[Future] = []
-        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="colocated-push") as pool:
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="shm-push") as pool:
             try:
                 for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging):  # packed while
                     digests = stream.record(bucket)  # the previous bucket loads; hashed with verify
