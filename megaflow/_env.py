@@ -48,15 +48,15 @@ def has_libcuda() -> bool:
 
 
 def memoize_package_index() -> None:
-    """Make ``importlib.metadata.packages_distributions`` compute its index once per process (each caller gets its
-    own copy of the mapping)."""
+    """Make ``importlib.metadata.packages_distributions`` compute its index once per ``sys.path`` (what it walks)
+    in this process; each caller gets its own copy of the mapping."""
     current = importlib.metadata.packages_distributions
     if getattr(current, "megaflow_memoized", False):
         return
-    index = functools.cache(current)
+    index = functools.lru_cache(maxsize=4)(lambda path: current())
 
     def packages_distributions() -> dict[str, list[str]]:
-        return {name: list(dists) for name, dists in index().items()}
+        return {name: list(dists) for name, dists in index(tuple(sys.path)).items()}
     packages_distributions.megaflow_memoized = True
     packages_distributions.__wrapped__ = current
     packages_distributions.__doc__ = current.__doc__

@@ -77,6 +77,9 @@ class _Trainer:
     def __init__(self):
         self.chunks = [torch.nn.Linear(3, 2)]
 
+    def schedule_lr(self, iteration: int) -> dict:
+        return {}  # no schedule: the optimizer keeps its lr (Trainer.schedule_lr's answer without one)
+
 
 @pytest.mark.parametrize("steps_per_iteration", [1, 6])
 def test_theta_old_decay_follows_the_optimizer_step_clock(monkeypatch, steps_per_iteration):
