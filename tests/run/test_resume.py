@@ -85,7 +85,7 @@ class Launch:
                 pass
             time.sleep(0.1)
 
-    def wait(self, timeout: float = 300) -> tuple[int, str, str]:
+    def wait(self, timeout: float = 600) -> tuple[int, str, str]:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -148,14 +148,16 @@ def _rewards(run_dir: Path) -> list[tuple[int, float | None]]:
 
 
 def _sigint_after_first_iteration(launch: Launch, run_dir: Path) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and launch.proc.poll() is None:
+    """SIGINT the launch once iteration 1's metrics row is written (however long a loaded machine takes to get
+    there: the suite's per-test timeout bounds it)."""
+    while launch.proc.poll() is None:
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file() and any(json.loads(x).get("iteration") == 1 for x in metrics.read_text().splitlines()
                                      if x.strip()):
             os.killpg(launch.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
             return
         time.sleep(0.05)
+    raise AssertionError(f"the run ended (exit {launch.proc.returncode}) before its SIGINT was sent")
 
 
 def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool, extra: tuple = (),
