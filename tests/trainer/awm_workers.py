@@ -91,7 +91,6 @@ def awm_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.algo.awm import AWMConfig
-    from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
@@ -103,7 +102,7 @@ def awm_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=case["lr"], weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    lora = LoRASettings(rank=4, alpha=8.0) if case.get("lora") else None
+    lora = N.lora_settings() if case.get("lora") else None
     assert lora is None or case.get("on_policy"), "a LoRA fast EMA starts at the adapters (B = 0): θ itself"
     eng = Trainer(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt,
                   lora=lora)

@@ -77,8 +77,11 @@ def _inputs(tr, k, e):
 
 def dgpo_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     """The same step through ``megaflow.trainer.dgpo.dgpo_update`` at TP=``tp`` (DP = world / tp): the fast EMA a
-    ShadowWeights holding the perturbed DiT, the KL reference a ReferenceModel. Returns the final full state
-    (diffusers names), the stats and the loss the trainer's microbatches summed to."""
+    ShadowWeights holding the perturbed DiT (``case["ema_state"]``: that diffusers state instead), the KL
+    reference a ReferenceModel. ``case["lora"]``: rank-4 adapters (B = 0) on the DiT as a frozen base, the fast
+    EMA the same adapters with B ~ N(0, 1) (TP=1 only). Returns the final full state (diffusers names; under
+    LoRA the adapters, PEFT names), the stats, the loss the trainer's microbatches summed to, without LoRA the
+    step's grads (diffusers names) and, under LoRA, the fast EMA merged into a diffusers state."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.models.sd3 import from_diffusers
@@ -92,12 +95,24 @@ def dgpo_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=case["lr"], weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    eng = Trainer(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt)
+    lora = N.lora_settings() if case.get("lora") else None
+    assert lora is None or tp == 1, "the fast EMA's B is drawn per local shard"
+    eng = Trainer(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt,
+                  lora=lora)
     ref = ReferenceModel(from_diffusers(N.dit_config(), tensor_model_parallel_size=tp), spec="local")
     ref.load_diffusers_state_dict(ref_dit.state_dict())
-    eng.load_diffusers_state_dict(ema_dit.state_dict())
-    ema_ref = ShadowWeights.of(eng.chunks)
-    eng.load_diffusers_state_dict(dit.state_dict())
+    ema_merged = None
+    if lora is None:
+        eng.load_diffusers_state_dict(case.get("ema_state") or ema_dit.state_dict())
+        ema_ref = ShadowWeights.of(eng.chunks)
+        eng.load_diffusers_state_dict(dit.state_dict())
+    else:
+        eng.load_diffusers_state_dict(dit.state_dict())
+        ema_ref = ShadowWeights.of(eng.chunks)
+        N.perturb_lora_b(ema_ref, SEED)
+        with ema_ref.applied():
+            adapters = {k: v.clone() for k, v in eng.iter_full_adapters()}
+        ema_merged = N.merged_lora_state(dit.state_dict(), adapters, lora.scale)
     losses = []
     loss_fn = trainer_dgpo.dgpo_microbatch_loss
 
@@ -119,6 +134,13 @@ def dgpo_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     if torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(total)
         total /= tp  # every TP rank of a DP rank computes the same loss
-    state = eng.family.weight_map.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+    wm, grads = eng.family.weight_map, {}
+    if lora is not None:
+        state = {k: v.clone() for k, v in eng.iter_full_adapters()}
+    else:
+        state = wm.to_diffusers({k: v.clone() for k, v in eng.iter_full_params()}, eng.config)
+        for name, grad in eng.iter_full_grads():  # the step's grads (diffusers names), kept after the step
+            grads.update(wm.megatron_to_diffusers(name, grad.clone(), eng.config))
     destroy_distributed()
-    return {"state": state, "stats": stats, "loss": float(total)}
+    return {"state": state, "stats": stats, "loss": float(total), "ema_merged": ema_merged, "grads": grads,
+            "shadow_names": sorted(ema_ref.tensors)}

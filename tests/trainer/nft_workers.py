@@ -66,6 +66,33 @@ def _perturbed(state: dict, seed: int) -> dict:
             for k, v in state.items()}
 
 
+def lora_settings():
+    """The adapters of the LoRA-equals-full tests (NFT, AWM, DGPO): rank 4, alpha 8 (scale 2)."""
+    from megaflow.models.common.lora import LoRASettings
+    return LoRASettings(rank=4, alpha=8.0)
+
+
+def perturb_lora_b(shadow, seed: int, std: float = 1.0) -> None:
+    """Set every B (``...lora.b``) a ShadowWeights holds to N(0, std²), from a generator seeded by ``seed``:
+    a fast EMA that differs from θ (whose B is 0) in every adapted linear."""
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(n for n in shadow.tensors if n.endswith("lora.b")):
+        t = shadow.tensors[name]
+        t.copy_(std * torch.randn(t.shape, generator=g))
+
+
+def merged_lora_state(base: dict, adapters: dict, scale: float) -> dict:
+    """A diffusers state: ``base`` with W + scale·B@A for every PEFT adapter pair in ``adapters``
+    (``<module>.lora_A.weight`` / ``.lora_B.weight``), as the engine merges them."""
+    out = {k: v.clone() for k, v in base.items()}
+    for name, a in adapters.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight")
+            b = adapters[f"{module}.lora_B.weight"]
+            out[f"{module}.weight"] = base[f"{module}.weight"] + scale * (b.double() @ a.double()).float()
+    return out
+
+
 def plan_and_noise(trajs, *, num_timesteps: int, num_minibatches: int):
     """The trainer's item plan and noise for SEED (the data both sides train on)."""
     from megaflow.algo.nft import NFTConfig
@@ -128,7 +155,6 @@ def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megaflow.algo.nft import NFTConfig
-    from megaflow.models.common.lora import LoRASettings
     from megaflow.models.sd3 import from_diffusers
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
@@ -141,7 +167,7 @@ def nft_rank(tp: int, micro_batch_size: int, case: dict) -> dict:
     init_distributed(ParallelDims(tp=tp), seed=0)
     opt = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
                           use_distributed_optimizer=False)
-    lora = LoRASettings(rank=4, alpha=8.0) if case.get("lora") else None
+    lora = lora_settings() if case.get("lora") else None
     eng = Trainer(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local", optimizer_config=opt,
                   lora=lora)
     ref = ReferenceModel(from_diffusers(dit_config(), tensor_model_parallel_size=tp), spec="local")

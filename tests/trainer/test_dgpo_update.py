@@ -10,6 +10,11 @@ groups, microbatches of 5 so groups span microbatches), β = 50, a perturbed fas
 Tolerances: the weight change, relative L2, TP=1 vs the reference <= 2e-5 (megatron vs diffusers forward
 rounding); TP=2 and DP=2 vs TP=1 <= 1e-5; the loss summed over the microbatches vs the transcription's <= 1e-5
 relative; the clipped fraction exactly.
+
+LoRA equals full: rank-4 adapters (B = 0) compute the base model, and the fast EMA is the same adapters with a
+random B; the full-parameter run gets that EMA merged (W + scale·B@A). Before the step every loss term equals the
+full run's (rel 1e-6); after one SGD step every B equals −lr·scale·G·Aᵀ with G the full run's grad of W (the
+chain rule of W + scale·B@A at B = 0), to 1e-5 relative L2 over all adapters (fp32 backward rounding).
 """
 from __future__ import annotations
 
@@ -75,3 +80,38 @@ def test_dgpo_step_is_layout_independent(tp, tp1):
     for out in outs:
         assert _rel_change(out["state"], tp1["state"], before) <= 1e-5
         assert out["loss"] == pytest.approx(tp1["loss"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lora_and_full():
+    (lora,) = run_multiprocess(W.dgpo_rank, 1, 1, 5, {**CASE, "lora": True}, timeout_s=600)
+    (full,) = run_multiprocess(W.dgpo_rank, 1, 1, 5, {**CASE, "ema_state": lora["ema_merged"]}, timeout_s=600)
+    return lora, full
+
+
+def test_lora_dgpo_equals_full_before_the_update(lora_and_full):
+    """LoRA (B = 0 at start) computes the full model's velocities, and its fast EMA (adapters only) the merged
+    EMA's, so the step's loss and every loss term equal the full-parameter run's (1e-6)."""
+    lora, full = lora_and_full
+    assert lora["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    for key in ("policy_loss", "kl", "matching_loss", "ref_deviation", "group_weight", "clip_frac", "num_items"):
+        assert lora["stats"][key] == pytest.approx(full["stats"][key], rel=1e-6, abs=1e-12), key
+    s = full["stats"]  # the compared terms are not trivial: the EMA differs from θ, some items are clipped
+    assert s["kl"] > 0 and s["ref_deviation"] != 0 and s["group_weight"] != 0.5 and 0 < s["clip_frac"] < 1
+    assert lora["shadow_names"] and all(".lora." in n for n in lora["shadow_names"])
+    assert len(lora["shadow_names"]) < len(full["shadow_names"])
+
+
+def test_lora_dgpo_step_is_the_full_step_through_a(lora_and_full):
+    """One SGD step from B = 0 moves B by −lr·scale·G·Aᵀ (G: the full run's grad of W; A's own grad is 0)."""
+    lora, full = lora_and_full
+    scale, num, den, count = N.lora_settings().scale, 0.0, 0.0, 0
+    for name, b in lora["state"].items():
+        if name.endswith(".lora_B.weight"):
+            module = name.removesuffix(".lora_B.weight")
+            a = lora["state"][f"{module}.lora_A.weight"].double()
+            expected = -CASE["lr"] * scale * full["grads"][f"{module}.weight"].double() @ a.T
+            num += float((b.double() - expected).pow(2).sum())
+            den += float(expected.pow(2).sum())
+            count += 1
+    assert count >= 8 and den > 0 and (num / den) ** 0.5 <= 1e-5
