@@ -58,7 +58,7 @@ def entry(cfg: MegaflowConfig, side: dict) -> dict:
     r = cfg.rollout
     return {"held_out": {"before": b["accuracy"], "after": a["accuracy"], "before_ci95": b["ci95"],
                          "after_ci95": a["ci95"], "gain": a["accuracy"] - b["accuracy"]},
-            "train_prompts": {"before": b["seen_accuracy"], "after": a["seen_accuracy"]},
+            "seen_prompts": {"before": b["seen_accuracy"], "after": a["seen_accuracy"]},
             "per_category_after": a["per_category"],
             "time_to_gain_s": {f"+{g:g}": time_to_gain(side["curve"], g) if side["curve"] else None for g in GAINS},
             "images_sampled": cfg.train.iterations * r.prompts_per_iter * r.group_size,
@@ -77,11 +77,11 @@ def table(rows: dict[str, dict]) -> str:
     def minutes(s):
         return "-" if s is None else f"{s / 60:.1f}"
 
-    head = ("| algorithm | held-out before -> after (95% CI after) | gain | train prompts before -> after | "
+    head = ("| algorithm | held-out before -> after (95% CI after) | gain | seen-category prompts before -> after | "
             + " | ".join(f"min to +{g:g}" for g in GAINS) + " | RL min | images | peak RSS MiB |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for algo, e in sorted(rows.items(), key=lambda kv: -kv[1]["held_out"]["after"]):
-        h, t, rss = e["held_out"], e["train_prompts"], e["peak_rss_mib"] or {}
+        h, t, rss = e["held_out"], e["seen_prompts"], e["peak_rss_mib"] or {}
         lines.append(f"| {algo} | {h['before']:.2f} -> {h['after']:.2f} {ci(h['after_ci95'])} | {h['gain']:+.2f} | "
                      f"{pct(t['before'])} -> {pct(t['after'])} | "
                      + " | ".join(minutes(e["time_to_gain_s"][f"+{g:g}"]) for g in GAINS)
