@@ -19,7 +19,7 @@ import torch
 
 from megaflow.rundir.checkpoints import list_checkpoints
 
-from test_resume import Launch
+from resume_harness import Launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.dist]
 REPO = Path(__file__).resolve().parents[2]

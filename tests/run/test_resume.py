@@ -1,220 +1,28 @@
-"""Exact resume after kill -9: a run SIGKILLed at chosen points (during rollout, right after the optimizer
-step, midway through the weight sync, inside a checkpoint write) and stopped by SIGINT, then resumed with
-``--resume`` each time, ends with the uninterrupted run's trainer weights bit for bit (fp32, CPU), at TP=1
-and TP=2, with a disaggregated placement (an engine rank), and for DiffusionNFT in the asynchronous loop (its
-sampling policy, the EMA and the batch collected ahead included; that run beside a process keeping a core busy,
-and every non-timing value of its metrics rows equal to the quiet reference's). Also: metrics.jsonl holds every
-iteration once with the same rewards, a kill during a checkpoint write leaves the previous checkpoint usable, and
-no engine worker outlives a killed driver.
+"""Exact resume after kill -9 (1): a FlowGRPO run SIGKILLed at chosen points (during rollout, right after the
+optimizer step, midway through the weight sync) and stopped by SIGINT, then resumed with ``--resume`` each time,
+ends with the uninterrupted single-process run's trainer weights bit for bit (fp32, CPU), at TP=1 and with a
+disaggregated placement (an engine rank); both compare with one shared reference run. Also: metrics.jsonl holds every
+iteration once with the same rewards, and no engine worker outlives a killed driver; a run dir is owned.
+test_resume_async.py holds TP=2 (a kill inside a checkpoint write) and DiffusionNFT's asynchronous loop.
 
 Reference: the same config run once without interruption. Tolerance: none (torch.equal).
-Needs: CPU, real SGLang engines, 1-2 processes (torchrun for TP=2); ~4 min in all (slow)."""
+Needs: CPU, real SGLang engines, 1-2 processes; ~5 min (slow)."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
 
-from megaflow.rundir.checkpoints import list_checkpoints
+from resume_harness import assert_same_run, crash_and_resume, reference_run, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = """
-[run]
-name = "{name}"
-output_dir = "{out}"
-num_threads = 1
-[model]
-family = "sd3"
-[rollout]
-group_size = 2
-prompts_per_iter = 2
-num_steps = 3
-height = 32
-width = 32
-[reward]
-weights = {{ color_target = 1.0 }}
-kwargs = {{ color_target = {{ target = "red" }} }}
-[algo]
-clip_range = 1e-4
-kl_beta = 0.0
-[train]
-iterations = 5
-lr = 3e-3
-micro_batch_size = 2
-save_every = 2
-keep_checkpoints = 2
-"""
-
-
-class Launch:
-    """``megaflow train`` in a subprocess (torchrun with ``nproc`` > 1) that records every descendant pid."""
-
-    def __init__(self, config: Path, *, nproc: int, resume: bool, fault: str = "", extra: tuple = ()):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        env.pop("MEGAFLOW_FAULT", None)
-        if fault:
-            env["MEGAFLOW_FAULT"] = fault
-        args = ["-m", "megaflow.cli", "train", "-c", str(config), *(["--resume"] if resume else []), *extra]
-        if nproc > 1:
-            # torchrun SIGKILLs its ranks 30 s after a signal by default: give a loaded machine time to checkpoint
-            args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                    str(_free_port()), "--shutdown-timeout", "240", *args]
-        self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.descendants: set[int] = set()
-        self._watch = threading.Thread(target=self._record, daemon=True)
-        self._watch.start()
-
-    def _record(self) -> None:
-        root = psutil.Process(self.proc.pid)
-        while self.proc.poll() is None:
-            try:
-                self.descendants.update(c.pid for c in root.children(recursive=True))
-            except psutil.Error:
-                pass
-            time.sleep(0.1)
-
-    def wait(self, timeout: float = 600) -> tuple[int, str, str]:
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        self._watch.join()
-        return self.proc.returncode, out, err
-
-    def assert_no_orphans(self, within_s: float = 30.0) -> None:
-        deadline = time.monotonic() + within_s
-        while True:
-            alive = [p for p in self.descendants if _alive(p)]
-            if not alive or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        for p in alive:  # clean up before failing
-            os.kill(p, signal.SIGKILL)
-        assert not alive, f"processes outlived their run: {alive}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _write_config(tmp: Path, name: str, tp: int) -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(CONFIG.format(name=name, out=tmp / "runs") + f"[parallel]\ntp = {tp}\n")
-    return path
-
-
-def _final_weights(run_dir: Path, shadow: str | None = None) -> dict[str, object]:
-    """The last checkpoint's model entries (``shadow``: with that shadow's tensors in place of the trained ones),
-    flattened to dotted names (tensors and extra states)."""
-    from megaflow.trainer.checkpoint import load_full_state_dict
-    it, ckpt = list_checkpoints(run_dir)[-1]
-    assert it == 5
-
-    def flat(x, prefix=""):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                yield from flat(v, f"{prefix}.{k}" if prefix else str(k))
-        else:
-            yield prefix, x
-    return dict(flat(load_full_state_dict(ckpt / "model", shadow=shadow)[1]))
-
-
-def _rewards(run_dir: Path) -> list[tuple[int, float | None]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["iteration"], r.get("reward/total")) for r in rows]
-
-
-def _sigint_after_first_iteration(launch: Launch, run_dir: Path) -> None:
-    """SIGINT the launch once iteration 1's metrics row is written (however long a loaded machine takes to get
-    there: the suite's per-test timeout bounds it)."""
-    while launch.proc.poll() is None:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.is_file() and any(json.loads(x).get("iteration") == 1 for x in metrics.read_text().splitlines()
-                                     if x.strip()):
-            os.killpg(launch.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run ended (exit {launch.proc.returncode}) before its SIGINT was sent")
-
-
-def _crash_and_resume(tmp: Path, tp: int, faults: list[str], sigint_first: bool, extra: tuple = (),
-                      nproc: int = 0) -> Path:
-    config = _write_config(tmp, "crashed", tp)
-    run_dir = tmp / "runs" / "crashed"
-    resume, nproc = False, nproc or tp
-    if sigint_first:
-        launch = Launch(config, nproc=nproc, resume=False, extra=extra)
-        _sigint_after_first_iteration(launch, run_dir)
-        rc, _, err = launch.wait()
-        lines = [x for x in err.splitlines() if x.startswith("megaflow:")]
-        # every rank stops with a checkpoint (torchrun then exits 1, having been signalled itself)
-        assert rc == (130 if nproc == 1 else 1), (rc, err[-2000:])
-        assert [x for x in lines if "stopped by SIGINT" in x] == lines and len(lines) == nproc, err[-2000:]
-        launch.assert_no_orphans()
-        resume = True
-    for fault in faults:
-        launch = Launch(config, nproc=nproc, resume=resume, fault=fault, extra=extra)
-        rc, _, err = launch.wait()
-        assert rc != 0, f"fault {fault} did not stop the run:\n{err[-2000:]}"
-        launch.assert_no_orphans()
-        assert list_checkpoints(run_dir), f"no usable checkpoint after fault {fault}"
-        resume = True
-    launch = Launch(config, nproc=nproc, resume=True, extra=extra)
-    rc, out, err = launch.wait()
-    assert rc == 0, err[-3000:]
-    return run_dir
-
-
-def _reference(tmp: Path, tp: int, extra: tuple = ()) -> Path:
-    launch = Launch(_write_config(tmp, "reference", tp), nproc=tp, resume=False, extra=extra)
-    rc, _, err = launch.wait()
-    assert rc == 0, err[-3000:]
-    return tmp / "runs" / "reference"
-
-
-def _assert_same_run(reference: Path, crashed: Path, shadows: tuple = ()) -> None:
-    for shadow in shadows:
-        ref_s, got_s = _final_weights(reference, shadow), _final_weights(crashed, shadow)
-        assert all(torch.equal(ref_s[k], got_s[k]) for k in ref_s if isinstance(ref_s[k], torch.Tensor)), shadow
-    ref_w, got_w = _final_weights(reference), _final_weights(crashed)
-    assert ref_w.keys() == got_w.keys()
-    assert sum(isinstance(v, torch.Tensor) for v in ref_w.values()) > 50
-    differ = [k for k in ref_w if not (torch.equal(ref_w[k], got_w[k]) if isinstance(ref_w[k], torch.Tensor)
-                                       else ref_w[k] == got_w[k])]
-    assert not differ, f"{len(differ)} tensors differ after resume, e.g. {differ[:3]}"
-    ref_r, got_r = _rewards(reference), _rewards(crashed)
-    assert [i for i, _ in got_r] == list(range(6)), f"metrics.jsonl iterations: {[i for i, _ in got_r]}"
-    assert got_r == ref_r
 
 
 @pytest.fixture(scope="module")
 def reference_tp1(tmp_path_factory) -> Path:
     """The uninterrupted single-process FlowGRPO run both the TP=1 and the disaggregated tests compare with (made
     once: a run's output depends on its config only, not on where it is written)."""
-    return _reference(tmp_path_factory.mktemp("reference_tp1"), tp=1)
+    return reference_run(tmp_path_factory.mktemp("reference_tp1"), tp=1)
 
 
 def test_kill9_resume_is_exact_tp1(tmp_path, reference_tp1):
@@ -222,56 +30,9 @@ def test_kill9_resume_is_exact_tp1(tmp_path, reference_tp1):
     # SIGINT after iteration 1 (stops after iteration 1 or 2, with a checkpoint), then killed: in iteration 3's
     # rollout; after iteration 5's optimizer step (a kill mid-sync: the NFT and disaggregated tests; inside a
     # checkpoint write: the TP=2 test)
-    crashed = _crash_and_resume(tmp_path, 1, ["rollout@3", "train@5"], sigint_first=True)
-    _assert_same_run(reference, crashed)
+    crashed = crash_and_resume(tmp_path, 1, ["rollout@3", "train@5"], sigint_first=True)
+    assert_same_run(reference, crashed)
 
-
-NFT = ("--set", "algo.name=nft", "--set", "rollout.sde_type=ode", "--set", "algo.nft_num_timesteps=2",
-       "--set", "algo.old_decay_rate=0.2", "--set", "train.ema_decay=0.9", "--set", "train.warmup_iterations=2",
-       "--set", "train.lr_schedule=cosine")
-
-
-def _measured(key: str) -> bool:
-    """A time or memory measurement (the only metrics that may depend on the machine's load)."""
-    leaf = key.rsplit("/", 1)[-1]
-    return key.startswith(("time/", "mem/")) or leaf == "seconds" or leaf.endswith(("_s", "_seconds"))
-
-
-def test_kill9_resume_is_exact_nft_async_beside_a_busy_process(tmp_path):
-    # DiffusionNFT with a lagging sampling policy, an EMA and a warmed-up cosine lr, in the asynchronous loop
-    # (train.max_staleness = 1: the engines sample iteration k + 1 while the trainer trains k, so every checkpoint
-    # holds the batch collected ahead): killed midway through iteration 3's sync (the engines hold theta_old) and
-    # after iteration 4's update (theta_old blended, the batch of 5 in flight, nothing checkpointed), all beside a
-    # process that keeps a core busy; the model, theta_old and the EMA equal the quiet uninterrupted run's, which
-    # trained on batches one version old, and so does every value of every metrics row but times and memory
-    # (the engine batches by the request stream, never by the clock)
-    extra = (*NFT, "--set", "train.max_staleness=1")
-    reference = _reference(tmp_path, tp=1, extra=extra)
-    staleness = [json.loads(x).get("rollout/staleness")
-                 for x in (reference / "metrics.jsonl").read_text().splitlines()]
-    assert staleness == [None, 0.0, 1.0, 1.0, 1.0, 1.0], staleness
-    assert (list_checkpoints(reference)[0][1] / "next_batch.safetensors").is_file()
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        crashed = _crash_and_resume(tmp_path, 1, ["sync@3", "train@4"], sigint_first=False, extra=extra)
-    finally:
-        busy.kill()
-        busy.wait()
-    _assert_same_run(reference, crashed, shadows=("ema", "nft_old"))
-    ref_rows, rows = ([{k: v for k, v in json.loads(x).items() if not _measured(k)}
-                       for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (reference, crashed))
-    assert rows == ref_rows and len(rows[-1]) > 25
-    ema, trained = _final_weights(reference, "ema"), _final_weights(reference)
-    assert any(not torch.equal(ema[k], trained[k]) for k in trained if isinstance(trained[k], torch.Tensor))
-
-
-@pytest.mark.dist
-def test_kill9_resume_is_exact_tp2(tmp_path):
-    reference = _reference(tmp_path, tp=2)
-    # rank 1 killed after iteration 3's optimizer step; rank 0 killed inside iteration 4's checkpoint write
-    crashed = _crash_and_resume(tmp_path, 2, ["train@3:1", "checkpoint@4:0"], sigint_first=False)
-    _assert_same_run(reference, crashed)
-    assert not list((crashed / "checkpoints").glob(".staging-*")), "a killed writer's staging dir was left"
 
 
 @pytest.mark.dist
@@ -282,8 +43,9 @@ def test_disaggregated_sigint_kill9_resume_equals_single_process(tmp_path, refer
     reference = reference_tp1
     extra = ("--set", "rollout.placement=disaggregated", "--set", "rollout.engine_ranks=1",
              "--set", "bridge.mode=distributed")
-    crashed = _crash_and_resume(tmp_path, 1, ["sync@3:0"], sigint_first=True, extra=extra, nproc=2)
-    _assert_same_run(reference, crashed)
+    crashed = crash_and_resume(tmp_path, 1, ["sync@3:0"], sigint_first=True, extra=extra, nproc=2)
+    assert_same_run(reference, crashed)
+
 
 
 def test_run_dir_is_owned(tmp_path):
@@ -291,7 +53,7 @@ def test_run_dir_is_owned(tmp_path):
     concurrent run with the same name refuses; all within the CLI's first second, writing nothing."""
     from megaflow.config import load_config
     from megaflow.rundir.claim import RunDir, check_run_dir
-    config = _write_config(tmp_path, "owned", 1)
+    config = write_config(tmp_path, "owned", 1)
     cfg = load_config(config, ["train.iterations=1"])
     held = RunDir(cfg, resume=False)  # as a live run holds it
     try:
