@@ -43,31 +43,30 @@ def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every
     roles = start_roles(cfg)
     stop = StopRequests()  # on an engine rank a signal waits for the driver's stop
     claim = claim_run_dir(cfg, roles, resume=resume)
-    done, warm = False, {}
+    done, warm, metrics, the_run = False, {}, {}, None
     try:
         warm = start_engine_workers(cfg, roles.placement, verbose=verbose)  # they import SGLang meanwhile
         pipeline_dir = share_pipeline(cfg, run_dir, roles)
         cfg = with_pipeline_defaults(cfg, pipeline_dir)
-        if not roles.placement.is_trainer:  # rollout.placement = disaggregated: this rank only samples
+        if roles.placement.is_trainer:
+            the_run, state = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir,
+                                       start=claim.start, resume_from=claim.resume_from, verbose=verbose,
+                                       trust_checkpoint=trust_checkpoint, warm=warm)
+            metrics = loop(the_run, state, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
+        else:  # rollout.placement = disaggregated: this rank only samples
             from megaflow.run.engine_service import serve_engine_rank
             serve_engine_rank(cfg, roles, pipeline_dir, stop=stop, verbose=verbose, warm=warm)
-            done = True
-            return {}
-        the_run, state = build_run(cfg, roles.placement, roles.groups, pipeline_dir=pipeline_dir, start=claim.start,
-                                   resume_from=claim.resume_from, verbose=verbose, trust_checkpoint=trust_checkpoint,
-                                   warm=warm)
-        try:
-            metrics = loop(the_run, state, stop=stop, evaluate=evaluate, evaluate_every=evaluate_every, claim=claim)
-        finally:
-            stop.restore()  # a signal while the engines shut down abandons at once
-            the_run.close()
         done = True
     finally:
-        stop.restore()
-        for worker in warm.values():  # started for an engine that never started (a failure before)
-            worker.discard()
-        if claim.owned is not None:
-            claim.owned.release(failed=not done)
+        stop.restore()  # first: a signal while the engines shut down abandons at once
+        try:
+            if the_run is not None:
+                the_run.close()
+        finally:
+            for worker in warm.values():  # started for an engine that never started (a failure before)
+                worker.discard()
+            if claim.owned is not None:
+                claim.owned.release(failed=not done)
     return metrics
 
 
