@@ -11,7 +11,7 @@ unimportable too: the engine never uses it, but SGLang's debug dumper imports it
 engine start).
 
 ``importlib.metadata.packages_distributions()`` walks every installed distribution's file list (~0.8 s here);
-diffusers and transformers each call it at import. It is memoized once per process (installed packages do not
+diffusers and transformers each call it at import. It is memoized per sys.path (installed packages do not
 change under a running process), which halves that cost in every trainer, engine and test process.
 """
 from __future__ import annotations
