@@ -49,4 +49,10 @@ class WandbBackend:
         self.run.log({tag: [wb.Image(img, caption=c) for img, c in zip(images, captions)]}, step=step)
 
     def close(self) -> None:
+        """Finish the run, then wait for wandb's service process to write and close the run's files
+        (``run.finish`` only informs it; the atexit teardown that would wait is unreliable beside spawned
+        workers, and a run dir was seen missing a session's history)."""
+        import wandb as wb
+
         self.run.finish()
+        wb.teardown()

@@ -53,7 +53,7 @@ def test_explicit_values_win_and_flowgrpo_keeps_its_own():
     assert (cfg.algo.kl_beta, cfg.algo.nft_num_timesteps) == (0.04, 4)
     assert load_config(None, ["lora.rank=8"]).algo.kl_beta == 0.04  # flowgrpo
     demo = load_config("configs/shapes_demo.toml").algo
-    assert (demo.kl_beta, demo.nft_num_timesteps, demo.old_decay_max) == (0.0, 4, 0.7)
+    assert (demo.kl_beta, demo.nft_num_timesteps, demo.old_decay_max) == (0.0, 6, 0.7)
 
 
 def test_ema_warm_up_counts_this_update():

@@ -78,7 +78,7 @@ def test_eval_shapes_pipeline_cli(pretrained, tmp_path):
 
 
 @pytest.mark.parametrize("config, algo_sets", [
-    ("shapes_demo.toml", []),
+    ("shapes_demo.toml", ["algo.nft_num_timesteps=3"]),
     ("shapes_demo_flowgrpo.toml", ["rollout.sde_window_size=2", "rollout.sde_window_range=[0,3]"])])
 def test_demo_end_to_end_on_the_tiny_pretrained_pipeline(pretrained, tmp_path, config, algo_sets):
     """``megaflow demo`` (DiffusionNFT, and the FlowGRPO config): before/after evaluation on the same prompts and
