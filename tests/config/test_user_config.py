@@ -131,7 +131,8 @@ def test_shipped_variants_build_on_their_base():
     """The shipped variants differ from their base in what their own file sets and nothing else."""
     for variant, base, own in (("shapes_demo_lora", "shapes_demo_flowgrpo", {"run.name", "lora.rank", "lora.alpha",
                                                                             "train.lr", "train.iterations",
-                                                                            "train.max_staleness", "algo.clip_range"}),
+                                                                            "train.max_staleness", "train.ema_decay",
+                                                                            "algo.clip_range"}),
                                ("cpu_demo_flux", "cpu_demo", {"run.name", "model.family", "rollout.guidance_scale",
                                                               "rollout.max_sequence_length"})):
         a, b = (load_config(REPO / "configs" / f"{n}.toml") for n in (variant, base))
