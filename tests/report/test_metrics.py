@@ -30,7 +30,8 @@ class UsageError(Exception):
 
 @pytest.fixture
 def fake_wandb(monkeypatch):
-    """A stand-in ``wandb`` module: ``calls`` records init kwargs, logs and finish; init hands out run ids."""
+    """A stand-in ``wandb`` module: ``calls`` records init kwargs, logs, finish and teardown; init hands out run
+    ids."""
     calls: list = []
 
     class Run:
@@ -53,12 +54,20 @@ def fake_wandb(monkeypatch):
             raise UsageError("No API key configured. Use `wandb login` to log in.")
         return Run(kw.get("id", f"run{len(calls)}"))
 
+    def teardown():
+        calls.append(("teardown",))
+
     fake = types.ModuleType("wandb")
-    fake.init, fake.Image, fake.fail = init, Image, False
+    fake.init, fake.Image, fake.fail, fake.teardown = init, Image, False, teardown
     fake.errors = types.SimpleNamespace(UsageError=UsageError)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     fake.calls = calls
     return fake
+
+
+def inits_of(fake) -> list[dict]:
+    """The keyword arguments of every ``wandb.init`` call so far."""
+    return [c[1] for c in fake.calls if c[0] == "init"]
 
 
 def _cfg(*overrides: str):
@@ -78,7 +87,7 @@ def test_init_kwargs_from_config_and_no_forced_mode(tmp_path, fake_wandb):
     assert kw["project"] == "flowrl" and kw["entity"] == "my-team" and kw["tags"] == ["sd3", "nft"]
     assert kw["name"] == "run-a" and kw["dir"] == str(tmp_path / "run-a") and kw["config"]["logging"]["tags"]
     assert "mode" not in kw and "id" not in kw and "resume" not in kw
-    assert rest == [("log", 1, {"reward/total": 0.5}), ("finish",)]
+    assert rest == [("log", 1, {"reward/total": 0.5}), ("finish",), ("teardown",)]  # close waits for wandb's files
     assert (tmp_path / "run-a" / WANDB_ID_FILE).read_text().strip() == "run1"
     assert json.loads((tmp_path / "run-a" / "metrics.jsonl").read_text()) == {"iteration": 1, "note": "x",
                                                                               "reward/total": 0.5}
@@ -95,12 +104,12 @@ def test_resume_continues_the_stored_run(tmp_path, fake_wandb):
     _log(run_dir, _cfg()).close()
     first_id = (run_dir / WANDB_ID_FILE).read_text().strip()
     _log(run_dir, _cfg(), start=1).close()
-    inits = [c[1] for c in fake_wandb.calls if c[0] == "init"]
+    inits = inits_of(fake_wandb)
     assert inits[1]["id"] == first_id and inits[1]["resume"] == "allow"
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == first_id
     # a run resumed without a stored id (it ran without wandb before) starts a W&B run and keeps its id
     _log(tmp_path / "other", _cfg(), start=1).close()
-    assert "id" not in fake_wandb.calls[-2][1] and (tmp_path / "other" / WANDB_ID_FILE).is_file()
+    assert "id" not in inits_of(fake_wandb)[-1] and (tmp_path / "other" / WANDB_ID_FILE).is_file()
 
 
 def test_missing_credentials_are_one_line(tmp_path, fake_wandb):
