@@ -84,15 +84,29 @@ class Launch:
         return self.proc.returncode, out, err
 
     def assert_no_orphans(self, within_s: float = 30.0) -> None:
-        deadline = time.monotonic() + within_s
-        while True:
-            alive = [p for p in self.descendants if _alive(p)]
-            if not alive or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        alive = outliving(self.descendants, within_s)
         for p in alive:  # clean up before failing
             os.kill(p, signal.SIGKILL)
         assert not alive, f"processes outlived their run: {alive}"
+
+
+def outliving(pids, within_s: float) -> dict[int, str]:
+    """Those of ``pids`` still alive ``within_s`` after the run exited, with their command lines. The grace is for
+    the multiprocessing resource tracker a run spares: it ends by itself once it sees the driver gone (after
+    unlinking what it tracks), on a loaded machine a moment later; a worker left behind never ends."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return {p: _cmdline(p) for p in alive}
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    except psutil.Error:
+        return "?"
 
 
 def _alive(pid: int) -> bool:
