@@ -1,6 +1,6 @@
 """The kill -9 resume tests' harness: ``megaflow train`` launches that record their processes, the tiny run's
 config, the crash-and-resume sequence and the bit-for-bit comparison of two runs (torch.equal, fp32, CPU).
-Shared by test_resume.py, test_resume_async.py and test_clean_algorithms.py."""
+Shared by test_resume.py, test_resume_async.py and test_clean_algorithms.py; its process watch by test_abort.py."""
 from __future__ import annotations
 
 import json
@@ -62,17 +62,8 @@ class Launch:
         self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.descendants: set[int] = set()
-        self._watch = threading.Thread(target=self._record, daemon=True)
+        self._watch = threading.Thread(target=record_descendants, args=(self.proc, self.descendants), daemon=True)
         self._watch.start()
-
-    def _record(self) -> None:
-        root = psutil.Process(self.proc.pid)
-        while self.proc.poll() is None:
-            try:
-                self.descendants.update(c.pid for c in root.children(recursive=True))
-            except psutil.Error:
-                pass
-            time.sleep(0.1)
 
     def wait(self, timeout: float = 600) -> tuple[int, str, str]:
         try:
@@ -84,22 +75,34 @@ class Launch:
         return self.proc.returncode, out, err
 
     def assert_no_orphans(self, within_s: float = 30.0) -> None:
-        alive = outliving(self.descendants, within_s)
-        for p in alive:  # clean up before failing
-            os.kill(p, signal.SIGKILL)
-        assert not alive, f"processes outlived their run: {alive}"
+        assert_none_outlive(self.descendants, within_s)
 
 
-def outliving(pids, within_s: float) -> dict[int, str]:
-    """Those of ``pids`` still alive ``within_s`` after the run exited, with their command lines. The grace is for
-    the multiprocessing resource tracker a run spares: it ends by itself once it sees the driver gone (after
-    unlinking what it tracks), on a loaded machine a moment later; a worker left behind never ends."""
+def record_descendants(proc: subprocess.Popen, seen: set[int]) -> None:
+    """Add the pid of every descendant of ``proc`` to ``seen`` until it exits (a watcher thread's body)."""
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            seen.update(c.pid for c in root.children(recursive=True))
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+
+
+def assert_none_outlive(pids, within_s: float, detail: str = "") -> None:
+    """Fail, naming their command lines (after killing them), if any of ``pids`` is still alive ``within_s`` after
+    the run exited. The grace is for the multiprocessing resource tracker a run spares: it ends by itself once it
+    sees the driver gone (after unlinking what it tracks), on a loaded machine a moment later; a worker left behind
+    never ends."""
     deadline = time.monotonic() + within_s
     while True:
-        alive = [p for p in pids if _alive(p)]
+        alive = {p: _cmdline(p) for p in pids if _alive(p)}
         if not alive or time.monotonic() > deadline:
-            return {p: _cmdline(p) for p in alive}
+            break
         time.sleep(0.2)
+    for p in alive:  # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"processes outlived their run: {alive}{detail}"
 
 
 def _cmdline(pid: int) -> str:

@@ -14,9 +14,8 @@ import subprocess
 import threading
 import time
 
-import psutil
 import pytest
-from resume_harness import outliving
+from resume_harness import assert_none_outlive, record_descendants
 from reward_runs import train_with_reward
 
 from megaflow.testing import sockets
@@ -34,16 +33,6 @@ def score(images, prompts, metadata):
 """
 
 
-def _record_descendants(proc: subprocess.Popen, seen: set[int]) -> None:
-    root = psutil.Process(proc.pid)
-    while proc.poll() is None:
-        try:
-            seen.update(c.pid for c in root.children(recursive=True))
-        except psutil.Error:
-            pass
-        time.sleep(0.1)
-
-
 def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tmp_path):
     (tmp_path / "stuckreward.py").write_text(STUCK)
     called = tmp_path / "stuckreward.called"
@@ -51,7 +40,7 @@ def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tm
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     seen: set[int] = set()
-    watch = threading.Thread(target=_record_descendants, args=(proc, seen), daemon=True)
+    watch = threading.Thread(target=record_descendants, args=(proc, seen), daemon=True)
     watch.start()
     try:
         deadline = time.monotonic() + 400
@@ -76,8 +65,5 @@ def test_second_sigterm_aborts_a_run_stuck_in_a_reward_and_leaves_no_children(tm
     watch.join(timeout=5)
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-3000:])
     assert took < 20, took
-    alive = outliving(seen, within_s=10.0)
-    for p in alive:  # clean up before failing
-        os.kill(p, signal.SIGKILL)
-    assert not alive, f"processes outlived their run: {alive}\n{err[-3000:]}"
+    assert_none_outlive(seen, within_s=10.0, detail=f"\n{err[-3000:]}")
     assert "abandoning the run" in err, err[-3000:]
