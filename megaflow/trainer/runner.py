@@ -93,7 +93,9 @@ class ModelRunner:
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn | None, *,
                          forward_only: bool = False) -> list:
         """Run megatron's schedule over ``microbatches``; returns, on the last pipeline stage, the
-        loss functions' metric dicts (or the raw velocities when ``loss_fn`` is None), else []."""
+        loss functions' metric dicts (or the raw velocities when ``loss_fn`` is None), else [].
+        ``forward_only`` runs without autograd (megatron's schedule records a graph otherwise, and every
+        microbatch's activations would live until the velocities are dropped)."""
         first = microbatches[0]
         seq_length = self.family.microbatch_seq_length(self.config, first)
 
@@ -103,14 +105,14 @@ class ModelRunner:
             return out, (partial(_megatron_loss, loss_fn, mb) if loss_fn is not None else None)
 
         iterators = [iter(microbatches) for _ in self.model]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model, num_microbatches=len(microbatches), seq_length=seq_length,
-            micro_batch_size=first["latents"].shape[0], forward_only=forward_only,
-        )
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.model, num_microbatches=len(microbatches), seq_length=seq_length,
+                micro_batch_size=first["latents"].shape[0], forward_only=forward_only,
+            )
 
-    @torch.no_grad()
     def velocity(self, latents, sigma, encoder_hidden_states, pooled_projections) -> torch.Tensor | None:
         """Per-timestep forward v(x_t, sigma | conditioning): the velocity [B, C, H, W] on the last
         pipeline stage, None on other stages. The batch runs as one microbatch, or as PP equal
@@ -254,8 +256,7 @@ class ReferenceModel(ModelRunner):
         """``ModelRunner.forward_backward`` with ``forward_only=True`` (required: nothing here trains)."""
         if not forward_only:
             raise ValueError("ReferenceModel is frozen: call forward_backward(..., forward_only=True)")
-        with torch.no_grad():
-            return super().forward_backward(microbatches, loss_fn, forward_only=True)
+        return super().forward_backward(microbatches, loss_fn, forward_only=True)
 
 
 class BaseReference:
@@ -271,7 +272,7 @@ class BaseReference:
                          forward_only: bool = False) -> list:
         if not forward_only:
             raise ValueError("BaseReference is frozen: call forward_backward(..., forward_only=True)")
-        with torch.no_grad(), adapters_disabled(self.trainer.chunks):
+        with adapters_disabled(self.trainer.chunks):
             return self.trainer.forward_backward(microbatches, loss_fn, forward_only=True)
 
 

@@ -13,11 +13,16 @@ from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.distributed import destroy_distributed, init_distributed
 
 
-def _old_reference(cfg, state):
+def _policy(cfg, state):
     from megaflow.trainer.runner import Trainer
 
-    ref = Trainer(cfg, family="sd3", spec="local", optimizer_config=None)
-    ref.load_diffusers_state_dict(state)
+    policy = Trainer(cfg, family="sd3", spec="local", optimizer_config=None)
+    policy.load_diffusers_state_dict(state)
+    return policy
+
+
+def _old_reference(cfg, state):
+    ref = _policy(cfg, state)
     for m in ref.model:
         m.requires_grad_(False)
     return ref
@@ -31,10 +36,18 @@ def _new_reference(cfg, state):
     return ref
 
 
+def _velocity_loss(velocity: torch.Tensor, mb: dict):
+    """A training pass's loss that hands back the velocity it saw."""
+    return velocity.float().pow(2).mean(), {"velocity": velocity.detach().clone()}
+
+
 def compare_rank(case_path: str, layouts: list[dict]) -> dict:
     """Per layout (ParallelDims kwargs + optional "bf16"): whether the velocities of both references are
     bitwise equal (last stage; None elsewhere), their byte counts (megaflow.testing.memory.model_bytes), and
-    whether every parameter of the new one is frozen and the old path's velocities are non-trivial."""
+    whether every parameter of the new one is frozen and the old path's velocities are non-trivial; and a
+    trainable policy's forward-only velocities: equal to those of its training pass (forward + backward), and
+    recorded without autograd. (The frozen references' differ from a trainable model's by ~1e-7: megatron's linear
+    layers take another path for frozen weights.)"""
     from megaflow.models.sd3 import from_diffusers
     from megaflow.testing.memory import model_bytes
     from megaflow.trainer.runner import rectified_flow_microbatch
@@ -54,12 +67,18 @@ def compare_rank(case_path: str, layouts: list[dict]) -> dict:
         old, new = _old_reference(cfg, case["state"]), _new_reference(cfg, case["state"])
         v_old = old.forward_backward(mbs, None, forward_only=True)
         v_new = new.forward_backward(mbs, None, forward_only=True)
+        policy = _policy(cfg, case["state"])
+        v_policy = policy.forward_backward(mbs, None, forward_only=True)
+        v_policy_trained = [m["velocity"] for m in policy.forward_backward(mbs, _velocity_loss)]
         report[str({**layout, "bf16": bf16})] = dict(
             equal=None if not v_old else all(torch.equal(a, b) for a, b in zip(v_old, v_new)) and len(v_old) == len(v_new),
             scale=max((float(v.abs().max()) for v in v_old), default=None),
             old_bytes=model_bytes(old.model), new_bytes=model_bytes(new.model),
             frozen=not any(p.requires_grad for c in new.chunks for p in c.parameters()),
-            wrapped=[type(m).__name__ for m in new.model])
+            wrapped=[type(m).__name__ for m in new.model],
+            policy_equal=None if not v_old else (len(v_policy) == len(v_policy_trained) and all(
+                torch.equal(a, b) for a, b in zip(v_policy, v_policy_trained))),
+            policy_graph=any(v.requires_grad or v.grad_fn is not None for v in v_policy))
         try:
             new.forward_backward(mbs, None)
             report["refuses_backward"] = False

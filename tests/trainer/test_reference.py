@@ -4,7 +4,9 @@ old reference (a Trainer without optimizer, DDP-wrapped, grads switched off afte
 Needs: CPU, gloo, 2 processes (one launch). Layouts DP=2 (TP=1), TP=2, TP=2+SP, PP=2, and TP=2 in bf16.
 Checks: the velocities grpo's ``attach_reference`` reads are bitwise equal; the new reference holds no grad
 buffer and the same parameter bytes (so old - new = the DDP grad buffer, fp32: 4 bytes per local parameter);
-every parameter frozen; the chunks are unwrapped (Float16Module only in bf16); backward is refused.
+every parameter frozen; the chunks are unwrapped (Float16Module only in bf16); backward is refused. A trainable
+policy's forward-only pass (the old-policy, EMA and pre-update passes of the algorithms) gives bitwise the velocities
+of its training pass and records no autograd graph.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def test_reference_engine_matches_old_path_without_grad_buffer(tmp_path):
             if e["equal"] is not None:
                 last_stage_seen.add(key)
                 assert e["equal"] and e["scale"] > 1e-2, (rank, key, e)
+                assert e["policy_equal"], (rank, key, e)
+            assert e["policy_graph"] is False, (rank, key, e)
             old, new = e["old_bytes"], e["new_bytes"]
             assert new["grad_buffers"] == 0 and new["params"] == old["params"], (rank, key, e)
             assert old["grad_buffers"] >= old["params"] * (2 if "'bf16': True" in key else 1), (rank, key, e)
