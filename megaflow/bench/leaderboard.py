@@ -38,6 +38,45 @@ def recipes(algos: list[str], config_dir: Path, overrides: list[str]) -> dict[st
     return cfgs
 
 
+def reused_reports(reuse: list[str], cfgs: dict[str, MegaflowConfig], out_dir: Path, *, eval_every: int,
+                   eval_num: int) -> dict[str, dict]:
+    """The earlier reports ``<out_dir>/<algo>.json`` of the algorithms in ``reuse``; a ValueError of one line
+    names a missing report, or a recipe or evaluation field it recorded that today's config gives otherwise."""
+    from megaflow.bench.learn import eval_record, recipe_record
+
+    reports = {}
+    for algo in reuse:
+        if algo not in cfgs:
+            raise ValueError(f"--reuse {algo}: not one of --algos ({', '.join(cfgs)})")
+        path = out_dir / f"{algo}.json"
+        try:
+            report = json.loads(path.read_text())
+            side = report["sides"]["megaflow"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--reuse {algo}: {path} is not a bench learn report ({type(e).__name__}: {e})") from None
+        now = {"recipe": recipe_record(cfgs[algo]), "eval": eval_record(cfgs[algo], eval_every, eval_num)}
+        for part, fields in now.items():
+            recorded = report.get(part, {})
+            for key in sorted(set(recorded) & set(fields)):  # an older report records fewer fields
+                was, today = dict(_flat(recorded[key], key)), dict(_flat(fields[key], key))
+                for name in sorted(set(was) | set(today)):
+                    if was.get(name, "(absent)") != today.get(name, "(absent)"):
+                        raise ValueError(f"--reuse {algo}: {path} ran {part} {name} = {was.get(name, '(absent)')!r}"
+                                         f", today's {ALGO_CONFIGS[algo]} gives {today.get(name, '(absent)')!r}: "
+                                         "run it again")
+        reports[algo] = side
+    return reports
+
+
+def _flat(value, name: str):
+    """(dotted name, leaf value) pairs of a JSON value."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _flat(inner, f"{name}.{key}")
+    else:
+        yield name, value
+
+
 def run_one(algo: str, config: Path, overrides: list[str], out: Path, *, eval_every: int, eval_num: int) -> dict:
     """``megaflow bench learn --side megaflow`` for one algorithm in its own process; its JSON report."""
     cmd = [sys.executable, "-m", "megaflow.cli", "bench", "learn", "--side", "megaflow", "-c", str(config),
@@ -90,17 +129,18 @@ def table(rows: dict[str, dict]) -> str:
 
 
 def leaderboard(algos: list[str], *, config_dir: Path, overrides: list[str], out_dir: Path, eval_every: int,
-                eval_num: int) -> dict:
-    """Run every algorithm of ``algos`` in turn; write ``<out_dir>/<algo>.json``, ``leaderboard.md`` and
-    ``leaderboard.png``; return the report."""
+                eval_num: int, reuse: list[str] = ()) -> dict:
+    """Run every algorithm of ``algos`` in turn (those in ``reuse``: read their earlier report from ``out_dir``);
+    write ``<out_dir>/<algo>.json``, ``leaderboard.md`` and ``leaderboard.png``; return the report."""
     from megaflow.report.plots import line_plot
 
-    cfgs = recipes(algos, config_dir, overrides)  # every config checked before the first run starts
+    cfgs = recipes(algos, config_dir, overrides)  # every config and reused report checked before the first run
+    reused = reused_reports(list(reuse), cfgs, out_dir, eval_every=eval_every, eval_num=eval_num)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
     for algo in algos:
-        side = run_one(algo, config_dir / ALGO_CONFIGS[algo], overrides, out_dir / f"{algo}.json",
-                       eval_every=eval_every, eval_num=eval_num)["sides"]["megaflow"]
+        side = reused.get(algo) or run_one(algo, config_dir / ALGO_CONFIGS[algo], overrides, out_dir / f"{algo}.json",
+                                           eval_every=eval_every, eval_num=eval_num)["sides"]["megaflow"]
         rows[algo] = entry(cfgs[algo], side)
     (out_dir / "leaderboard.md").write_text(table(rows) + "\n")
     series = {a: [(p["rl_s"] / 60, p["accuracy"]) for p in e["curve"]] for a, e in rows.items() if e["curve"]}
@@ -110,5 +150,5 @@ def leaderboard(algos: list[str], *, config_dir: Path, overrides: list[str], out
     first = cfgs[algos[0]]
     return {"algorithms": rows, "eval": {"num": first.eval.num, "num_seen": first.eval.num_seen,
                                          "seed": first.eval.seed, "eval_every": eval_every, "eval_num": eval_num},
-            "overrides": overrides, "configs": {a: ALGO_CONFIGS[a] for a in algos},
+            "overrides": overrides, "configs": {a: ALGO_CONFIGS[a] for a in algos}, "reused": sorted(reused),
             "table": str(out_dir / "leaderboard.md"), "plot": str(out_dir / "leaderboard.png") if series else None}

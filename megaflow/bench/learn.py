@@ -164,6 +164,25 @@ def peak_rss_mib() -> dict:
             "engine_workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024}
 
 
+def recipe_record(cfg: MegaflowConfig) -> dict:
+    """What a report records of the recipe it ran (JSON values): the main knobs, and the whole ``[algo]``,
+    ``[train]`` and ``[rollout]`` tables."""
+    r, t = cfg.rollout, cfg.train
+    record = {"pipeline": cfg.model.pretrained or "(tiny, made for the run)", "iterations": t.iterations,
+              "prompts_per_iter": r.prompts_per_iter, "group_size": r.group_size, "num_steps": r.num_steps,
+              "sde_type": r.sde_type, "noise_level": r.noise_level, "lr": t.lr, "weight_decay": t.weight_decay,
+              "grad_clip": t.grad_clip, "kl_beta": cfg.algo.kl_beta, "timestep_fraction": cfg.algo.timestep_fraction,
+              "reward": cfg.reward.weights, "seed": cfg.run.seed,
+              "tables": {name: dataclasses.asdict(getattr(cfg, name)) for name in ("algo", "train", "rollout")}}
+    return json.loads(json.dumps(record))
+
+
+def eval_record(cfg: MegaflowConfig, eval_every: int, eval_num: int) -> dict:
+    """What a report records of its evaluation."""
+    e = cfg.eval
+    return {"num": e.num, "num_seen": e.num_seen, "seed": e.seed, "eval_every": eval_every, "eval_num": eval_num}
+
+
 def bench_learn(cfg: MegaflowConfig, *, side: str = "both", eval_every: int = 0, eval_num: int = 100,
                 target_gain: float = 0.05) -> dict:
     """Run the chosen side(s) one after the other; one JSON-able report (the module's design notes)."""
@@ -171,16 +190,8 @@ def bench_learn(cfg: MegaflowConfig, *, side: str = "both", eval_every: int = 0,
         raise ValueError(f"--side must be baseline, megaflow or both, got {side!r}")
     if eval_every < 0 or eval_num < 1:
         raise ValueError(f"--eval-every must be >= 0 and --eval-num >= 1, got {eval_every} / {eval_num}")
-    r, t, e = cfg.rollout, cfg.train, cfg.eval
-    out = {"recipe": {"pipeline": cfg.model.pretrained or "(tiny, made for the run)", "iterations": t.iterations,
-                      "prompts_per_iter": r.prompts_per_iter, "group_size": r.group_size, "num_steps": r.num_steps,
-                      "sde_type": r.sde_type, "noise_level": r.noise_level, "lr": t.lr, "weight_decay": t.weight_decay,
-                      "grad_clip": t.grad_clip, "kl_beta": cfg.algo.kl_beta,
-                      "timestep_fraction": cfg.algo.timestep_fraction,
-                      "reward": cfg.reward.weights, "seed": cfg.run.seed},
-           "eval": {"num": e.num, "num_seen": e.num_seen, "seed": e.seed, "eval_every": eval_every,
-                    "eval_num": eval_num},
-           "target_gain": target_gain, "sides": {}}
+    out = {"recipe": recipe_record(cfg), "eval": eval_record(cfg, eval_every, eval_num), "target_gain": target_gain,
+           "sides": {}}
     runners = {"baseline": run_baseline, "megaflow": run_megaflow}
     for name in SIDES if side == "both" else (side,):
         out["sides"][name] = runners[name](cfg, eval_every=eval_every, eval_num=eval_num, target_gain=target_gain)

@@ -56,11 +56,14 @@ PLAIN_ALGORITHMS = ("flowgrpo", "nft")
 
 
 def _cmd_bench_learn(args: argparse.Namespace) -> int:
+    if args.reuse and not args.algos:
+        raise ValueError("bench learn: --reuse needs --algos (it names some of them)")
     if args.algos:
         from megaflow.bench.leaderboard import leaderboard
         algos = [a for a in args.algos.split(",") if a]
         emit(leaderboard(algos, config_dir=Path(args.config).parent, overrides=args.overrides,
-                         out_dir=Path(args.out_dir), eval_every=args.eval_every, eval_num=args.eval_num), args)
+                         out_dir=Path(args.out_dir), eval_every=args.eval_every, eval_num=args.eval_num,
+                         reuse=[a for a in args.reuse.split(",") if a]), args)
         return 0
     cfg = run_config(args, "train")
     if args.side != "megaflow" and cfg.algo.name not in PLAIN_ALGORITHMS:
@@ -114,6 +117,9 @@ def add_bench_parsers(sub) -> None:
                       "plot and JSON result.")
     p_bl.add_argument("--out-dir", default="runs/leaderboard", help="With --algos: where each algorithm's report, "
                       "leaderboard.md and leaderboard.png go.")
+    p_bl.add_argument("--reuse", default="", help="With --algos: comma-separated algorithms whose report from an "
+                      "earlier run in --out-dir is tabulated instead of running them again; refused if a recipe or "
+                      "evaluation field it recorded differs from today's config.")
     p_bh = bench_sub.add_parser("hosts", help="Whole-loop images/s of megaflow train with 2 engine hosts / 1 "
                                 "(two torchrun runs on this machine, rollout.engine_hosts = rank).")
     add_config_args(p_bh, default="configs/cpu_demo.toml")

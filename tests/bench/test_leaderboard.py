@@ -47,3 +47,53 @@ def test_rows_and_table():
     lines = table({"flowgrpo": grpo, "nft": nft}).splitlines()
     assert lines[2].startswith("| nft | 0.50 -> 0.75 [0.70, 0.80] | +0.25 | 0.51 -> 0.76 | 1.0 | 2.0 | 2.0 | 960 |")
     assert lines[3].startswith("| flowgrpo |") and "| - | - |" in lines[3] and lines[3].endswith("| 1600 |")
+
+
+def _report(cfg, side: dict, *, eval_every: int = 5, eval_num: int = 50) -> dict:
+    from megaflow.bench.learn import eval_record, recipe_record
+    return {"recipe": recipe_record(cfg), "eval": eval_record(cfg, eval_every, eval_num), "target_gain": 0.05,
+            "sides": {"megaflow": side}}
+
+
+def test_reuse_tabulates_an_earlier_report_and_runs_only_the_others(tmp_path, monkeypatch):
+    import json
+
+    from megaflow.bench import leaderboard as lb
+    over = ["train.iterations=10"]
+    cfgs = recipes(["nft", "dgpo"], CONFIGS, over)
+    (tmp_path / "nft.json").write_text(json.dumps(_report(cfgs["nft"], _side(0.5, [(0, 0.5), (60, 0.7)]))))
+    ran = []
+
+    def run_one(algo, config, overrides, out, *, eval_every, eval_num):
+        ran.append(algo)
+        report = _report(cfgs[algo], _side(0.5, [(0, 0.5), (60, 0.6)]), eval_every=eval_every, eval_num=eval_num)
+        out.write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(lb, "run_one", run_one)
+    out = lb.leaderboard(["nft", "dgpo"], config_dir=CONFIGS, overrides=over, out_dir=tmp_path, eval_every=5,
+                         eval_num=50, reuse=["nft"])
+    assert ran == ["dgpo"] and out["reused"] == ["nft"]
+    assert out["algorithms"]["nft"]["held_out"]["after"] == 0.7 and out["algorithms"]["dgpo"]["held_out"]["after"] == 0.6
+    assert (tmp_path / "leaderboard.md").read_text().splitlines()[2].startswith("| nft | 0.50 -> 0.70")
+
+
+def test_reuse_refuses_a_report_of_another_recipe_or_evaluation_before_any_run(tmp_path, monkeypatch):
+    import json
+
+    from megaflow.bench import leaderboard as lb
+    monkeypatch.setattr(lb, "run_one", lambda *a, **k: pytest.fail("a run started before the checks"))
+    over = ["train.iterations=10"]
+    cfgs = recipes(["nft", "dgpo"], CONFIGS, over)
+    kw = dict(config_dir=CONFIGS, overrides=over, out_dir=tmp_path, eval_every=5, eval_num=50)
+    with pytest.raises(ValueError, match=r"--reuse dgpo: .*dgpo.json is not a bench learn report"):
+        lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
+    with pytest.raises(ValueError, match="--reuse awm: not one of --algos"):
+        lb.leaderboard(["nft", "dgpo"], reuse=["awm"], **kw)
+    stale = recipes(["dgpo"], CONFIGS, [*over, "algo.dgpo_trunc_steps=9"])["dgpo"]
+    (tmp_path / "dgpo.json").write_text(json.dumps(_report(stale, _side(0.5, [(0, 0.5), (60, 0.6)]))))
+    with pytest.raises(ValueError, match="ran recipe tables.algo.dgpo_trunc_steps = 9, today's shapes_demo_dgpo.toml gives 4: run it again"):
+        lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
+    (tmp_path / "dgpo.json").write_text(json.dumps(_report(cfgs["dgpo"], _side(0.5, [(0, 0.5)]), eval_num=100)))
+    with pytest.raises(ValueError, match="ran eval eval_num = 100, today's shapes_demo_dgpo.toml gives 50"):
+        lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
