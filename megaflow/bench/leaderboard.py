@@ -62,8 +62,8 @@ def reused_reports(reuse: list[str], cfgs: dict[str, MegaflowConfig], out_dir: P
                 for name in sorted(set(was) | set(today)):
                     if was.get(name, "(absent)") != today.get(name, "(absent)"):
                         raise ValueError(f"--reuse {algo}: {path} ran {part} {name} = {was.get(name, '(absent)')!r}"
-                                         f", today's {ALGO_CONFIGS[algo]} gives {today.get(name, '(absent)')!r}: "
-                                         "run it again")
+                                         f", {ALGO_CONFIGS[algo]} with these options gives "
+                                         f"{today.get(name, '(absent)')!r}: run it again")
         reports[algo] = side
     return reports
 
@@ -139,8 +139,11 @@ def leaderboard(algos: list[str], *, config_dir: Path, overrides: list[str], out
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
     for algo in algos:
-        side = reused.get(algo) or run_one(algo, config_dir / ALGO_CONFIGS[algo], overrides, out_dir / f"{algo}.json",
-                                           eval_every=eval_every, eval_num=eval_num)["sides"]["megaflow"]
+        if algo in reused:
+            side = reused[algo]
+        else:
+            side = run_one(algo, config_dir / ALGO_CONFIGS[algo], overrides, out_dir / f"{algo}.json",
+                           eval_every=eval_every, eval_num=eval_num)["sides"]["megaflow"]
         rows[algo] = entry(cfgs[algo], side)
     (out_dir / "leaderboard.md").write_text(table(rows) + "\n")
     series = {a: [(p["rl_s"] / 60, p["accuracy"]) for p in e["curve"]] for a, e in rows.items() if e["curve"]}

@@ -74,7 +74,8 @@ def test_reuse_tabulates_an_earlier_report_and_runs_only_the_others(tmp_path, mo
     out = lb.leaderboard(["nft", "dgpo"], config_dir=CONFIGS, overrides=over, out_dir=tmp_path, eval_every=5,
                          eval_num=50, reuse=["nft"])
     assert ran == ["dgpo"] and out["reused"] == ["nft"]
-    assert out["algorithms"]["nft"]["held_out"]["after"] == 0.7 and out["algorithms"]["dgpo"]["held_out"]["after"] == 0.6
+    rows = out["algorithms"]
+    assert rows["nft"]["held_out"]["after"] == 0.7 and rows["dgpo"]["held_out"]["after"] == 0.6
     assert (tmp_path / "leaderboard.md").read_text().splitlines()[2].startswith("| nft | 0.50 -> 0.70")
 
 
@@ -92,8 +93,9 @@ def test_reuse_refuses_a_report_of_another_recipe_or_evaluation_before_any_run(t
         lb.leaderboard(["nft", "dgpo"], reuse=["awm"], **kw)
     stale = recipes(["dgpo"], CONFIGS, [*over, "algo.dgpo_trunc_steps=9"])["dgpo"]
     (tmp_path / "dgpo.json").write_text(json.dumps(_report(stale, _side(0.5, [(0, 0.5), (60, 0.6)]))))
-    with pytest.raises(ValueError, match="ran recipe tables.algo.dgpo_trunc_steps = 9, today's shapes_demo_dgpo.toml gives 4: run it again"):
+    with pytest.raises(ValueError, match="ran recipe tables.algo.dgpo_trunc_steps = 9, shapes_demo_dgpo.toml with "
+                       "these options gives 4: run it again"):
         lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
     (tmp_path / "dgpo.json").write_text(json.dumps(_report(cfgs["dgpo"], _side(0.5, [(0, 0.5)]), eval_num=100)))
-    with pytest.raises(ValueError, match="ran eval eval_num = 100, today's shapes_demo_dgpo.toml gives 50"):
+    with pytest.raises(ValueError, match="ran eval eval_num = 100, shapes_demo_dgpo.toml with these options gives 50"):
         lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
