@@ -56,16 +56,25 @@ def reused_reports(reuse: list[str], cfgs: dict[str, MegaflowConfig], out_dir: P
             raise ValueError(f"--reuse {algo}: {path} is not a bench learn report ({type(e).__name__}: {e})") from None
         now = {"recipe": recipe_record(cfgs[algo]), "eval": eval_record(cfgs[algo], eval_every, eval_num)}
         for part, fields in now.items():
-            recorded = report.get(part, {})
-            for key in sorted(set(recorded) & set(fields)):  # an older report records fewer fields
-                was, today = dict(_flat(recorded[key], key)), dict(_flat(fields[key], key))
-                for name in sorted(set(was) | set(today)):
-                    if was.get(name, "(absent)") != today.get(name, "(absent)"):
-                        raise ValueError(f"--reuse {algo}: {path} ran {part} {name} = {was.get(name, '(absent)')!r}"
-                                         f", {ALGO_CONFIGS[algo]} with these options gives "
-                                         f"{today.get(name, '(absent)')!r}: run it again")
+            differing = _first_difference(report.get(part, {}), fields)
+            if differing:
+                name, was, today = differing
+                raise ValueError(f"--reuse {algo}: {path} ran {part} {name} = {was!r}, {ALGO_CONFIGS[algo]} with "
+                                 f"these options gives {today!r}: run it again")
         reports[algo] = side
     return reports
+
+
+def _first_difference(recorded: dict, today: dict) -> tuple[str, object, object] | None:
+    """The first (dotted name, recorded value, today's value) that differs, over the top-level fields both hold
+    (an older report records fewer); a leaf missing on one side reads "(absent)"."""
+    for key in sorted(set(recorded) & set(today)):
+        was, now = dict(_flat(recorded[key], key)), dict(_flat(today[key], key))
+        for name in sorted(set(was) | set(now)):
+            pair = (was.get(name, "(absent)"), now.get(name, "(absent)"))
+            if pair[0] != pair[1]:
+                return (name, *pair)
+    return None
 
 
 def _flat(value, name: str):
