@@ -106,9 +106,10 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.rundir.claim import check_run_dir
     cfg = load_checked(args, "train")
+    overrides = _resume_overrides(args)
     resume = _resume_wanted(cfg, args.resume)
     if os.environ.get("RANK", "0") == "0":
-        check_run_dir(cfg, resume=resume)
+        check_run_dir(cfg, resume=resume, overrides=overrides)
     apply_device(cfg)
     import logging
 
@@ -118,7 +119,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
         from megaflow.commands.evaluation import eval_hook
         hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
-    metrics = run(cfg, resume=resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
+    metrics = run(cfg, resume=resume, resume_overrides=overrides, verbose=args.verbose,
+                  trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -129,6 +131,20 @@ def _resume_arg(text: str) -> str:
     if text not in ("auto", "always"):
         raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
     return text
+
+
+def _resume_overrides(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--resume-override``'s keys: each a config key (``section.key``), and only with ``--resume``."""
+    from megaflow.config.keys import config_keys
+    keys = tuple(args.resume_override)
+    if keys and args.resume is None:
+        raise ConfigError("--resume-override is for a resumed run: pass --resume (or --resume auto) too")
+    known = {k.dotted for k in config_keys()}
+    for key in keys:
+        if key not in known:
+            raise ConfigError(f"--resume-override {key[:80]!r}: not a config key (section.key, as "
+                              "'megaflow config keys' lists them)")
+    return keys
 
 
 def _resume_wanted(cfg, mode: str | None) -> bool:
@@ -216,10 +232,14 @@ def _add_run_parsers(sub) -> None:
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
     p_train.add_argument("--resume", nargs="?", const="always", type=_resume_arg, default=None, metavar="auto",
-                         help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
-                         "config; train.iterations may grow). '--resume auto': continue when that run dir has a "
-                         "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "
-                         "is refused.")
+                         help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint. The "
+                         "config may change evaluation, logging, the learning rate and its schedule, iterations, "
+                         "save cadence and timeouts (listed in one line at start); any other change is refused "
+                         "naming the key. '--resume auto': continue when that run dir has a checkpoint, else start "
+                         "fresh (a requeued job). Without it, a run dir with checkpoints is refused.")
+    p_train.add_argument("--resume-override", action="append", default=[], metavar="SECTION.KEY",
+                         help="With --resume: accept a change of this key though it changes what the run trains "
+                         "(e.g. rollout.group_size); repeatable.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
