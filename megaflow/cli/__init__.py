@@ -78,20 +78,41 @@ def _cmd_eval_reward(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import check_image_files
     if not args.timeout_s >= 0:
         raise ValueError(f"--timeout-s {args.timeout_s}: want seconds >= 0 (0 = no limit)")
-    kwargs = check_reward_args(args.reward, args.kwargs)
+    reward, base = _reward_of_config(args)
+    kwargs = check_reward_args(reward, args.kwargs, base)
     entries = read_manifest(args.images)  # one-line errors before torch loads
     check_image_files([e.path for e in entries])
     from megaflow.rewards.folder import score_folder
-    result = score_folder(entries, args.reward, kwargs, timeout_s=args.timeout_s)
+    result = score_folder(entries, reward, kwargs, timeout_s=args.timeout_s)
     if args.json:
-        print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
+        print(json.dumps({"reward": reward, "files": result["files"], "scores": result["scores"],
+                          "mean": result["mean"], "masked": result["masked"]}))
     else:
         fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
         for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
             print(f"{fmt(score)}  {file}  {prompt}")
-        print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
+        print(f"mean {reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
               "images")
     return 0
+
+
+def _reward_of_config(args: argparse.Namespace) -> tuple[str, dict]:
+    """``eval reward``'s reward and its settings: ``--reward`` (or the one reward of ``-c``'s reward.weights) with
+    the config's ``reward.kwargs`` for it, which ``--kwargs`` then updates."""
+    if args.config is None:
+        if args.overrides:
+            raise ValueError("--set needs -c CONFIG (the config whose reward settings it changes)")
+        if args.reward is None:
+            raise ValueError("--reward NAME is needed (or -c CONFIG with one reward in reward.weights)")
+        return args.reward, {}
+    cfg = load_config(args.config, args.overrides)
+    reward = args.reward
+    if reward is None:
+        if len(cfg.reward.weights) != 1:
+            raise ValueError(f"-c {args.config}: reward.weights names {len(cfg.reward.weights)} rewards "
+                             f"({', '.join(cfg.reward.weights)}): choose one with --reward")
+        (reward,) = cfg.reward.weights
+    return reward, dict(cfg.reward.kwargs.get(reward, {}))
 
 
 def _setup_logging(megaflow_level: int, verbose: bool) -> None:
@@ -309,14 +330,15 @@ def _add_eval_parsers(sub) -> None:
     p_shapes.set_defaults(handler=_cmd_eval_shapes)
     p_rew = eval_sub.add_parser("reward", help="Score a folder of images with one reward: per-image scores and "
                                 "their mean.")
-    p_rew.add_argument("--reward", required=True, help="A built-in reward name (as in reward.weights) or "
-                       "'pkg.module:callable'.")
+    p_rew.add_argument("--reward", default=None, help="A built-in reward name (as in reward.weights) or "
+                       "'pkg.module:callable'; with -c, default: the config's one reward.")
+    add_config_args(p_rew)
     p_rew.add_argument("--kwargs", default=None, metavar="JSON", help="The reward's keyword arguments as a JSON "
-                       "object, e.g. '{\"threads\": 2}'.")
+                       "object, e.g. '{\"threads\": 2}'; with -c they update the config's reward.kwargs for it.")
     p_rew.add_argument("--images", type=Path, required=True, help="Folder with manifest.jsonl: one {\"file\", "
                        "\"prompt\", ...} a line; the other keys are that image's metadata.")
-    p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
-                       "(null for an image the reward failed on).")
+    p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"reward", "files": [...], '
+                       '"scores": [...], "mean", "masked"} (a score is null for an image the reward failed on).')
     p_rew.add_argument("--timeout-s", type=float, default=600.0, help="Seconds the reward may take for the whole "
                        "folder (default 600; 0 = no limit): a call still running then is abandoned, and it and the "
                        "images not scored yet are null. No image scored at all is an error (exit 2).")
