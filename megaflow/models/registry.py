@@ -1,6 +1,7 @@
-"""Model families by name: an explicit table, no dispatch on substrings of model ids.
-A family bundles the diffusers class, config mapping, layer spec, model class and weight map;
-imported on first use.
+"""Model families by name: the torch part (``ModelFamily``) of each family registered in ``megaflow.families``
+(one line there per family; its card names the package defining ``FAMILY``), no dispatch on substrings of model
+ids. A family bundles the diffusers class, config mapping, layer spec, model class and weight map; imported on
+first use, and its name, diffusers class and guidance agree with its card.
 """
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-# name -> module defining FAMILY.
-_FAMILIES: dict[str, str] = {
-    "sd3": "megaflow.models.sd3",
-    "flux": "megaflow.models.flux",
-}
+from megaflow.families import card, family_names
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +56,9 @@ class ModelFamily:
                    batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance)
 
 
-def family_names() -> tuple[str, ...]:
-    """Registered family names."""
-    return tuple(_FAMILIES)
-
-
 def get_family(name: str) -> ModelFamily:
-    """The family registered as ``name``; ValueError naming it if unknown."""
-    if name not in _FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(_FAMILIES)}")
-    return importlib.import_module(_FAMILIES[name]).FAMILY
+    """The family registered as ``name`` (its card's ``package``); ValueError naming it if unknown."""
+    return importlib.import_module(card(name).package).FAMILY
+
+
+__all__ = ["ModelFamily", "card", "family_names", "get_family"]
