@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from megaflow.families import card
+
 FAMILIES = ("sd3", "flux")
 _WORDS = (
     "a photo of the an and with on in red green blue yellow white black orange purple cat dog circle "
@@ -123,7 +125,7 @@ def build_sd3(seed: int):
     transformer = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=t5_width, caption_projection_dim=64,
-        pooled_projection_dim=2 * clip_width, pos_embed_max_size=16,
+        pooled_projection_dim=2 * clip_width, pos_embed_max_size=card("sd3").tiny_positions,
     ).eval()
     return StableDiffusion3Pipeline(
         transformer=transformer,
