@@ -40,6 +40,9 @@ class ModelFamily:
     batch_conditioning: Callable[[Any, Any, bool], dict]
     """(config, the trajectories of one trainer microbatch, cfg) -> its conditioning keys: what
     ``model_inputs`` reads besides latents and sigma, batched ([negative; positive] under CFG)."""
+    tiny: ModuleType | None = None
+    """Module with the family's tiny configs and reference models (``tiny_config``, ``diffusers_model``, ...) and
+    the GPU check's microbatch layout (``check_latent_shape``, ``check_inputs``); None: the family has none."""
     embedded_guidance: bool = False
     """True: a rollout's ``guidance_scale`` is a model input (FLUX.1-dev's guidance embedding) and never
     turns on classifier-free guidance; False: guidance_scale > 1 samples with CFG (two branches)."""
@@ -47,13 +50,13 @@ class ModelFamily:
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
                      weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type,
-                     embedded_guidance: bool = False) -> ModelFamily:
+                     embedded_guidance: bool = False, tiny: ModuleType | None = None) -> ModelFamily:
         """The family of a package laid out like ``megaflow.models.sd3`` (``config`` and ``model`` modules)."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
                    model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length,
-                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance)
+                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance, tiny=tiny)
 
 
 def get_family(name: str) -> ModelFamily:
