@@ -14,6 +14,8 @@ class FamilyCard:
 
     name: str
     """``model.family``'s value."""
+    title: str
+    """The family's name in messages ("SD3", "FLUX")."""
     package: str
     """The package whose ``FAMILY`` (``megaflow.models.registry.ModelFamily``) is the torch part."""
     diffusers_class: str

@@ -15,7 +15,7 @@ def plan_dims(conf: dict) -> dict:
 
 # FLUX.1-dev's transformer config; CLIP-L/14 text 123.1M, T5-XXL encoder 4762M, the 16-channel VAE 83.8M.
 CARD = FamilyCard(
-    name="flux", package="megaflow.models.flux", diffusers_class="FluxTransformer2DModel",
+    name="flux", title="FLUX", package="megaflow.models.flux", diffusers_class="FluxTransformer2DModel",
     sglang_model_id="FLUX.1-dev", text_encoders=2, embedded_guidance=True,
     latent_pack=2, position_table=False, tiny_positions=None, blocks_key=None,
     builtin=("FLUX.1-dev (built-in table)", dict(

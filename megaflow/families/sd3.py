@@ -17,7 +17,7 @@ def plan_dims(conf: dict) -> dict:
 # SD3.5-Medium's transformer config; CLIP-L/14 text 123.7M, OpenCLIP bigG/14 text 694.7M, T5-XXL encoder 4762M,
 # the 16-channel VAE 83.7M.
 CARD = FamilyCard(
-    name="sd3", package="megaflow.models.sd3", diffusers_class="SD3Transformer2DModel",
+    name="sd3", title="SD3", package="megaflow.models.sd3", diffusers_class="SD3Transformer2DModel",
     sglang_model_id="stable-diffusion-3-medium-diffusers", text_encoders=3, embedded_guidance=False,
     latent_pack=None, position_table=True, tiny_positions=16, blocks_key="num_layers",
     builtin=("SD3.5-Medium (built-in table)", dict(

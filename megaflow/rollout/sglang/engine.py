@@ -143,10 +143,11 @@ class SGLangEngine:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         if self._released:
             raise RuntimeError(f"engine {self.engine_id} is released: call resume() before generate()")
+        family = card(self.config.family)
         for r in requests:
-            if card(self.config.family).embedded_guidance and r.do_cfg:
-                raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for "
-                                 f"{self.config.family!r}; guidance_scale is its embedded guidance")
+            if family.embedded_guidance and r.do_cfg:
+                raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for {family.title}; "
+                                 f"guidance_scale is {family.title}'s embedded guidance")
         items = [_Item(r, Future(), time.perf_counter()) for r in requests]
         for call in plan_calls([i.request for i in items], max_outputs=self.config.max_batch_outputs,
                                merge=self.config.merge_requests):
