@@ -46,3 +46,26 @@ def test_cfg_copies_follow_the_guidance_kind():
     sd3, flux = card("sd3"), card("flux")
     assert [sd3.cfg_copies(g) for g in (1.0, 1.5)] == [1, 2] and [flux.cfg_copies(g) for g in (1.0, 3.5)] == [1, 1]
     assert (sd3.token_side(2), sd3.token_side(1), flux.token_side(1)) == (2, 1, 2)
+
+
+def test_plan_dims_defaults_are_the_diffusers_classes():
+    """A transformer config missing a key plans as the diffusers class builds it: the card's defaults against the
+    class's own constructor defaults."""
+    import inspect
+
+    import diffusers
+
+    from megaflow.plan.dit import dims_from_config
+
+    for name in family_names():
+        cls = getattr(diffusers, card(name).diffusers_class)
+        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        given = dict(num_attention_heads=2, attention_head_dim=8)
+        assert dims_from_config(name, given, "t") == dims_from_config(name, {**defaults, **given}, "t"), name
+
+
+def test_every_tiny_pipeline_is_a_registered_family():
+    from megaflow.models import tiny_pipeline
+
+    assert set(tiny_pipeline.FAMILIES) <= set(family_names()), tiny_pipeline.FAMILIES
