@@ -13,6 +13,7 @@ from typing import Any, Callable
 _FAMILIES: dict[str, str] = {
     "sd3": "megaflow.models.sd3",
     "flux": "megaflow.models.flux",
+    "qwen_image": "megaflow.models.qwen_image",
 }
 
 
