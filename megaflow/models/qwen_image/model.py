@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megaflow.models.common.batch import stack_conditioning
+from megaflow.models.common.batch import packed_grid, stack_conditioning
 from megaflow.models.common.layers import HeadRMSNorm, ReplicatedLinear
 from megaflow.models.common import model as common_model
 from megaflow.models.common.model import TIMESTEP_CHANNELS, DiTModel, EmbedMLP, timestep_features
@@ -130,11 +130,7 @@ def batch_conditioning(config: QwenImageConfig, trajectories, cfg: bool) -> dict
     longest = max(x.conditioning[k].shape[0] for x in trajectories for k in keys if k in x.conditioning)
     padded = [_padded_text(x, longest) for x in trajectories]
     out = stack_conditioning(padded, ("encoder_hidden_states", "encoder_hidden_states_mask"), cfg)
-    num_tokens, area = trajectories[0].latents.shape[-2], size[0] * size[1]
-    scale = round((area / num_tokens) ** 0.5)
-    if scale < 1 or (size[0] // scale) * (size[1] // scale) != num_tokens:
-        raise ValueError(f"{num_tokens} packed latent tokens fit no grid of a {size[0]}x{size[1]} image")
-    out["img_shapes"] = (1, size[0] // scale, size[1] // scale)
+    out["img_shapes"] = (1, *packed_grid(trajectories[0].latents.shape[-2], *size))
     return out
 
 
