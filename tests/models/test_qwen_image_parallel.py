@@ -6,10 +6,9 @@ RoPE grid), two prompts of 5 and 7 text tokens in one batch (padded to 7 with no
 Layouts: TP=1 (reference; DP=4), TP=2+SP (7 text tokens: the model pads the text to 8 and masks it),
 PP=2, TP=2 with megatron's own DotProductAttention (padding mask) via a dotted-path spec provider,
 TP2xPP2+SP (the padded, sequence-parallel text in the p2p tensor).
-Tolerances: velocity and loss vs diffusers <= 1e-5 abs and velocity <= 1e-5 relative to the largest reference
-velocity; full grads vs the
-TP=1 megatron run <= 1e-6; TP=1 grads vs diffusers grads <= 1e-5; each prompt alone (no padding, no mask)
-vs its row of the padded batch <= 1e-5 at every layout.
+Tolerances: velocity and loss vs diffusers <= 1e-5 abs, velocity also <= 1e-5 relative to the largest
+reference velocity; full grads vs the TP=1 megatron run <= 1e-6; TP=1 grads vs diffusers grads <= 1e-5;
+each prompt alone (no padding, no mask) vs its row of the padded batch <= 1e-5 at every layout.
 """
 from __future__ import annotations
 
