@@ -126,5 +126,6 @@ def test_registry_and_inputs():
     sp = from_diffusers(tiny.tiny_config(), tensor_model_parallel_size=2, sequence_parallel=True)
     assert microbatch_seq_length(sp, {"latents": torch.zeros(1, 12, 16), "encoder_hidden_states": torch.zeros(1, 7, 24)}) == 22
     assert as_img_shape([[(1, 3, 4)], [(1, 3, 4)]]) == (1, 3, 4) == as_img_shape(torch.tensor([1, 3, 4]))
+    assert as_img_shape([(1, 3, 4), (1, 3, 4)]) == (1, 3, 4)
     with pytest.raises(ValueError, match="shared by the whole batch"):
         as_img_shape([[(1, 3, 4)], [(1, 4, 3)]])

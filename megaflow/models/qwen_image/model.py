@@ -28,7 +28,9 @@ def as_img_shape(img_shapes) -> tuple[int, int, int]:
     if isinstance(img_shapes, torch.Tensor):
         img_shapes = img_shapes.tolist()
     if len(img_shapes) and isinstance(img_shapes[0], (list, tuple)):  # diffusers: one list of images per sample
-        samples = {tuple(tuple(int(v) for v in image) for image in sample) for sample in img_shapes}
+        images = [[sample] if len(sample) and not isinstance(sample[0], (list, tuple)) else sample
+                  for sample in img_shapes]  # a sample given as one bare triple is one image
+        samples = {tuple(tuple(int(v) for v in image) for image in sample) for sample in images}
         if len(samples) != 1 or len(next(iter(samples))) != 1:
             raise ValueError(f"img_shapes {img_shapes}: one (frames, height, width) image shared by the whole "
                              "batch is supported")
