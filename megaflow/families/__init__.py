@@ -5,12 +5,13 @@ torch loads); nothing outside ``megaflow/models/`` and this package tests a fami
 """
 from __future__ import annotations
 
-from megaflow.families import flux, sd3
+from megaflow.families import flux, qwen_image, sd3
 from megaflow.families.card import FamilyCard
 
 _FAMILIES: dict[str, FamilyCard] = {
     "sd3": sd3.CARD,
     "flux": flux.CARD,
+    "qwen_image": qwen_image.CARD,
 }
 DEFAULT_FAMILY = "sd3"
 

@@ -65,11 +65,12 @@ def dims_from_config(family: str, conf: dict, source: str) -> DiTDims:
     """``DiTDims`` from a diffusers transformer config dict (defaults as the diffusers classes have them; the
     family-specific fields from its card's ``plan_dims``)."""
     heads, head_dim = int(conf["num_attention_heads"]), int(conf["attention_head_dim"])
-    own = card(family).plan_dims(conf)
+    own = card(family).plan_dims(conf)  # it may set out_channels / joint_dim where its class's defaults differ
+    shared = dict(out_channels=int(conf.get("out_channels") or own["in_channels"]),
+                  joint_dim=int(conf.get("joint_attention_dim", 4096)),
+                  guidance_embeds=bool(conf.get("guidance_embeds", False)))
     return DiTDims(family=family, source=source, hidden=heads * head_dim, heads=heads, head_dim=head_dim,
-                   out_channels=int(conf.get("out_channels") or own["in_channels"]),
-                   joint_dim=int(conf.get("joint_attention_dim", 4096)),
-                   guidance_embeds=bool(conf.get("guidance_embeds", False)), **own)
+                   **{**shared, **own})
 
 
 def _linear(i: int, o: int) -> int:

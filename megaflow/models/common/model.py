@@ -30,11 +30,14 @@ from megaflow.models.common.layers import ReplicatedLinear, layer_norm, modulate
 TIMESTEP_CHANNELS = 256  # sinusoidal timestep features (diffusers Timesteps(num_channels=256))
 
 
-def timestep_features(timestep: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
-    """Sinusoidal timestep features [B, dim], cos first (diffusers flip_sin_to_cos=True, shift 0)."""
+def timestep_features(timestep: torch.Tensor, dim: int = TIMESTEP_CHANNELS, scale: float = 1.0) -> torch.Tensor:
+    """Sinusoidal timestep features [B, dim], cos first (diffusers flip_sin_to_cos=True, shift 0); ``scale``
+    multiplies the angles after the product, as diffusers' ``Timesteps(scale=...)`` does."""
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
     args = timestep[:, None].float() * freqs[None, :]
+    if scale != 1.0:
+        args = scale * args
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 

@@ -12,7 +12,7 @@ from megaflow.models.common.model import stage_ends, stage_layers
 
 __all__ = [
     "ADALN_ATTENTION_ROWS", "ADALN_MLP_ROWS", "FINAL_ROWS", "QKV", "W", "WB", "ParamMap", "Recipe", "WeightMap",
-    "embed_mlp_rows", "fuse_qkv", "join", "shard", "stage_layers", "unfuse_qkv",
+    "block_maps", "embed_mlp_rows", "fuse_qkv", "join", "shard", "stage_layers", "unfuse_qkv",
 ]
 
 W, WB = ("weight",), ("weight", "bias")  # param suffixes of a norm / of a biased linear
@@ -68,6 +68,17 @@ class ParamMap:
         if self.kind == "row" and self.megatron.endswith(".weight"):
             return 1
         return None
+
+
+def block_maps(rows, megatron_prefix: str, diffusers_prefix: str, layer: int,
+               param_map: type = ParamMap) -> list[ParamMap]:
+    """Every row of a block table (all its parts present) as ``param_map``s of global block ``layer``."""
+    out = []
+    for mg, df, kind, suffixes, _when in rows:
+        dfs = df if isinstance(df, tuple) else (df,)
+        out += [param_map(f"{megatron_prefix}{mg}.{s}", tuple(f"{diffusers_prefix}{d}.{s}" for d in dfs), kind, layer)
+                for s in suffixes]
+    return out
 
 
 def join(module: str, suffix: str) -> str:

@@ -16,6 +16,7 @@ from megaflow.models.common.weight_map import (
     Recipe,
     W,
     WeightMap,
+    block_maps,
     embed_mlp_rows,
     join,
 )
@@ -65,15 +66,6 @@ class ParamMap(_BaseParamMap):
         return super().split_dim
 
 
-def _block_maps(table, megatron_prefix: str, diffusers_prefix: str, layer: int) -> list[ParamMap]:
-    out = []
-    for mg, df, kind, suffixes, _when in table:  # every FLUX block has all its parts
-        dfs = df if isinstance(df, tuple) else (df,)
-        out += [ParamMap(f"{megatron_prefix}{mg}.{s}", tuple(f"{diffusers_prefix}{d}.{s}" for d in dfs), kind, layer)
-                for s in suffixes]
-    return out
-
-
 def param_maps(config: FluxConfig) -> list[ParamMap]:
     """Every megatron tensor of the full model (global names), in a stable order."""
     stages = {"first": "first", "guidance": "first", "last": "last"}
@@ -83,9 +75,10 @@ def param_maps(config: FluxConfig) -> list[ParamMap]:
     out = [m for m in top if m.stage == "first"]
     for i in range(config.num_layers):
         if config.is_single(i):
-            out += _block_maps(_SINGLE, f"layers.{i}.", f"single_transformer_blocks.{i - config.num_double_layers}.", i)
+            out += block_maps(_SINGLE, f"layers.{i}.", f"single_transformer_blocks.{i - config.num_double_layers}.", i,
+                              ParamMap)
         else:
-            out += _block_maps(_DOUBLE, f"layers.{i}.", f"transformer_blocks.{i}.", i)
+            out += block_maps(_DOUBLE, f"layers.{i}.", f"transformer_blocks.{i}.", i, ParamMap)
     return out + [m for m in top if m.stage == "last"]
 
 
