@@ -25,7 +25,7 @@ from megaflow.parallel.placement import launch_layout
 # here and tests/config/test_preflight.py checks that they are equal.
 REWARD_NAMES = tuple(REWARD_ARGS)
 BUILTIN_SPECS = ("auto", "local", "te")
-FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel", "wan": "WanTransformer3DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
 TINY_SD3_POSITIONS = 16  # pos_embed_max_size of the tiny SD3 pipeline (megaflow.models.tiny_pipeline)

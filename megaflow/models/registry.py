@@ -13,6 +13,7 @@ from typing import Any, Callable
 _FAMILIES: dict[str, str] = {
     "sd3": "megaflow.models.sd3",
     "flux": "megaflow.models.flux",
+    "wan": "megaflow.models.wan",
 }
 
 

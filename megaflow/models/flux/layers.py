@@ -1,5 +1,5 @@
-"""FLUX.1 blocks on megatron-core (layout [s, b, h]): rotary embeddings and the two block kinds;
-shared pieces are in ``megaflow.models.common.layers``.
+"""FLUX.1 blocks on megatron-core (layout [s, b, h]): the two block kinds with rotary embeddings;
+shared pieces are in ``megaflow.models.common.layers`` and ``megaflow.models.common.rope``.
 
 Design notes: docs/design/models.md.
 """
@@ -22,9 +22,8 @@ from megaflow.models.common.layers import (
     layer_norm,
     modulate,
 )
+from megaflow.models.common.rope import Rope, apply_rope, rope_table  # noqa: F401  (rope_table: re-exported)
 from megaflow.models.flux.config import FluxConfig
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, head_dim] float32
 
 
 @dataclass
@@ -34,27 +33,6 @@ class FluxRope:
     image: Rope
     context: Rope
     joint: Rope
-
-
-def rope_table(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float) -> Rope:
-    """cos, sin [tokens, sum(axes_dims)] for position ids [tokens, axes] (diffusers FluxPosEmbed:
-    float64 frequencies, each frequency repeated twice, axes concatenated)."""
-    pos = ids.float()
-    cos, sin = [], []
-    for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim))
-        angles = torch.outer(pos[:, axis].double(), freqs)
-        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
-        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
-    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x [s, b, heads, d] by the per-token angles (fp32 math)."""
-    cos, sin = (t[:, None, None, :] for t in rope)
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 class FluxJointAttention(JointAttention):
