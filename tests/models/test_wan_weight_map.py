@@ -48,6 +48,13 @@ def test_config_errors_name_the_value(bad, message):
         from_diffusers({**tiny.tiny_config(), **bad})
 
 
+def test_qk_layernorm_flag_is_refused():
+    """megatron sums the grads of params named *q_layernorm* over TP when qk_layernorm is set: wrong for Wan's
+    heads-split scales, so the flag is refused."""
+    with pytest.raises(ValueError, match="qk_layernorm=True is not supported"):
+        from_diffusers(tiny.tiny_config(), qk_layernorm=True)
+
+
 @pytest.mark.parametrize("cross_attn_norm", [True, False])
 def test_roundtrip_bit_exact_and_tables(cross_attn_norm, t2v):
     dcfg = tiny.tiny_config(cross_attn_norm=cross_attn_norm)

@@ -63,6 +63,9 @@ class WanConfig(TransformerConfig):
             raise ValueError(f"patch_size={self.patch_size} must be three positive ints (frames, rows, columns)")
         if self.qk_norm != QK_NORM:
             raise ValueError(f"qk_norm={self.qk_norm!r} is not supported; Wan's transformer uses {QK_NORM!r}")
+        if self.qk_layernorm:
+            raise ValueError("qk_layernorm=True is not supported for Wan: its q/k norm scales are split over TP by "
+                             "heads, and megatron would sum their grads over TP as if they were replicated")
         if self.kv_channels % 2 or min(self.rope_axes) < 2:
             raise ValueError(f"attention_head_dim={self.kv_channels} must be even and at least 6 (its rotary parts "
                              f"time/height/width {self.rope_axes} must each be >= 2)")
