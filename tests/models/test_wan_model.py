@@ -1,5 +1,6 @@
 """megatron Wan at TP=1 vs diffusers WanTransformer3DModel: velocity and grads of the SFT loss on video latents
-(3 latent frames), with and without the cross-attention norm, with torch SDPA and with megatron's own
+(3 latent frames; 4 frames patched in pairs by patch_size (2, 2, 2)), with and without the cross-attention
+norm, with torch SDPA and with megatron's own
 DotProductAttention (a dotted-path spec provider).
 
 Needs: CPU, one gloo rank (a 1-process launch keeps megatron's global state out of pytest); diffusers in the
@@ -21,7 +22,8 @@ import wan_workers
 @pytest.mark.dist
 def test_tp1_matches_diffusers(tmp_path):
     cases = [test_wan_parallel.make_case("t2v", tiny.tiny_config()),
-             test_wan_parallel.make_case("no_cross_norm", tiny.tiny_config(cross_attn_norm=False))]
+             test_wan_parallel.make_case("no_cross_norm", tiny.tiny_config(cross_attn_norm=False)),
+             test_wan_parallel.make_case("frame_patch", tiny.tiny_config(patch_size=(2, 2, 2)), frames=4)]
     torch.save(cases, tmp_path / "cases.pt")
     layout = dict(spec="wan_workers:megatron_core_attention_spec")
     (report,) = run_multiprocess(wan_workers.parity_rank, 1, str(tmp_path / "cases.pt"), [layout], timeout_s=300)

@@ -22,13 +22,14 @@ LAYOUTS = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2)]
 REL_TOL = 1e-5
 
 
-def make_case(name: str, dcfg: dict) -> dict:
-    """Diffusers reference: velocities of both microbatches, SFT loss and grads (megatron names)."""
+def make_case(name: str, dcfg: dict, **batch_kwargs) -> dict:
+    """Diffusers reference: velocities of both microbatches (``tiny.sft_batches(dcfg, **batch_kwargs)``), SFT
+    loss and grads (megatron names)."""
     from megaflow.models.wan import from_diffusers, weight_map
 
     torch.set_num_threads(1)
     model = tiny.diffusers_model(dcfg, seed=3)
-    batches = tiny.sft_batches(dcfg, num_microbatches=2, batch=2)
+    batches = tiny.sft_batches(dcfg, num_microbatches=2, batch=2, **batch_kwargs)
     with torch.no_grad():
         velocities = [tiny.diffusers_velocity(model, b) for b in batches]
     loss, grads = tiny.diffusers_sft_reference(model, batches)
