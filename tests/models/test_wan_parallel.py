@@ -1,9 +1,10 @@
 """megatron Wan vs diffusers WanTransformer3DModel across parallel layouts, on video latents.
 
-Needs: CPU, gloo, 2 processes (ONE launch runs every layout). Tiny config (2 blocks, 4 heads x 8), random fp32
+Needs: CPU, gloo, 4 processes (ONE launch runs every layout). Tiny config (2 blocks, 4 heads x 8), random fp32
 weights, latents [2, 4, 3, 4, 6] (3 latent frames: 3 x 2 x 3 = 18 video tokens), 6 text tokens.
-Layouts: TP=1 (reference; DP=2), TP=2, TP=2+SP (video and text tokens split over the ranks), PP=2 (one block
-per stage, the packed [video; text; temb; 6 time-projection rows] crossing the stage boundary).
+Layouts: TP=1 (reference; DP=4), TP=2, TP=2+SP (video and text tokens split over the ranks), PP=2 (one block
+per stage, the packed [video; text; temb; 6 time-projection rows] crossing the stage boundary), TP2xPP2+SP
+(sequence-parallel shards of both token streams in that packed tensor).
 Tolerances: velocity and loss vs diffusers <= 1e-5 abs and <= 1e-5 relative to the velocity's largest value;
 full grads vs the TP=1 megatron run <= 1e-6 (abs); TP=1 grads vs diffusers grads <= 1e-5.
 """
@@ -18,7 +19,7 @@ from megaflow.testing.dist import run_multiprocess
 import common_workers
 import wan_workers
 
-LAYOUTS = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2)]
+LAYOUTS = [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(tp=2, pp=2, sp=True)]
 REL_TOL = 1e-5
 
 
@@ -53,6 +54,6 @@ def check_relative(reports: list[dict], cases: list[dict]) -> None:
 def test_layouts_match_diffusers_and_tp1(tmp_path):
     cases = [make_case("t2v", tiny.tiny_config())]
     torch.save(cases, tmp_path / "cases.pt")
-    reports = run_multiprocess(wan_workers.parity_rank, 2, str(tmp_path / "cases.pt"), LAYOUTS, timeout_s=600)
+    reports = run_multiprocess(wan_workers.parity_rank, 4, str(tmp_path / "cases.pt"), LAYOUTS, timeout_s=600)
     common_workers.check_reports(reports, num_cases=len(cases), num_layouts=len(LAYOUTS))
     check_relative(reports, cases)
