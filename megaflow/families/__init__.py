@@ -5,13 +5,14 @@ torch loads); nothing outside ``megaflow/models/`` and this package tests a fami
 """
 from __future__ import annotations
 
-from megaflow.families import flux, qwen_image, sd3
+from megaflow.families import flux, qwen_image, sd3, wan
 from megaflow.families.card import FamilyCard
 
 _FAMILIES: dict[str, FamilyCard] = {
     "sd3": sd3.CARD,
     "flux": flux.CARD,
     "qwen_image": qwen_image.CARD,
+    "wan": wan.CARD,
 }
 DEFAULT_FAMILY = "sd3"
 

@@ -1,5 +1,5 @@
-"""Rotary position embeddings over several position axes and the RoPE double-stream (MMDiT) block that
-applies them (FLUX.1's double-stream block, Qwen-Image's block). Layout [s, b, h]; a rope table is
+"""Rotary position embeddings over several position axes (FLUX.1's ids, Qwen-Image's, Wan's frame / row / column
+grid) and the RoPE double-stream (MMDiT) block that applies them (FLUX.1's double-stream block, Qwen-Image's block). Layout [s, b, h]; a rope table is
 (cos, sin) per token with each frequency repeated twice, rotating channel pairs (2i, 2i+1).
 
 Design notes: docs/design/models.md.
@@ -36,7 +36,7 @@ class StreamRope:
 def rope_table(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float, dtype: torch.dtype = torch.float64) -> Rope:
     """cos, sin [tokens, sum(axes_dims)] for position ids [tokens, axes]: per axis the frequencies
     1 / theta^(2i/dim) and angles position * frequency computed in ``dtype`` (diffusers: float64 for FLUX,
-    float32 for Qwen-Image), each frequency repeated twice, axes concatenated; returned as float32."""
+    float32 for Qwen-Image, float64 for Wan), each frequency repeated twice, axes concatenated; returned as float32."""
     cos, sin = [], []
     for axis, dim in enumerate(axes_dims):
         freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=ids.device) / dim))
