@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from megaflow.cli.bench import add_bench_parsers
-from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, apply_device, load_checked, print_json,
-                                 run_config)
+from megaflow.cli.common import (Handler, add_config_args, add_trust_remote_code_arg, add_verbose_arg, apply_device,
+                                 load_checked, print_json, run_config)
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
@@ -53,12 +53,14 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
         from megaflow.config.files import check_pipeline
+        from megaflow.config.remote_code import refuse_remote_code
         check_pipeline(args.pipeline, "--pipeline")
+        refuse_remote_code(args.pipeline, "--pipeline", trust=args.trust_remote_code)
         from megaflow.shapeeval.evaluate import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
                                          num_steps=args.steps, resolution=args.resolution, out_dir=out_dir,
-                                         sampler=args.sampler))
+                                         sampler=args.sampler, trust_remote_code=args.trust_remote_code))
         print_json(result, True)
         return 0
     if args.ground_truth:
@@ -166,7 +168,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.commands.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
                         max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint,
-                        base_model=args.base_model)
+                        base_model=args.base_model, trust_remote_code=args.trust_remote_code)
     print_json(result, args.json)
     return 0
 
@@ -221,12 +223,14 @@ def _add_run_parsers(sub) -> None:
                          "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "
                          "is refused.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
+    add_trust_remote_code_arg(p_train, sets_config=True)
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> RL on TRAIN prompts (the config's algorithm) "
                             "-> held-out ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
     add_config_args(p_demo, default="configs/shapes_demo.toml")
+    add_trust_remote_code_arg(p_demo, sets_config=True)
     add_verbose_arg(p_demo)
     p_demo.set_defaults(handler=_cmd_demo)
 
@@ -234,6 +238,7 @@ def _add_run_parsers(sub) -> None:
                            "(text encoders, VAE, then the DiT through megatron-core); writes <run dir>/pipeline.")
     add_config_args(p_pre)
     p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
+    add_trust_remote_code_arg(p_pre, sets_config=True)
     p_pre.set_defaults(handler=_cmd_pretrain)
 
 
@@ -255,6 +260,9 @@ def _add_export_parser(sub) -> None:
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+    p_exp.add_argument("--trust-remote-code", action="store_true", help="Export a run whose pipeline names code "
+                       "(a config's auto_map, a custom class in model_index.json): the export copies it along; "
+                       "without it such a pipeline is refused.")
     p_exp.set_defaults(handler=_cmd_export)
 
 
@@ -286,6 +294,7 @@ def _add_eval_parsers(sub) -> None:
     p_shapes.add_argument("--seed", type=int, default=0)
     p_shapes.add_argument("--resolution", type=int, default=32)
     p_shapes.add_argument("--json", action="store_true", help="Print one JSON object.")
+    add_trust_remote_code_arg(p_shapes)
     p_shapes.set_defaults(handler=_cmd_eval_shapes)
     p_rew = eval_sub.add_parser("reward", help="Score a folder of images with one reward: per-image scores and "
                                 "their mean.")

@@ -20,7 +20,8 @@ from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints,
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
 # Sections and keys a resumed run may change: how long it runs and what it prints.
-_RESUMABLE_CHANGES = {("train", "iterations"), ("train", "save_every"), ("train", "keep_checkpoints")}
+_RESUMABLE_CHANGES = {("train", "iterations"), ("train", "save_every"), ("train", "keep_checkpoints"),
+                      ("model", "trust_remote_code")}  # a permission, not the run: the preflight checks it again
 _RESUMABLE_SECTIONS = {"logging"}
 
 
