@@ -203,3 +203,26 @@ def test_trusted_eval_runs_the_payload_and_samples(tiny_sd3_dir, tmp_path):
     assert trusted.returncode == 0, trusted.stderr[-2000:]
     assert (tmp_path / MARKER).read_text() == "ran"
     assert '"sampler": "diffusers"' in trusted.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_workers_refuse_what_the_host_check_missed(tiny_sd3_dir, tmp_path, monkeypatch):
+    """With the host's check bypassed, the worker's own guard (megaflow's SGLang plugin around the text encoder
+    loader, which asks transformers' AutoConfig with remote code trusted whatever the server args say: without the
+    guard this payload runs) refuses the text encoder's auto_map; SGLang falls back to its native load under the
+    server args' trust_remote_code = False, which ignores the auto_map. The payload never runs."""
+    from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from megaflow.rollout.sglang import engine as engine_module
+    pipe = tmp_path / "pipe"
+    shutil.copytree(tiny_sd3_dir, pipe)
+    add_remote_code(pipe, "auto_map", marker=tmp_path / MARKER, folder="text_encoder")
+    monkeypatch.setattr(engine_module, "check_model_dir", lambda config: None)
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where transformers would copy the payload
+    engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipe), num_threads=1, log_dir=str(tmp_path / "logs")))
+    try:
+        assert not (tmp_path / MARKER).exists(), "the payload ran in the worker"
+        log = (tmp_path / "logs" / "sglang0.log").read_text()
+        assert f"text encoder: {pipe}/text_encoder/config.json: auto_map" in log, log[-3000:]
+    finally:
+        engine.shutdown()
