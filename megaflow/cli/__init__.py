@@ -53,9 +53,11 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
         from megaflow.config.files import check_pipeline
-        from megaflow.config.remote_code import refuse_remote_code
+        from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
         check_pipeline(args.pipeline, "--pipeline")
         refuse_remote_code(args.pipeline, "--pipeline", trust=args.trust_remote_code)
+        if args.sampler == "sglang":
+            refuse_custom_components(args.pipeline, "--pipeline")
         from megaflow.shapeeval.evaluate import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,

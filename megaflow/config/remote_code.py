@@ -81,6 +81,16 @@ def find_remote_code(path: str | Path) -> tuple[Path, str] | None:
     return None
 
 
+def refuse_custom_components(path: str | Path, key: str) -> None:
+    """ConfigError (one line naming the component) when the pipeline ``path`` has a custom class, for the SGLang
+    engine: its native pipelines load diffusers and transformers classes only, trusted or not."""
+    custom = custom_components(path)
+    if custom:
+        name, where, what = custom[0]
+        raise ConfigError(f"{key}: {where}: {what}: the SGLang engine cannot load it (its native pipelines load "
+                          f"{' and '.join(KNOWN_LIBRARIES)} classes only)")
+
+
 def refuse_remote_code(path: str | Path, key: str, *, trust: bool = False) -> None:
     """ConfigError (``key: file: why: ...``, one line) when the model directory ``path`` holds code a loader would
     run and ``trust`` (the user's --trust-remote-code) is not given."""

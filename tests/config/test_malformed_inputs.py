@@ -191,6 +191,13 @@ CASES = {
     "remote code: eval shapes (sglang), auto_map": (lambda t: [
         "eval", "shapes", "--pipeline", str(_remote(t, "auto_map", folder="text_encoder_2"))],
         "pipe/text_encoder_2/config.json: auto_map"),
+    "remote code: train --trust-remote-code, a custom component the engine cannot load": (lambda t: [
+        *TRAIN, "--trust-remote-code", "--set", f'model.pretrained="{_remote(t, "component")}"'],
+        "pipe/text_encoder/payload.py: custom component class ['payload', 'PayloadModel'] for 'text_encoder' (not "
+        "from diffusers or transformers): the SGLang engine cannot load it"),
+    "remote code: eval shapes --trust-remote-code, a custom component the engine cannot load": (lambda t: [
+        "eval", "shapes", "--pipeline", str(_remote(t, "component")), "--trust-remote-code"],
+        "--pipeline: " + "{t}/pipe/text_encoder/payload.py: custom component class"),
     "tool: remote code, auto_map": (lambda t: _tool(t, "to-megatron", add_remote_code(
         _transformer(t), "auto_map", marker=t / MARKER, folder="")), "--src: " + "{t}/pipe/transformer/config.json: "
                                                                                   "auto_map"),

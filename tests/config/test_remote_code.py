@@ -131,7 +131,8 @@ def test_the_engine_refuses_before_any_worker_starts(tmp_path):
                                                                             trust_remote_code=True)),
                     f"{custom}/text_encoder/payload.py: custom component class ['payload', 'PayloadModel'] for "
                     "'text_encoder'")
-    assert "the SGLang engine cannot load it" in line
+    assert "the SGLang engine cannot load it (its native pipelines load diffusers and transformers classes only)" \
+        in line
 
 
 def test_the_workers_text_encoder_loader_is_guarded(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megaflow.checksum import ALGORITHMS, DEFAULT
-from megaflow.config.remote_code import custom_components, refuse_remote_code
+from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
 from megaflow.config.schema import MegaflowConfig
 
 FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
@@ -93,12 +93,7 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
 
 
 def check_model_dir(config: SGLangEngineConfig) -> None:
-    """Before any worker starts: ``model_path`` names no code unless ``trust_remote_code`` (ConfigError, one line
-    naming the file), and no custom component class, which SGLang's native pipelines cannot load (ValueError, one
-    line naming the component) rather than the worker's traceback."""
+    """Before any worker starts: ``model_path`` names no code unless ``trust_remote_code``, and no custom component
+    class, which SGLang's native pipelines cannot load (one line naming the file, not the worker's traceback)."""
     refuse_remote_code(config.model_path, "the engine's model directory", trust=config.trust_remote_code)
-    custom = custom_components(config.model_path)
-    if custom:
-        name, where, what = custom[0]
-        raise ValueError(f"{where}: {what}: the SGLang engine cannot load it (its {config.family} pipeline loads "
-                         "diffusers and transformers classes only)")
+    refuse_custom_components(config.model_path, "the engine's model directory")
