@@ -30,6 +30,7 @@ from pathlib import Path
 
 from megaflow.config.files import check_megatron_checkpoint, check_weights_dir, read_json
 from megaflow.config.load import ConfigError
+from megaflow.config.remote_code import refuse_remote_code
 from megaflow.parallel.dims import ParallelDims
 
 
@@ -126,7 +127,7 @@ def _check_layout(dconfig: dict, tp: int, pp: int, where: Path) -> None:
         raise ConvertError(str(e)) from None
 
 
-def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int) -> None:
+def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int, *, trust_remote_code: bool = False) -> None:
     """What can be checked with the standard library, before torch / megatron are imported."""
     if not src.is_dir():
         raise ConvertError(f"--src {src} is not a directory")
@@ -138,6 +139,7 @@ def _check_inputs(command: str, src: Path, dst: Path, tp: int, pp: int) -> None:
         dconfig = read_json(src / "config.json", "--src")
         _check_layout(dconfig, tp, pp, src / "config.json")
         check_weights_dir(src, "--src")
+        refuse_remote_code(src, "--src", trust=trust_remote_code)
     else:
         check_megatron_checkpoint(src, "--src")
 
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst", type=Path, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="Convert a transformer dir whose config.json names code (auto_map): only from a trusted "
+                   "source; without it such a dir is refused.")
     p = sub.add_parser("to-diffusers", help="megatron dist checkpoint -> diffusers transformer dir")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                    "manifest that is there is always checked.")
     args = parser.parse_args(argv)
     try:
-        _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1))
+        _check_inputs(args.command, args.src, args.dst, getattr(args, "tp", 1), getattr(args, "pp", 1),
+                      trust_remote_code=getattr(args, "trust_remote_code", False))
         warnings.filterwarnings("ignore", category=UserWarning)  # megatron's import-time notices (no TE/apex)
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
         import megaflow  # noqa: F401  (import guards before megatron)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from megaflow.cli.bench import add_bench_parsers
 from megaflow.cli.evaluate import add_eval_parsers
-from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, apply_device, load_checked, print_json,
-                                 run_config)
+from megaflow.cli.common import (Handler, add_config_args, add_trust_remote_code_arg, add_verbose_arg, apply_device,
+                                 load_checked, print_json, run_config)
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.rundir.interrupt import Interrupted, child_pids, kill_children
@@ -137,7 +137,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from megaflow.commands.export import export_run
     result = export_run(args.run, args.out, iteration=args.iteration, ema=args.ema, lora_only=args.lora_only,
                         max_shard_size=args.max_shard_size, trust_checkpoint=args.trust_checkpoint,
-                        base_model=args.base_model)
+                        base_model=args.base_model, trust_remote_code=args.trust_remote_code)
     print_json(result, args.json)
     return 0
 
@@ -196,12 +196,14 @@ def _add_run_parsers(sub) -> None:
                          help="With --resume: accept a change of this key though it changes what the run trains "
                          "(e.g. rollout.group_size); repeatable.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
+    add_trust_remote_code_arg(p_train, sets_config=True)
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
 
     p_demo = sub.add_parser("demo", help="Held-out ShapeEval before -> RL on TRAIN prompts (the config's algorithm) "
                             "-> held-out ShapeEval after, from the shipped model; writes <run dir>/summary.json.")
     add_config_args(p_demo, default="configs/shapes_demo.toml")
+    add_trust_remote_code_arg(p_demo, sets_config=True)
     add_verbose_arg(p_demo)
     p_demo.set_defaults(handler=_cmd_demo)
 
@@ -209,6 +211,7 @@ def _add_run_parsers(sub) -> None:
                            "(text encoders, VAE, then the DiT through megatron-core); writes <run dir>/pipeline.")
     add_config_args(p_pre)
     p_pre.add_argument("--json", action="store_true", help="Print the last evaluation as JSON.")
+    add_trust_remote_code_arg(p_pre, sets_config=True)
     p_pre.set_defaults(handler=_cmd_pretrain)
 
 
@@ -230,6 +233,9 @@ def _add_export_parser(sub) -> None:
                        "5GB, 2GiB); a larger transformer is written in shards with an index.json, as diffusers does.")
     p_exp.add_argument("--json", action="store_true", help="Print one JSON object.")
     p_exp.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+    p_exp.add_argument("--trust-remote-code", action="store_true", help="Export a run whose pipeline names code "
+                       "(a config's auto_map, a custom class in model_index.json): the export copies it along; "
+                       "without it such a pipeline is refused.")
     p_exp.set_defaults(handler=_cmd_export)
 
 

@@ -10,6 +10,9 @@ from megaflow.config import MegaflowConfig, load_config
 from megaflow.config.preflight import preflight
 
 Handler = Callable[[argparse.Namespace], int]
+REMOTE_CODE_HELP = ("Run the code a model directory names (a config's auto_map, a custom class in model_index.json, "
+                    "imported from a .py in the directory); without it such a directory is refused. Only for a "
+                    "directory from a trusted source.")
 
 
 def add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -22,7 +25,8 @@ def add_config_args(p: argparse.ArgumentParser, default: str | None = None) -> N
 def load_checked(args: argparse.Namespace, command: str) -> MegaflowConfig:
     """The validated config of ``-c`` / ``--set``, preflight-checked for ``command`` (files it names,
     the machine, cross-field rules) before anything heavy is imported."""
-    return preflight(load_config(args.config, args.overrides), command)
+    trust = ["model.trust_remote_code=true"] if getattr(args, "trust_remote_code", False) else []
+    return preflight(load_config(args.config, [*args.overrides, *trust]), command)
 
 
 def apply_device(cfg: MegaflowConfig) -> MegaflowConfig:
@@ -36,6 +40,11 @@ def apply_device(cfg: MegaflowConfig) -> MegaflowConfig:
 def run_config(args: argparse.Namespace, command: str) -> MegaflowConfig:
     """The checked config of a command that computes, with ``run.device`` applied."""
     return apply_device(load_checked(args, command))
+
+
+def add_trust_remote_code_arg(p: argparse.ArgumentParser, *, sets_config: bool = False) -> None:
+    p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP + (
+        " Sets model.trust_remote_code." if sets_config else ""))
 
 
 def add_verbose_arg(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from megaflow.cli.common import add_config_args, print_json
+from megaflow.cli.common import add_config_args, add_trust_remote_code_arg, print_json
 from megaflow.config import load_config
 from megaflow.shapeeval import SAMPLERS
 
@@ -16,12 +16,16 @@ def _cmd_eval_shapes(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import evaluate_corruption, evaluate_ground_truth, evaluate_images
     if args.pipeline is not None:
         from megaflow.config.files import check_pipeline
+        from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
         check_pipeline(args.pipeline, "--pipeline")
+        refuse_remote_code(args.pipeline, "--pipeline", trust=args.trust_remote_code)
+        if args.sampler == "sglang":
+            refuse_custom_components(args.pipeline, "--pipeline")
         from megaflow.shapeeval.evaluate import brief, evaluate_pipeline
         out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-shapeeval"
         result = brief(evaluate_pipeline(args.pipeline, num=args.num, num_seen=args.num_seen, seed=args.seed,
                                          num_steps=args.steps, resolution=args.resolution, out_dir=out_dir,
-                                         sampler=args.sampler))
+                                         sampler=args.sampler, trust_remote_code=args.trust_remote_code))
         print_json(result, True)
         return 0
     if args.ground_truth:
@@ -106,6 +110,7 @@ def add_eval_parsers(sub) -> None:
     p_shapes.add_argument("--seed", type=int, default=0)
     p_shapes.add_argument("--resolution", type=int, default=32)
     p_shapes.add_argument("--json", action="store_true", help="Print one JSON object.")
+    add_trust_remote_code_arg(p_shapes)
     p_shapes.set_defaults(handler=_cmd_eval_shapes)
     p_rew = eval_sub.add_parser("reward", help="Score a folder of images with one reward: per-image scores and "
                                 "their mean.")

@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+from megaflow.config.remote_code import refuse_remote_code
 from megaflow.rundir.checkpoints import MODEL_DIR, find_checkpoint
 from megaflow.trainer.manifest import verify_manifest
 
@@ -152,16 +153,18 @@ def _copy_pipeline(pipeline: Path, dst: Path) -> None:
 
 def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = None, *, ema: bool = True,
                lora_only: bool = False, max_shard_size: str | int = "5GB", trust_checkpoint: bool = False,
-               base_model: str | None = None) -> dict:
+               base_model: str | None = None, trust_remote_code: bool = False) -> dict:
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = latest) to ``out``: the EMA when
     the run kept one and ``ema``, else the trained weights. ``lora_only``: the adapter file and a README.md model card.
     An SD3 export with a megaflow prompt length also gets ``encode_prompts.py``. Returns what was written. The
-    checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked."""
+    checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked. A
+    pipeline that names code (megaflow.config.remote_code) is refused unless ``trust_remote_code``."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise ValueError(f"--run {run_dir}: no such directory")
     pipeline = run_pipeline(run_dir)
+    refuse_remote_code(pipeline, f"--run {run_dir}: pipeline", trust=trust_remote_code)
     shard_bytes = parse_size(max_shard_size)
     if lora_only:
         _check_lora_run(run_dir)

@@ -13,6 +13,7 @@ from megaflow.config.files import check_pipeline, check_safetensors, check_text_
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.logging_check import check_logging
 from megaflow.config.machine import cuda_available
+from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
 from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
@@ -51,6 +52,7 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     _check_recompute(cfg)
     if command == "pretrain":
         _check_pretrain(cfg)
+        _check_model_code(cfg, command)
         return cfg
     if command == "demo" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: the demo needs a pretrained pipeline (e.g. assets/shapeeval-sd3)")
@@ -62,7 +64,22 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     check_logging(cfg)
     if files or not cfg.model.pretrained:
         _check_model(cfg)
+    _check_model_code(cfg, command)
     return cfg
+
+
+def _check_model_code(cfg: MegaflowConfig, command: str) -> None:
+    """The model directory the command loads (model.pretrained; pretrain.init_from) names no code to run, unless
+    model.trust_remote_code (--trust-remote-code), and (train, demo: the SGLang engines load it) no custom class;
+    ``show`` loads nothing."""
+    if command == "show":
+        return
+    key = "pretrain.init_from" if command == "pretrain" else "model.pretrained"
+    path = cfg.pretrain.init_from if command == "pretrain" else cfg.model.pretrained
+    if path:
+        refuse_remote_code(path, key, trust=cfg.model.trust_remote_code)
+    if path and command != "pretrain":
+        refuse_custom_components(path, key)
 
 
 def _check_run(cfg: MegaflowConfig, *, files: bool = True) -> None:

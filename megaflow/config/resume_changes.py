@@ -17,6 +17,7 @@ MAY_CHANGE_KEYS = frozenset({
     ("train", "iterations"), ("train", "lr"), ("train", "warmup_iterations"), ("train", "lr_schedule"),
     ("train", "save_every"), ("train", "keep_checkpoints"), ("train", "max_masked_iterations"),
     ("reward", "timeout_s"), ("reward", "num_workers"), ("parallel", "timeout_s"),
+    ("model", "trust_remote_code"),  # a permission, not the run: the preflight checks the model directory again
 })
 
 

@@ -32,6 +32,10 @@ class ModelConfig:
     spec: str = opt("auto", "Layer implementation: auto (TE on GPU, local on CPU), local, te, or a dotted path "
                     "'pkg.mod:fn' returning a layer spec or a whole model.")
     dtype: str = opt("float32", "Parameter dtype of the trained model.", choices=("float32", "bfloat16"))
+    trust_remote_code: bool = opt(False, "Run the code a model directory names (model.pretrained, "
+                                  "pretrain.init_from: a config's auto_map, a custom class of model_index.json; "
+                                  "the SGLang engines still refuse a custom class); false: such a directory is "
+                                  "refused. --trust-remote-code sets it.")
 
 
 @dataclass(kw_only=True)

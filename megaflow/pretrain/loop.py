@@ -24,13 +24,16 @@ def _log(msg: str) -> None:
         print(f"[pretrain] {msg}", flush=True)
 
 
-def load_parts(path: Path):
-    """(text components, VAE, transformer config, transformer state dict, history) of a saved pipeline."""
+def load_parts(path: Path, *, trust_remote_code: bool = False):
+    """(text components, VAE, transformer config, transformer state dict, history) of a saved pipeline; one naming
+    code is refused unless ``trust_remote_code``."""
     from diffusers import StableDiffusion3Pipeline
 
+    from megaflow.config.remote_code import refuse_remote_code
     from megaflow.models.pipeline_meta import read_meta
     if not (Path(path) / "model_index.json").is_file():
         raise ValueError(f"pretrain.init_from: {path} is not a diffusers pipeline directory")
+    refuse_remote_code(path, "pretrain.init_from", trust=trust_remote_code)
     pipe = StableDiffusion3Pipeline.from_pretrained(path)
     text = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
     tcfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
@@ -222,7 +225,8 @@ def _pipeline_parts(cfg: MegaflowConfig, run_dir: Path) -> _Parts:
 
     p = cfg.pretrain
     if p.init_from:
-        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from))
+        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from),
+                                                           trust_remote_code=cfg.model.trust_remote_code)
         if tcfg["sample_size"] * 2 != p.resolution:
             raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} "
                              f"({tcfg['sample_size'] * 2} px)")

@@ -73,7 +73,10 @@ class DiffusersEngine:
 
     @classmethod
     def from_pretrained(cls, pipeline_dir: str, *, config: DiffusersEngineConfig | None = None) -> DiffusersEngine:
-        """Load the fp32 SD3 pipeline of ``pipeline_dir`` (model_index.json + components) on CPU."""
+        """Load the fp32 SD3 pipeline of ``pipeline_dir`` (model_index.json + components) on CPU; a directory
+        naming code is refused (megaflow.config.remote_code)."""
+        from megaflow.config.remote_code import refuse_remote_code
+        refuse_remote_code(pipeline_dir, "pipeline")
         from diffusers import StableDiffusion3Pipeline
 
         from megaflow.models.pipeline_meta import declared_text_len

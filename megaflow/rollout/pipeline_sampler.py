@@ -34,9 +34,13 @@ class PipelineSampler:
         self.pipe.set_progress_bar_config(disable=True)
 
     @classmethod
-    def from_pretrained(cls, pipeline_dir: str, *, text_len: int | None = None) -> PipelineSampler:
+    def from_pretrained(cls, pipeline_dir: str, *, text_len: int | None = None,
+                        trust_remote_code: bool = False) -> PipelineSampler:
         """The pipeline of ``pipeline_dir``; prompts of ``text_len`` tokens (default: the pipeline's declared
-        length, else 77)."""
+        length, else 77). A directory naming code (diffusers imports a custom component's module from a local
+        directory unasked) is refused unless ``trust_remote_code``."""
+        from megaflow.config.remote_code import refuse_remote_code
+        refuse_remote_code(pipeline_dir, "pipeline", trust=trust_remote_code)
         from diffusers import StableDiffusion3Pipeline
 
         from megaflow.models.pipeline_meta import declared_text_len

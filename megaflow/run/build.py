@@ -164,6 +164,8 @@ def resolve_pipeline(cfg: MegaflowConfig, run_dir: Path) -> Path:
         path = Path(cfg.model.pretrained)
         if not (path / "transformer" / "config.json").is_file():
             raise ValueError(f"model.pretrained: {path} has no transformer/config.json")
+        from megaflow.config.remote_code import refuse_remote_code
+        refuse_remote_code(path, "model.pretrained", trust=cfg.model.trust_remote_code)  # trainer and engines load it
         return path
     from megaflow.models.tiny_pipeline import make_tiny_pipeline
     path = run_dir / "tiny-pipeline"

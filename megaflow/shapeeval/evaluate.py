@@ -104,9 +104,11 @@ def evaluate_engine(engine, *, num: int = 300, num_seen: int = 60, seed: int = 0
 
 
 def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60, seed: int = 0, num_steps: int = 10,
-                      resolution: int = 32, out_dir: Path | None = None, sampler: str = "sglang") -> dict:
+                      resolution: int = 32, out_dir: Path | None = None, sampler: str = "sglang",
+                      trust_remote_code: bool = False) -> dict:
     """Evaluate ``pipeline_dir`` (``evaluate_engine``) through one SGLang engine (``sampler="sglang"``) or
-    diffusers' own pipeline call (``"diffusers"``, megaflow.rollout.pipeline_sampler: an independent sampler)."""
+    diffusers' own pipeline call (``"diffusers"``, megaflow.rollout.pipeline_sampler: an independent sampler);
+    either refuses a directory that names code unless ``trust_remote_code``."""
     from megaflow.models.pipeline_meta import declared_text_len
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r}: expected one of {', '.join(SAMPLERS)}")
@@ -115,10 +117,10 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
         raise ValueError(f"--pipeline {pipeline_dir}: not a diffusers pipeline directory (no model_index.json)")
     if sampler == "diffusers":
         from megaflow.rollout.pipeline_sampler import PipelineSampler
-        engine = PipelineSampler.from_pretrained(str(pipeline_dir))
+        engine = PipelineSampler.from_pretrained(str(pipeline_dir), trust_remote_code=trust_remote_code)
     else:
         from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
-        engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir)))
+        engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), trust_remote_code=trust_remote_code))
     try:
         result = evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
                                  resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),

@@ -126,6 +126,8 @@ class ReferenceSampler:
         """diffusers' SD3 text conditioning of one prompt (no batch dim), keyed like Trajectory.conditioning."""
         from diffusers import StableDiffusion3Pipeline
 
+        from megaflow.config.remote_code import refuse_remote_code
+        refuse_remote_code(self.pipeline_dir, "pipeline")
         pipe = StableDiffusion3Pipeline.from_pretrained(self.pipeline_dir, transformer=None, vae=None,
                                                         torch_dtype=torch.float32)
         with torch.no_grad():

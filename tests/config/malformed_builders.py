@@ -122,6 +122,47 @@ def _pipe(tmp: Path, damage=None, *, shards: int = 0) -> list[str]:
     return ["--set", f'model.pretrained="{_pipe_dir(tmp, damage, shards=shards)}"']
 
 
+MARKER = "payload-ran"  # what a payload module writes into the row's temp dir when it is imported
+
+
+def payload_source(marker: Path, base: str = "object") -> str:
+    """A module that writes ``marker`` when imported and defines PayloadConfig / PayloadModel (subclasses of ``base``,
+    e.g. ``transformers.CLIPTextModelWithProjection``, so that a trusted load can go on)."""
+    module, _, name = base.rpartition(".")
+    head = f"from {module} import {name} as _Base\n" if module else f"_Base = {name}\n"
+    return (f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n{head}"
+            "class PayloadConfig(_Base):\n    pass\n\n\nclass PayloadModel(_Base):\n    pass\n")
+
+
+def add_remote_code(root: Path, kind: str, *, marker: Path, folder: str = "text_encoder",
+                    base: str = "object") -> Path:
+    """Make the pipeline ``root`` name code in a ``payload.py``: ``kind`` "auto_map" (``root/<folder>``'s
+    config.json maps the Auto classes to its payload.py; ``folder`` "" = ``root`` is one model's folder),
+    "component" (model_index.json's ``folder`` entry is ["payload", "PayloadModel"], from ``root/<folder>/payload.py``)
+    or "pipeline" (model_index.json's _class_name is ["payload", "PayloadModel"], from ``root/payload.py``)."""
+    target = root / folder if folder and kind != "pipeline" else root
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "payload.py").write_text(payload_source(marker, base))
+    if kind == "auto_map":
+        conf = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
+        conf["auto_map"] = {"AutoConfig": "payload.PayloadConfig", "AutoModel": "payload.PayloadModel"}
+        (target / "config.json").write_text(json.dumps(conf))
+    if (root / "model_index.json").is_file():
+        index = json.loads((root / "model_index.json").read_text())
+        if kind == "pipeline":
+            index["_class_name"] = ["payload", "PayloadModel"]
+        elif folder:
+            index[folder] = (["payload", "PayloadModel"] if kind == "component" else
+                             index.get(folder, ["transformers", "CLIPTextModelWithProjection"]))
+        (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+def _remote(tmp: Path, kind: str, **kwargs) -> Path:
+    """fake_pipeline with ``add_remote_code(kind)``; its payload would write ``<tmp>/MARKER``."""
+    return add_remote_code(fake_pipeline(tmp / "pipe"), kind, marker=tmp / MARKER, **kwargs)
+
+
 def _truncate(path: Path, keep: int | None = None, cut: int = 0) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep] if keep is not None else data[:len(data) - cut])
@@ -280,6 +321,7 @@ _A = b'{"file": "a.png", "prompt": "say \\"A\\""}\n'
 TRAIN = ["train", "-c", str(REPO / "configs" / "cpu_demo.toml")]
 SHOW = ["config", "show", "-c", str(REPO / "configs" / "cpu_demo.toml")]
 DEMO = ["demo", "-c", str(REPO / "configs" / "shapes_demo.toml"), "--set", f'model.pretrained="{SHIPPED}"']
+PRETRAIN = ["pretrain", "-c", str(REPO / "configs" / "shapes_pretrain.toml")]
 T = "transformer/diffusion_pytorch_model.safetensors"
 
 

@@ -12,8 +12,8 @@ import shutil
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
-    DEMO, SHOW, T, TRAIN, _cfg, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _test_prompts, _tool,
-    _transformer, _truncate, fake_megatron_checkpoint, check_one_line_exit_2,
+    DEMO, MARKER, PRETRAIN, SHOW, T, TRAIN, _cfg, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _remote,
+    _test_prompts, _tool, _transformer, _truncate, add_remote_code, fake_megatron_checkpoint, check_one_line_exit_2,
 )
 from megaflow.config.preflight import cuda_available
 
@@ -173,6 +173,34 @@ CASES = {
                                                          "rollout.height = 512: larger than 256"),
     "tool: --tp 3 on 4 heads": (lambda t: [*_tool(t, "to-megatron", _transformer(t)), "--tp", "3"],
                                 "--tp = 3 does not divide the 4 attention heads"),
+    # A model directory naming code (a payload that would write <tmp>/payload-ran: the harness finds no file written)
+    "remote code: train, a text encoder's auto_map": (lambda t: [*TRAIN, "--set", f'model.pretrained="{_remote(
+        t, "auto_map")}"'], "model.pretrained: " + "{t}/pipe/text_encoder/config.json: auto_map "),
+    "remote code: train, a custom component": (lambda t: [*TRAIN, "--set", f'model.pretrained="{_remote(
+        t, "component")}"'], "pipe/text_encoder/payload.py: custom component class ['payload', 'PayloadModel'] for "
+                             "'text_encoder' (not from diffusers or transformers); code in a model directory runs "
+                             "only with --trust-remote-code"),
+    "remote code: demo, a custom pipeline class": (lambda t: [*DEMO, "--set", f'model.pretrained="{_remote(
+        t, "pipeline")}"'], "pipe/model_index.json: custom pipeline class ['payload', 'PayloadModel']"),
+    "remote code: pretrain.init_from, a tokenizer's auto_map": (lambda t: [
+        *PRETRAIN, "--set", f'run.output_dir="{t / "runs"}"', "--set", f'pretrain.init_from="{_remote(
+            t, "auto_map", folder="tokenizer")}"'], "pretrain.init_from: "),
+    "remote code: eval shapes --sampler diffusers, a custom component": (lambda t: [
+        "eval", "shapes", "--pipeline", str(_remote(t, "component")), "--sampler", "diffusers"],
+        "--pipeline: " + "{t}/pipe/text_encoder/payload.py: custom component class"),
+    "remote code: eval shapes (sglang), auto_map": (lambda t: [
+        "eval", "shapes", "--pipeline", str(_remote(t, "auto_map", folder="text_encoder_2"))],
+        "pipe/text_encoder_2/config.json: auto_map"),
+    "remote code: train --trust-remote-code, a custom component the engine cannot load": (lambda t: [
+        *TRAIN, "--trust-remote-code", "--set", f'model.pretrained="{_remote(t, "component")}"'],
+        "pipe/text_encoder/payload.py: custom component class ['payload', 'PayloadModel'] for 'text_encoder' (not "
+        "from diffusers or transformers): the SGLang engine cannot load it"),
+    "remote code: eval shapes --trust-remote-code, a custom component the engine cannot load": (lambda t: [
+        "eval", "shapes", "--pipeline", str(_remote(t, "component")), "--trust-remote-code"],
+        "--pipeline: " + "{t}/pipe/text_encoder/payload.py: custom component class"),
+    "tool: remote code, auto_map": (lambda t: _tool(t, "to-megatron", add_remote_code(
+        _transformer(t), "auto_map", marker=t / MARKER, folder="")), "--src: " + "{t}/pipe/transformer/config.json: "
+                                                                                  "auto_map"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
@@ -185,7 +213,7 @@ if not cuda_available():  # valid settings on a GPU machine
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_malformed_input_one_line_exit_2(name, tmp_path):
     build, needle = CASES[name]
-    check_one_line_exit_2(build(tmp_path), tmp_path, needle)
+    check_one_line_exit_2(build(tmp_path), tmp_path, needle.replace("{t}", str(tmp_path)))
 
 
 def test_table_covers_every_kind_of_input():

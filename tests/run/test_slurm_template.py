@@ -31,22 +31,29 @@ def _env(tmp_path: Path, **extra: str) -> dict:
     return {**env, "DRY_RUN": "1", "VENV": str(Path(sys.executable).parents[1]), **extra}
 
 
-def test_sbatch_renders_one_torchrun_per_node(tmp_path):
+def _sbatch(tmp_path: Path, job_id: str) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_NNODES="2",
-               SLURM_JOB_NODELIST="gpu-a[17-18]", SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="8",
+               SLURM_JOB_NODELIST="gpu-a[17-18]", SLURM_JOB_ID=job_id, SLURM_GPUS_ON_NODE="8",
                SLURM_SUBMIT_DIR=str(REPO))
-    r = subprocess.run(["bash", str(SBATCH), "-c", "configs/flux_dev_2x8xh100.toml", "--set", "train.iterations=5"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(SBATCH), "-c", "configs/flux_dev_2x8xh100.toml", "--set",
+                           "train.iterations=5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _launch_lines(port: int) -> list[str]:
+    return [f"launch.sh: torchrun --nnodes 2 --node-rank {n} --nproc-per-node 8 --master-addr gpu-a17 "
+            f"--master-port {port} --shutdown-timeout 600 -m megaflow.cli train --resume auto "
+            "-c configs/flux_dev_2x8xh100.toml --set train.iterations=5" for n in (0, 1)]
+
+
+def test_sbatch_renders_one_torchrun_per_node(tmp_path):
+    r = _sbatch(tmp_path, "4242")
     assert r.returncode == 0, r.stderr
-    lines = [x for x in r.stderr.splitlines() if x.startswith("launch.sh: ")]
-    assert lines == [f"launch.sh: torchrun --nnodes 2 --node-rank {n} --nproc-per-node 8 --master-addr gpu-a17 "
-                     f"--master-port {20000 + 4242} --shutdown-timeout 600 -m megaflow.cli train --resume auto "
-                     "-c configs/flux_dev_2x8xh100.toml --set train.iterations=5" for n in (0, 1)], r.stderr
+    assert [x for x in r.stderr.splitlines() if x.startswith("launch.sh: ")] == _launch_lines(20000 + 4242), r.stderr
 
 
 def test_sbatch_outside_the_repository_is_one_line(tmp_path):

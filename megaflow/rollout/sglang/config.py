@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from megaflow.checksum import ALGORITHMS, DEFAULT
+from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
 from megaflow.config.schema import MegaflowConfig
 from megaflow.families import DEFAULT_FAMILY, family_names
 
@@ -55,6 +56,9 @@ class SGLangEngineConfig:
     device_index: int | None = None
     """Local GPU the worker processes are pinned to: they are started with CUDA_VISIBLE_DEVICES naming only
     that device (the entry at this index of this process's CUDA_VISIBLE_DEVICES when set); None: inherit."""
+    trust_remote_code: bool = False
+    """Let the workers run the code ``model_path`` names (a config's auto_map); off: such a directory is refused
+    before any worker starts (``check_model_dir``), and SGLang is told not to trust it."""
     server_kwargs: dict = field(default_factory=dict)
     """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
 
@@ -81,7 +85,14 @@ def engine_config(cfg: MegaflowConfig, model_path: str, engine_id: str, *, devic
     return SGLangEngineConfig(model_path=str(model_path), family=cfg.model.family, engine_id=engine_id,
                               device_index=device_index, precision=r.precision, max_batch_outputs=r.max_batch_outputs,
                               log_level="info", log_dir=log_dir,
-                              checksum=cfg.bridge.checksum,
+                              checksum=cfg.bridge.checksum, trust_remote_code=cfg.model.trust_remote_code,
                               num_threads=r.engine_threads or cfg.run.num_threads,
                               server_kwargs={} if r.attention_backend == "auto" else
                               {"attention_backend": r.attention_backend})
+
+
+def check_model_dir(config: SGLangEngineConfig) -> None:
+    """Before any worker starts: ``model_path`` names no code unless ``trust_remote_code``, and no custom component
+    class, which SGLang's native pipelines cannot load (one line naming the file, not the worker's traceback)."""
+    refuse_remote_code(config.model_path, "the engine's model directory", trust=config.trust_remote_code)
+    refuse_custom_components(config.model_path, "the engine's model directory")

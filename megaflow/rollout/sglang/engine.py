@@ -20,7 +20,7 @@ from megaflow.bridge.base import WeightUpdateResult
 from megaflow.checksum import DEFAULT, tensor_digest
 from megaflow.families import card
 from megaflow.rollout.engine import EngineHealth
-from megaflow.rollout.sglang.config import SGLangEngineConfig
+from megaflow.rollout.sglang.config import SGLangEngineConfig, check_model_dir
 from megaflow.rollout.sglang.server import EngineServer, free_port
 from megaflow.rollout.sglang.replay import ReplayStore
 from megaflow.rollout.sglang.weights import flatten
@@ -84,6 +84,12 @@ class SGLangEngine:
     def __init__(self, config: SGLangEngineConfig, *, warm=None):
         """Start the engine (``warm``: its worker, started ahead by megaflow.rollout.sglang.warm.WarmWorker with
         this config's spawn settings; used once: a restart starts afresh)."""
+        try:
+            check_model_dir(config)  # before any worker loads it
+        except ValueError:
+            if warm is not None:
+                warm.discard()
+            raise
         self.config = config
         self.engine_id = config.engine_id
         self._lock = threading.RLock()  # guards client/processes/epoch across restarts
@@ -126,7 +132,7 @@ class SGLangEngine:
                       # random offset) collide when several engines or runs start on one host at once.
                       master_port=free_port(), scheduler_port=free_port(),
                       # an idle scheduler otherwise busy-polls a core (4.4 CPU-s per 5 s idle measured)
-                      sleep_on_idle=True, log_level=c.log_level)
+                      sleep_on_idle=True, log_level=c.log_level, trust_remote_code=c.trust_remote_code)
         kwargs.update(c.server_kwargs)
         return kwargs
 

@@ -1,5 +1,6 @@
 """SGLang diffusion plugin (group ``sglang.multimodal_gen.plugins``): in each engine worker, freeze the heap
-once the scheduler is built, keep staging slots mapped, hash tensors for verification without copying them.
+once the scheduler is built, keep staging slots mapped, hash tensors for verification without copying them, run no
+text encoder code the server args do not trust.
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 
+from megaflow.config.remote_code import refuse_remote_code
 from megaflow.rollout.sglang import weight_checks
 
 ENV_VAR = "MEGAFLOW_SGLANG_GC_FREEZE"
@@ -15,6 +17,8 @@ PAYLOAD_TARGET = ("sglang.multimodal_gen.runtime.post_training.weights_updater.W
                   "_materialize_weights_iter")
 ENDPOINT_TARGET = "sglang.multimodal_gen.runtime.server_args.server_args.ServerArgs.scheduler_endpoint_for"
 RENDEZVOUS_TARGET = "sglang.multimodal_gen.runtime.distributed.parallel_state.init_distributed_environment"
+ENCODER_CONFIG_TARGET = ("sglang.multimodal_gen.runtime.loader.component_loaders.text_encoder_loader.TextEncoderLoader."
+                         "build_model_config")
 SOCKET_DIR_VAR = "MEGAFLOW_SGLANG_SOCKET_DIR"
 LOOPBACK_TCP = "tcp://127.0.0.1:"
 KEEP_KEY = "megaflow_keep_mapping"  # the payload key (weights.KEEP_KEY)
@@ -41,6 +45,7 @@ def register() -> None:
     plugin_hook(weight_checks.COPY_TARGET, HookType.AROUND)(weight_checks.hash_as_copied)
     plugin_hook(ENDPOINT_TARGET, HookType.AROUND)(private_scheduler_endpoint)
     plugin_hook(RENDEZVOUS_TARGET, HookType.AROUND)(private_rendezvous)
+    plugin_hook(ENCODER_CONFIG_TARGET, HookType.AROUND)(untrusted_encoder_config)
 
 
 def own_sockets(scheduler_port: int, directory: str) -> None:
@@ -79,6 +84,15 @@ def private_rendezvous(original, *args, **kwargs):
         bound.arguments["distributed_init_method"] = f"file://{directory}/rendezvous"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return original(*bound.args, **bound.kwargs)
+
+
+def untrusted_encoder_config(original, loader, component_model_path, model_config, server_args, *args, **kwargs):
+    """Around SGLang's ``TextEncoderLoader.build_model_config``, which asks transformers' AutoConfig with remote code
+    trusted whatever the server args say: a text encoder folder whose config names code is refused in the worker
+    unless the server args trust remote code."""
+    refuse_remote_code(component_model_path, "text encoder", trust=bool(getattr(server_args, "trust_remote_code",
+                                                                                 False)))
+    return original(loader, component_model_path, model_config, server_args, *args, **kwargs)
 
 
 def freeze_heap(result, *args, **kwargs) -> None:
