@@ -177,9 +177,11 @@ def validate(cfg: MegaflowConfig) -> MegaflowConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> MegaflowConfig:
     """Build a validated config from defaults, an optional TOML file (over its ``base`` files:
     megaflow.config.inherit), and ``--set`` overrides; a field none of them names takes its algorithm's default
-    where it has one (megaflow.config.algo_defaults)."""
+    where it has one (megaflow.config.algo_defaults), ``model.family`` the pretrained pipeline's
+    (megaflow.config.model_family)."""
     from megaflow.config.algo_defaults import apply_algorithm_defaults
     from megaflow.config.inherit import config_layers  # it raises this module's ConfigError
+    from megaflow.config.model_family import infer_family
     from megaflow.config.paths import relative_to_file, reward_modules_beside
     cfg, explicit = MegaflowConfig(), set()
     for file, data in config_layers(path) if path is not None else []:  # a file's bases first (base = "...")
@@ -192,7 +194,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         section, key, value = parse_override(text)
         _apply_section(cfg, section, {key: value}, "--set ", explicit)
-    return validate(apply_algorithm_defaults(cfg, explicit))
+    return validate(apply_algorithm_defaults(infer_family(cfg, explicit), explicit))
 
 
 def _toml_value(v: Any) -> str:

@@ -27,7 +27,9 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    family: str = opt(DEFAULT_FAMILY, "Model family from the registry (megaflow.families).", choices=family_names())
+    family: str = opt(DEFAULT_FAMILY, "Model family from the registry (megaflow.families); left out, the family of "
+                      "model.pretrained's transformer (its config.json's _class_name), else sd3.",
+                      choices=family_names())
     pretrained: str = opt("", "Diffusers pipeline directory (with transformer/, vae/, ...); empty = build tiny.")
     spec: str = opt("auto", "Layer implementation: auto (TE on GPU, local on CPU), local, te, or a dotted path "
                     "'pkg.mod:fn' returning a layer spec or a whole model.")

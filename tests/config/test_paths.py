@@ -54,3 +54,17 @@ def test_a_reward_module_beside_the_config_is_found_without_pythonpath(tmp_path)
                        cwd=REPO.parent, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert '"myrewards:brightness"' in r.stdout
+
+
+def test_model_family_left_out_is_the_pretrained_pipelines(tmp_path):
+    """model.family left out: the family whose diffusers class the pipeline's transformer names; named (as every
+    saved run's config.toml does), it is kept; no pipeline, or an unreadable one, keeps the default."""
+    pipe = tmp_path / "pipe" / "transformer"
+    pipe.mkdir(parents=True)
+    (pipe / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    (tmp_path / "run.toml").write_text('[model]\npretrained = "pipe"\n')
+    assert load_config(tmp_path / "run.toml").model.family == "flux"
+    assert load_config(tmp_path / "run.toml", ["model.family=sd3"]).model.family == "sd3"
+    (pipe / "config.json").write_text("{not json")
+    assert load_config(tmp_path / "run.toml").model.family == "sd3"
+    assert load_config(None).model.family == "sd3"
