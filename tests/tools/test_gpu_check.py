@@ -115,6 +115,7 @@ def _body(code: str, timeout: int = 240) -> dict:
 # process), and each sets up and tears down its own world.
 BODIES = """import json, traceback, torch, megaflow
 from megaflow.models.flux.tiny import tiny_config
+from megaflow.models.qwen_image.tiny import tiny_config as qwen_tiny
 from megaflow.plan.dit import BUILTIN
 from megaflow.testing.gpu import comm, model, offload
 cpu = torch.device('cpu')
@@ -125,6 +126,8 @@ bodies = {
     'parity': lambda: model.velocity_parity('local', cpu),
     'step': lambda: {r: model.measure_step(r, cpu, tiny_sd3, steps=1) for r in ('none', 'full')},
     'flux_lora': lambda: model.measure_step('none', cpu, tiny_config(), steps=2, family='flux'),
+    'qwen_image': lambda: model.measure_step('full', cpu, qwen_tiny(joint_attention_dim=32), steps=2,
+                                             family='qwen_image'),
     'offload': lambda: offload.measure_offload(cpu, tiny_sd3),
 }
 
@@ -187,6 +190,17 @@ def test_flux_lora_step_body_on_cpu(bodies):
     assert rec["tokens"] == {"image": 1024, "text": 512, "batch": 1}, rec
     assert 0 < rec["trained_params"] < rec["params"] / 2 and rec["losses"][-1] != rec["losses"][0], rec
     assert "LoRA adapters" in rec["predicted_gib"], rec
+
+
+@pytest.mark.slow
+def test_qwen_image_step_body_on_cpu(bodies):
+    """The Qwen-Image step's path (packed tokens, the image grid's shape, no pooled text; full parameters, bf16,
+    recompute) with megaflow's tiny Qwen-Image config at the check's token counts: every parameter trains and the
+    loss moves; the plan's prediction is of this config, not of the 60-block table."""
+    rec = _record(bodies, "qwen_image")
+    assert rec["losses_finite"] and rec["trained_params"] == rec["params"] and rec["losses"][-1] != rec["losses"][0]
+    assert rec["tokens"] == {"image": 1024, "text": 512, "batch": 1}, rec
+    assert rec["predicted_gib"]["weights"] * 2**30 < 1e8, rec  # a tiny model's, not 20B parameters'
 
 
 @pytest.mark.slow

@@ -101,16 +101,17 @@ def parity_te() -> dict:
     return _parity("te")
 
 
-def predicted(recompute: str, family: str = DEFAULT_FAMILY) -> dict:
-    """``megaflow plan``'s trainer items (bytes) for ``SETTINGS[family]`` + ``train.recompute``, the family's
-    built-in dims, 1 GPU. Standard library + megaflow config only (no torch), so the CPU test calls it too."""
+def predicted(recompute: str, family: str = DEFAULT_FAMILY, conf: dict | None = None) -> dict:
+    """``megaflow plan``'s trainer items (bytes) for ``SETTINGS[family]`` + ``train.recompute``, the dims of ``conf``
+    (default: the family's built-in table), 1 GPU. Standard library + megaflow config only (no torch), so the CPU
+    test calls it too."""
     from megaflow.config import load_config
     from megaflow.plan.dit import dims_from_config
     from megaflow.plan.memory import token_counts, trainer_items
 
     cfg = load_config(None, [*SETTINGS[family], f"train.recompute={recompute}"])
-    source, conf = card(family).builtin
-    dims = dims_from_config(family, conf, source)
+    source, builtin = card(family).builtin
+    dims = dims_from_config(family, builtin if conf is None else conf, source if conf is None else "check")
     image, text = token_counts(cfg, dims)
     items, info = trainer_items(cfg, dims, world=1, stage=0, image=image, text=text)
     step = sum(v for k, v in items.items() if k not in ("runtime", "GRPO microbatches (1 step)"))
@@ -143,18 +144,19 @@ def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev, family: st
     shape = tiny.check_latent_shape(conf, image_tokens)
     x0, noise = (torch.randn(*shape, device=dev, generator=g) for _ in range(2))
     ehs = torch.randn(1, text_tokens, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
-    pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
+    pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16) \
+        if conf.get("pooled_projection_dim") else None  # Qwen-Image has no pooled text projection
     mb = rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
     mb.update(tiny.check_inputs(image_tokens, text_tokens, dev))
     return mb
 
 
-def _step(recompute: str, family: str = DEFAULT_FAMILY) -> dict:
+def _step(recompute: str, family: str = DEFAULT_FAMILY, conf: dict | None = None) -> dict:
     require_cuda()
     require_module("megatron.core")
     import torch
 
-    return measure_step(recompute, torch.device("cuda", 0), family=family)
+    return measure_step(recompute, torch.device("cuda", 0), conf, family=family)
 
 
 def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS, family: str = DEFAULT_FAMILY) -> dict:
@@ -170,7 +172,7 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
     mem = (lambda: torch.cuda.memory_allocated()) if cuda else (lambda: 0)
     peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    plan = predicted(recompute, family)
+    plan = predicted(recompute, family, conf)
     init_distributed(ParallelDims(), seed=0)
     try:
         if cuda:
@@ -262,3 +264,13 @@ def step_recompute_full() -> dict:
 def step_flux_lora() -> dict:
     """FLUX.1-dev-shaped train step, LoRA rank 32 on the frozen bf16 base (SETTINGS["flux"])."""
     return _step("none", "flux")
+
+
+QWEN_IMAGE_CHECK_BLOCKS = 8  # of its 60: 2.7B parameters, a full-parameter step's states fit one 80 GB GPU
+
+
+def step_qwen_image() -> dict:
+    """Qwen-Image-shaped train step: the published widths (3072 hidden, 3584-wide text) with 8 of its 60 blocks,
+    full parameters in bf16 (SETTINGS["qwen_image"]), every block recomputed."""
+    conf = dict(card("qwen_image").builtin[1], num_layers=QWEN_IMAGE_CHECK_BLOCKS)
+    return _step("full", "qwen_image", conf)

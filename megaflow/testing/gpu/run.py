@@ -39,6 +39,7 @@ CHECKS = {
     "step_sd35m_recompute_full": Check("megaflow.testing.gpu.model:step_recompute_full", 150,
                                        ("cuda", "megatron.core")),
     "step_flux_lora_r32": Check("megaflow.testing.gpu.model:step_flux_lora", 180, ("cuda", "megatron.core")),
+    "step_qwen_image_8blocks": Check("megaflow.testing.gpu.model:step_qwen_image", 180, ("cuda", "megatron.core")),
     "offload": Check("megaflow.testing.gpu.offload:offload", 150, ("cuda", "megatron.core")),
     "pretrain_parity": Check("megaflow.testing.gpu.pretrain:pretrain_parity", 240,
                              ("cuda", "megatron.core", "diffusers")),
