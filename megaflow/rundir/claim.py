@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
-from megaflow.config.load import current_values
+from megaflow.config.load import MAX_CONFIG_BYTES, current_values
 from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
@@ -115,6 +115,7 @@ def check_run_dir(cfg: MegaflowConfig, *, resume: bool) -> None:
     with _os_errors(path):
         if not _check_path(path, resume=resume):
             return
+        _read_bytes(path / CONFIG_FILE)  # what the claim keeps to put back: a regular file, or none
         lock = path / LOCK_FILE
         if lock.is_file():
             with open(lock) as fh:
@@ -231,7 +232,7 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, P
                          f"train.iterations = {cfg.train.iterations}); raise train.iterations to continue it")
     read_state(last_dir)  # its types and ranges, before anything starts
     saved = path / CONFIG_FILE
-    if saved.is_file():
+    if os.path.lexists(saved):  # a directory, a FIFO or a symlink loop there: one line, from read_toml
         _check_same_run(cfg, saved)
     else:  # config.toml lost: what the checkpoint itself records
         _check_checkpoint(cfg, last_dir)
@@ -264,10 +265,17 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_bytes(path: Path) -> bytes | None:
+    """The run's saved config ``path`` as it is (None: none); ValueError when it is no regular file or is over
+    the size of a run file (a FIFO or a device is never read), OSError for the OS's refusals (a symlink loop)."""
     try:
-        return path.read_bytes()
+        info = os.stat(path)
     except FileNotFoundError:
         return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CONFIG_BYTES:
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+        raise ValueError(f"run dir {str(path.parent)!r}: {path.name} is {why}, not the run's saved config "
+                         "(move it away)")
+    return path.read_bytes()
 
 
 def _put_back(path: Path, data: bytes | None) -> None:
@@ -283,7 +291,14 @@ def _put_back(path: Path, data: bytes | None) -> None:
 
 
 def _check_same_run(cfg: MegaflowConfig, saved: Path) -> None:
-    old = current_values(tomllib.loads(saved.read_text()))  # a run saved before a value was renamed
+    """ValueError naming the first key ``cfg`` gives otherwise than the run's ``saved`` config.toml (one line too
+    when that file is no run file: read as ``base`` files are, each section a table)."""
+    from megaflow.config.inherit import read_toml
+    old = current_values(read_toml(saved, " (the run's saved config)"))  # a run saved before a value was renamed
+    for section, values in old.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"--resume: {saved}: {section} is not a table ({type(values).__name__}); not the "
+                             "config.toml megaflow saves")
     new = tomllib.loads(dump_config(cfg))
     for section, values in new.items():
         if section in _RESUMABLE_SECTIONS:

@@ -92,6 +92,19 @@ def _cfg(tmp: Path, text: str) -> Path:
     return tmp / "run.toml"
 
 
+def _based(tmp: Path, make_base) -> list[str]:
+    """``config show`` of ``run.toml`` whose ``base = "base.toml"`` is what ``make_base(<tmp>/base.toml)`` made."""
+    make_base(tmp / "base.toml")
+    return ["config", "show", "-c", str(_cfg(tmp, 'base = "base.toml"\n[run]\nname = "x"\n'))]
+
+
+def _chain(tmp: Path, files: int) -> list[str]:
+    """``config show`` of a chain of ``files`` run files, each the base of the one before."""
+    for i in range(files):
+        (tmp / f"c{i}.toml").write_text(f'base = "c{i + 1}.toml"\n' if i + 1 < files else "[run]\n")
+    return ["config", "show", "-c", str(tmp / "c0.toml")]
+
+
 def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str = "prompts.txt",
              size: int = 0) -> list[str]:
     path = tmp / name
@@ -217,6 +230,14 @@ def _lost_config(runs: Path) -> None:
     (runs / "r" / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
 
 
+def _saved_config(make):
+    """A run dir at iteration 2 whose ``config.toml`` is what ``make(<run dir>/config.toml)`` made."""
+    def build(runs: Path) -> None:
+        _lost_config(runs)
+        make(runs / "r" / "config.toml")
+    return build
+
+
 def _elsewhere(runs: Path) -> None:
     (runs.parent / "elsewhere").mkdir()
     _link(runs, "elsewhere")
@@ -284,7 +305,8 @@ T = "transformer/diffusion_pytorch_model.safetensors"
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (symlinks not followed): a file's SHA-256, a link's target, "dir"."""
+    """Every entry under ``root`` (symlinks not followed): a file's SHA-256, a link's target, "dir", another
+    kind's mode."""
     out = {}
     for top, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -293,6 +315,8 @@ def _snapshot(root: Path) -> dict[str, str]:
                 out[str(p.relative_to(root))] = "-> " + os.readlink(p)
             elif p.is_dir():
                 out[str(p.relative_to(root))] = "dir"
+            elif not p.is_file():  # a FIFO or a device a row made: never read
+                out[str(p.relative_to(root))] = f"mode {p.stat().st_mode:o}"
             else:
                 out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out

@@ -7,12 +7,13 @@ created unless the row made it), and never import torch, megatron, sglang, diffu
 Needs: CPU, 1 process at a time, no torch (~10 s)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
-    DEMO, SHOW, T, TRAIN, _cfg, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _test_prompts, _tool,
+    DEMO, SHOW, T, TRAIN, _based, _cfg, _chain, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _test_prompts, _tool,
     _transformer, _truncate, fake_megatron_checkpoint, check_one_line_exit_2,
 )
 from megaflow.config.preflight import cuda_available
@@ -173,6 +174,19 @@ CASES = {
                                                          "rollout.height = 512: larger than 256"),
     "tool: --tp 3 on 4 heads": (lambda t: [*_tool(t, "to-megatron", _transformer(t)), "--tp", "3"],
                                 "--tp = 3 does not divide the 4 attention heads"),
+    "config: a 1 MB unknown key": (lambda t: ["config", "show", "-c", str(_cfg(
+        t, "[run]\n" + "k" * 1_000_000 + " = 1\n"))], "unknown key run.kkkk"),
+    "config: base a symlink loop": (lambda t: _based(t, lambda b: b.symlink_to(b.name)),
+                                    "base.toml (the base of"),
+    "config: base a FIFO": (lambda t: _based(t, os.mkfifo), "base.toml (the base of"),
+    "config: base /dev/zero": (lambda t: _based(t, lambda b: b.symlink_to("/dev/zero")),
+                               "not a regular file (a TOML run file is one)"),
+    "config: base a directory": (lambda t: _based(t, lambda b: b.mkdir()), "not a regular file"),
+    "config: base a table": (lambda t: ["config", "show", "-c", str(_cfg(t, "[base]\nfile = 'a.toml'\n"))],
+                             "base must be the path of another run file (a string), got {'file': 'a.toml'}"),
+    "config: base nested 5000 deep": (lambda t: _based(t, lambda b: b.write_text(
+        "[reward]\nkwargs = { a = " + "[" * 5000 + "]" * 5000 + " }\n")), "base.toml: nested too deeply to read"),
+    "config: a chain of 17 bases": (lambda t: _chain(t, 17), "more than 16 files in one chain of base"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
@@ -186,6 +200,20 @@ if not cuda_available():  # valid settings on a GPU machine
 def test_malformed_input_one_line_exit_2(name, tmp_path):
     build, needle = CASES[name]
     check_one_line_exit_2(build(tmp_path), tmp_path, needle)
+
+
+def test_a_long_unknown_key_gets_no_did_you_mean_search(monkeypatch):
+    """difflib is quadratic in the word: a key over suggest.MAX_WORD characters is never handed to it, and the
+    message shows its start and length."""
+    import difflib
+
+    from megaflow.config import ConfigError, load_config
+    from megaflow.config import suggest
+    monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: pytest.fail("difflib searched"))
+    assert suggest.did_you_mean("x" * (suggest.MAX_WORD + 1), ["x"]) == ""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["run." + "k" * 100_000 + "=1"])
+    assert f"run.{'k' * 76}... (100004 characters) = 1" in str(e.value) and len(str(e.value)) < 200
 
 
 def test_table_covers_every_kind_of_input():
