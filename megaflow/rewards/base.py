@@ -142,6 +142,8 @@ def _mean_info(parts: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def failure(e: BaseException) -> str:
     """``Type: message`` of what a reward raised, on one line of at most 200 characters."""
+    if isinstance(e, RewardRaised):
+        return str(e)
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
 
