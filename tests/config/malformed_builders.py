@@ -118,6 +118,14 @@ def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str =
     return ["--set", f'data.prompts="{path}"']
 
 
+def _parquet_prompts(tmp: Path, prompts: list[str]) -> list[str]:
+    """``data.prompts`` a zstd parquet file of ``prompts`` (a long repeated string compresses to a few KB)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": prompts}), tmp / "p.parquet", compression="zstd")
+    return ["--set", f'data.prompts="{tmp / "p.parquet"}"']
+
+
 def _test_prompts(tmp: Path, data: bytes | None, name: str = "held.txt") -> list[str]:
     if data is not None:
         (tmp / name).write_bytes(data)

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
-    DEMO, SHOW, T, TRAIN, _based, _cfg, _chain, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _test_prompts, _tool,
+    DEMO, SHOW, T, TRAIN, _based, _cfg, _chain, _clip_dir, _imagereward_dir, _parquet_prompts, _pipe, _pipe_dir, _prompts, _test_prompts, _tool,
     _transformer, _truncate, fake_megatron_checkpoint, check_one_line_exit_2,
 )
 from megaflow.config.preflight import cuda_available
@@ -128,6 +128,10 @@ CASES = {
                                "p.jsonl line 2: not JSON"),
     "prompts jsonl no prompt": (lambda t: [*TRAIN, *_prompts(t, b'{"text": "OPEN"}\n', name="p.jsonl")],
                                 "p.jsonl line 1: needs a non-empty string 'prompt'"),
+    "prompts parquet holding a 64 MB string": (lambda t: [*TRAIN, *_parquet_prompts(t, ["a red circle", "x" * (64 << 20)])],
+                                              "p.parquet row group 0: its 'prompt' column holds 671"),
+    "prompts parquet prompt too long": (lambda t: [*TRAIN, *_parquet_prompts(t, ["a red circle", "x" * 2001])],
+                                        "p.parquet row 1 (counting from 0): a prompt of 2001 characters"),
     "prompts parquet corrupt": (lambda t: [*TRAIN, *_prompts(t, b"PAR1 not a table " * 64, name="p.parquet")],
                                 "p.parquet is not a readable parquet file ("),
     "prompts a directory, no dataset": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True, name="ds")],
