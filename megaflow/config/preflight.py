@@ -9,7 +9,8 @@ from pathlib import Path
 
 from megaflow.config.algo_checks import CLEAN_SAMPLE_ALGORITHMS
 from megaflow.config.dotted import is_dotted_path, unfindable
-from megaflow.config.files import check_pipeline, check_safetensors, check_text_file, os_error
+from megaflow.config.files import (check_backend_paths, check_pipeline, check_safetensors, check_text_file,
+                                   os_error)
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.machine import cuda_available
 from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
@@ -62,6 +63,8 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard = true: the tensorboard package is not installed "
                           "(pip install tensorboard, or set logging.tensorboard = false)")
+    if command == "train" and files:  # the demo writes to a fresh run dir
+        check_backend_paths(run_dir_of(cfg), wandb=cfg.logging.wandb, tensorboard=cfg.logging.tensorboard)
     if files or not cfg.model.pretrained:
         _check_model(cfg)
     return cfg

@@ -246,6 +246,23 @@ def _saved_config(make):
     return build
 
 
+def _in_run_dir(name: str, kind: str):
+    """A run dir (no checkpoint) holding ``name`` as ``kind``: "file", "dir", "dangling" (a symlink to nothing)
+    or "read-only" (a directory of mode 0o555; skipped as root, who writes there anyway)."""
+    def make(runs: Path) -> None:
+        if kind == "read-only" and os.geteuid() == 0:
+            pytest.skip("root writes into a chmod 0o555 folder")
+        path = runs / "r" / name
+        path.parent.mkdir(parents=True)
+        if kind == "file":
+            path.write_text("not a directory")
+        elif kind == "dangling":
+            path.symlink_to("nowhere")
+        else:
+            path.mkdir(mode=0o555 if kind == "read-only" else 0o777)
+    return make
+
+
 def _elsewhere(runs: Path) -> None:
     (runs.parent / "elsewhere").mkdir()
     _link(runs, "elsewhere")
