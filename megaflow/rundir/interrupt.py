@@ -64,7 +64,7 @@ def kill_children(grace_s: float = KILL_GRACE_S, *, spare: set[int] | frozenset[
     return [c.pid for c in children]
 
 
-LEFTOVER_GRACE_S = 2.0  # how long a command's exit waits for threads it left running before it leaves without them
+LEFTOVER_GRACE_S = 5.0  # how long a command's exit waits for threads it left running before it leaves without them
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux
 
 
