@@ -118,20 +118,21 @@ def _as_scores(out, num: int, name: str) -> torch.Tensor:
     return t
 
 
-def _split(out, name: str) -> tuple[object, dict[str, float]]:
-    """A reward's output as (scores, info means): ``scores`` alone or a ``(scores, info dict)`` pair."""
+def _split(out, name: str) -> tuple[object, dict[str, float], list[str]]:
+    """A reward's output as (scores, info means, info keys that are no numbers: not reported): ``scores`` alone or
+    a ``(scores, info dict)`` pair."""
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
-        return out, {}
-    info = {}
+        return out, {}, []
+    info, skipped = {}, []
     for key, value in out[1].items():
         try:
             arr = _values(value, np.float64, name).reshape(-1)
         except (TypeError, ValueError, RuntimeError):
-            logger.warning("reward %s: info %r is not a number or a list of numbers: not reported", name, key)
+            skipped.append(str(key))
             continue
         finite = arr[np.isfinite(arr)]
         info[str(key)] = float(finite.mean()) if finite.size else float("nan")
-    return out[0], info
+    return out[0], info, skipped
 
 
 def _mean_info(parts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -156,7 +157,7 @@ class RewardRaised(Exception):
 
 
 def _call(reward, images: ImageBatch, prompts: list[str], meta: list[dict], name: str):
-    """``reward(images, prompts, meta)`` split into (scores, info); whatever it raises but a stop (Ctrl-C:
+    """``reward(images, prompts, meta)`` split (``_split``) into (scores, info, info keys not reported); whatever it raises but a stop (Ctrl-C:
     KeyboardInterrupt and its subclasses) comes out as an Exception: a ``SystemExit`` or another BaseException
     from a reward is a reward failure, never the command's exit."""
     try:
@@ -188,18 +189,19 @@ def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata
     raised: dict[int, str] = {}
     notes = []
     try:
-        out, info = _call(reward, images, list(prompts), meta, name)
+        out, info, skipped = _call(reward, images, list(prompts), meta, name)
     except Exception as e:  # noqa: BLE001 - a reward's failure must never stop the run
         notes.append(f"raised on the batch of {num} ({failure(e)}), retried per sample")
-        scores, infos = torch.full((num,), float("nan")), []
+        scores, infos, skipped = torch.full((num,), float("nan")), [], []
         for i in range(num):
             try:
-                out, info_i = _call(reward, select(images, i), [prompts[i]], [meta[i]], name)
+                out, info_i, skipped_i = _call(reward, select(images, i), [prompts[i]], [meta[i]], name)
             except Exception as e_i:  # noqa: BLE001
                 raised[i] = failure(e_i)
                 continue
             scores[i] = _as_scores(out, 1, name)[0]  # a RewardContractError stops the command
             infos.append(info_i)
+            skipped += [k for k in skipped_i if k not in skipped]
         info = _mean_info(infos)
         if raised:
             first = min(raised)
@@ -214,6 +216,8 @@ def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata
                      f"{bad[:8]}{'...' if len(bad) > 8 else ''}: masked")
         scores[bad] = float("nan")
         _LAST_FAILURE[name] = "returned non-finite values (NaN or inf)"
+    if skipped:
+        notes.append(f"info {', '.join(map(repr, skipped[:8]))} not a number or a list of numbers: not reported")
     if notes and warn:
         logger.warning("reward %s: %s", name, "; ".join(notes))
     return scores, info
