@@ -294,10 +294,11 @@ def _check_same_run(cfg: MegaflowConfig, saved: Path) -> None:
     """ValueError naming the first key ``cfg`` gives otherwise than the run's ``saved`` config.toml (one line too
     when that file is no run file: read as ``base`` files are, each section a table)."""
     from megaflow.config.inherit import read_toml
+    from megaflow.config.suggest import clipped
     old = current_values(read_toml(saved, " (the run's saved config)"))  # a run saved before a value was renamed
     for section, values in old.items():
         if not isinstance(values, dict):
-            raise ValueError(f"--resume: {saved}: {section} is not a table ({type(values).__name__}); not the "
+            raise ValueError(f"--resume: {saved}: {clipped(section)} is not a table ({type(values).__name__}); not the "
                              "config.toml megaflow saves")
     new = tomllib.loads(dump_config(cfg))
     for section, values in new.items():
