@@ -188,6 +188,8 @@ CASES = {
     "config: base a directory": (lambda t: _based(t, lambda b: b.mkdir()), "not a regular file"),
     "config: base a table": (lambda t: ["config", "show", "-c", str(_cfg(t, "[base]\nfile = 'a.toml'\n"))],
                              "base must be the path of another run file (a string), got {'file': 'a.toml'}"),
+    "config: base's section not a table": (lambda t: _based(t, lambda b: b.write_text("run = 3\n")),
+                                           "base.toml: section 'run' must be a table, got 3"),
     "config: base nested 5000 deep": (lambda t: _based(t, lambda b: b.write_text(
         "[reward]\nkwargs = { a = " + "[" * 5000 + "]" * 5000 + " }\n")), "base.toml: nested too deeply to read"),
     "config: a chain of 17 bases": (lambda t: _chain(t, 17), "more than 16 files in one chain of base"),
