@@ -218,6 +218,12 @@ HOSTILE = {  # a custom reward's code -> the one stderr line of `eval reward` (e
                       "megaflow: error: reward 'myreward:score' scored none of the 3 images (SystemExit: 0)"),
     "GeneratorExit": ("def score(images, prompts, metadata):\n    raise GeneratorExit('gone')\n",
                       "megaflow: error: reward 'myreward:score' scored none of the 3 images (GeneratorExit: gone)"),
+    "SystemExit on import": ("raise SystemExit(0)\n",
+                             "megaflow: config error: --reward: reward 'myreward:score': importing module 'myreward' "
+                             "raised "
+                             "SystemExit: 0"),
+    "SystemExit when built": ("class score:\n    def __init__(self):\n        raise SystemExit(3)\n",
+                              "megaflow: error: reward 'myreward:score': building it raised SystemExit: 3"),
     "a meta tensor": ("import torch\ndef score(images, prompts, metadata):\n"
                       "    return torch.zeros(len(prompts), device='meta')\n",
                       "megaflow: error: reward 'myreward:score' returned a tensor on the meta device (it holds no "
