@@ -10,6 +10,10 @@ In SGLang engine worker processes (``ENGINE_WORKER_VAR`` set by megaflow when it
 unimportable too: the engine never uses it, but SGLang's debug dumper imports it when installed (~3 s of every
 engine start).
 
+Engine workers also ignore SIGINT: a terminal's Ctrl-C reaches the whole process group, and the driver decides
+(it stops the run after the current iteration, then stops the workers); the ignored disposition is inherited by
+the processes a worker starts.
+
 ``importlib.metadata.packages_distributions()`` walks every installed distribution's file list (~0.8 s here);
 diffusers and transformers each call it at import. It is memoized per sys.path (installed packages do not
 change under a running process), which halves that cost in every trainer, engine and test process.
@@ -21,7 +25,9 @@ import functools
 import importlib.abc
 import importlib.metadata
 import os
+import signal
 import sys
+import threading
 
 _BLOCKED_WITHOUT_LIBCUDA = ("flash_mla",)
 _BLOCKED_IN_ENGINE_WORKERS = ("megatron",)
@@ -71,3 +77,9 @@ def install_import_guards() -> None:
         reasons.update(dict.fromkeys(_BLOCKED_IN_ENGINE_WORKERS, "an SGLang engine worker does not use it"))
     if reasons and not any(isinstance(f, _BlockFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _BlockFinder(reasons))
+
+
+def ignore_terminal_interrupt_in_engine_workers() -> None:
+    """In an engine worker (``ENGINE_WORKER_VAR``), SIGINT is ignored from here on (see the module docstring)."""
+    if os.environ.get(ENGINE_WORKER_VAR) == "1" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

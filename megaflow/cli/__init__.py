@@ -79,20 +79,41 @@ def _cmd_eval_reward(args: argparse.Namespace) -> int:
     from megaflow.shapeeval.score import check_image_files
     if not args.timeout_s >= 0:
         raise ValueError(f"--timeout-s {args.timeout_s}: want seconds >= 0 (0 = no limit)")
-    kwargs = check_reward_args(args.reward, args.kwargs)
+    reward, base = _reward_of_config(args)
+    kwargs = check_reward_args(reward, args.kwargs, base)
     entries = read_manifest(args.images)  # one-line errors before torch loads
     check_image_files([e.path for e in entries])
     from megaflow.rewards.folder import score_folder
-    result = score_folder(entries, args.reward, kwargs, timeout_s=args.timeout_s)
+    result = score_folder(entries, reward, kwargs, timeout_s=args.timeout_s)
     if args.json:
-        print(json.dumps({"scores": result["scores"], "mean": result["mean"]}))
+        print(json.dumps({"reward": reward, "files": result["files"], "scores": result["scores"],
+                          "mean": result["mean"], "masked": result["masked"]}))
     else:
         fmt = lambda s: "masked" if s is None else f"{s:.4f}"  # noqa: E731
         for file, prompt, score in zip(result["files"], result["prompts"], result["scores"]):
             print(f"{fmt(score)}  {file}  {prompt}")
-        print(f"mean {args.reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
+        print(f"mean {reward}: {fmt(result['mean'])} over {len(entries) - result['masked']} of {len(entries)} "
               "images")
     return 0
+
+
+def _reward_of_config(args: argparse.Namespace) -> tuple[str, dict]:
+    """``eval reward``'s reward and its settings: ``--reward`` (or the one reward of ``-c``'s reward.weights) with
+    the config's ``reward.kwargs`` for it, which ``--kwargs`` then updates."""
+    if args.config is None:
+        if args.overrides:
+            raise ValueError("--set needs -c CONFIG (the config whose reward settings it changes)")
+        if args.reward is None:
+            raise ValueError("--reward NAME is needed (or -c CONFIG with one reward in reward.weights)")
+        return args.reward, {}
+    cfg = load_config(args.config, args.overrides)
+    reward = args.reward
+    if reward is None:
+        if len(cfg.reward.weights) != 1:
+            raise ValueError(f"-c {args.config}: reward.weights names {len(cfg.reward.weights)} rewards "
+                             f"({', '.join(cfg.reward.weights)}): choose one with --reward")
+        (reward,) = cfg.reward.weights
+    return reward, dict(cfg.reward.kwargs.get(reward, {}))
 
 
 def _setup_logging(megaflow_level: int, verbose: bool) -> None:
@@ -107,9 +128,10 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.rundir.claim import check_run_dir
     cfg = load_checked(args, "train")
+    overrides = _resume_overrides(args)
     resume = _resume_wanted(cfg, args.resume)
     if os.environ.get("RANK", "0") == "0":
-        check_run_dir(cfg, resume=resume)
+        check_run_dir(cfg, resume=resume, overrides=overrides)
     apply_device(cfg)
     import logging
 
@@ -119,7 +141,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.eval.every:  # evaluation on the driver: before (fresh runs), every eval.every iterations, after
         from megaflow.commands.evaluation import eval_hook
         hook = dict(evaluate=eval_hook(cfg, run_dir_of(cfg)), evaluate_every=cfg.eval.every)
-    metrics = run(cfg, resume=resume, verbose=args.verbose, trust_checkpoint=args.trust_checkpoint, **hook)
+    metrics = run(cfg, resume=resume, resume_overrides=overrides, verbose=args.verbose,
+                  trust_checkpoint=args.trust_checkpoint, **hook)
     if args.json and os.environ.get("RANK", "0") == "0":
         print(json.dumps(metrics, sort_keys=True, default=str))
     return 0
@@ -130,6 +153,20 @@ def _resume_arg(text: str) -> str:
     if text not in ("auto", "always"):
         raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
     return text
+
+
+def _resume_overrides(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--resume-override``'s keys: each a config key (``section.key``), and only with ``--resume``."""
+    from megaflow.config.keys import config_keys
+    keys = tuple(args.resume_override)
+    if keys and args.resume is None:
+        raise ConfigError("--resume-override is for a resumed run: pass --resume (or --resume auto) too")
+    known = {k.dotted for k in config_keys()}
+    for key in keys:
+        if key not in known:
+            raise ConfigError(f"--resume-override {key[:80]!r}: not a config key (section.key, as "
+                              "'megaflow config keys' lists them)")
+    return keys
 
 
 def _resume_wanted(cfg, mode: str | None) -> bool:
@@ -217,10 +254,14 @@ def _add_run_parsers(sub) -> None:
     add_config_args(p_train)
     p_train.add_argument("--json", action="store_true", help="Print the last iteration's metrics as JSON.")
     p_train.add_argument("--resume", nargs="?", const="always", type=_resume_arg, default=None, metavar="auto",
-                         help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint (same "
-                         "config; train.iterations may grow). '--resume auto': continue when that run dir has a "
-                         "checkpoint, else start fresh (a requeued job). Without it, a run dir with checkpoints "
-                         "is refused.")
+                         help="Continue the run in <run.output_dir>/<run.name> from its latest checkpoint. The "
+                         "config may change evaluation, logging, the learning rate and its schedule, iterations, "
+                         "save cadence and timeouts (listed in one line at start); any other change is refused "
+                         "naming the key. '--resume auto': continue when that run dir has a checkpoint, else start "
+                         "fresh (a requeued job). Without it, a run dir with checkpoints is refused.")
+    p_train.add_argument("--resume-override", action="append", default=[], metavar="SECTION.KEY",
+                         help="With --resume: accept a change of this key though it changes what the run trains "
+                         "(e.g. rollout.group_size); repeatable.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)
@@ -290,14 +331,15 @@ def _add_eval_parsers(sub) -> None:
     p_shapes.set_defaults(handler=_cmd_eval_shapes)
     p_rew = eval_sub.add_parser("reward", help="Score a folder of images with one reward: per-image scores and "
                                 "their mean.")
-    p_rew.add_argument("--reward", required=True, help="A built-in reward name (as in reward.weights) or "
-                       "'pkg.module:callable'.")
+    p_rew.add_argument("--reward", default=None, help="A built-in reward name (as in reward.weights) or "
+                       "'pkg.module:callable'; with -c, default: the config's one reward.")
+    add_config_args(p_rew)
     p_rew.add_argument("--kwargs", default=None, metavar="JSON", help="The reward's keyword arguments as a JSON "
-                       "object, e.g. '{\"threads\": 2}'.")
+                       "object, e.g. '{\"threads\": 2}'; with -c they update the config's reward.kwargs for it.")
     p_rew.add_argument("--images", type=Path, required=True, help="Folder with manifest.jsonl: one {\"file\", "
                        "\"prompt\", ...} a line; the other keys are that image's metadata.")
-    p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"scores": [...], "mean": ...} '
-                       "(null for an image the reward failed on).")
+    p_rew.add_argument("--json", action="store_true", help='Print one JSON object {"reward", "files": [...], '
+                       '"scores": [...], "mean", "masked"} (a score is null for an image the reward failed on).')
     p_rew.add_argument("--timeout-s", type=float, default=600.0, help="Seconds the reward may take for the whole "
                        "folder (default 600; 0 = no limit): a call still running then is abandoned, and it and the "
                        "images not scored yet are null. No image scored at all is an error (exit 2).")

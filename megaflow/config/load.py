@@ -1,8 +1,8 @@
 """Load, override, validate and save megaflow configs.
 
-``load_config(path, overrides)`` reads a TOML run file, applies ``--set section.key=value`` (TOML literals, bare
-words as strings) and validates everything before any work: each mistake is one ConfigError line naming key and
-value. ``save_config`` writes the resolved config atomically; ``run_dir_of`` says where.
+``load_config(path, overrides)`` reads a TOML run file (its paths relative to it: megaflow.config.paths), applies
+``--set section.key=value`` (TOML literals, bare words as strings) and validates everything before any work: each
+mistake is one ConfigError line naming key and value. ``save_config`` writes the resolved config atomically; ``run_dir_of`` says where.
 """
 from __future__ import annotations
 
@@ -181,8 +181,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     where it has one (megaflow.config.algo_defaults)."""
     from megaflow.config.algo_defaults import apply_algorithm_defaults
     from megaflow.config.inherit import config_layers  # it raises this module's ConfigError
+    from megaflow.config.paths import relative_to_file, reward_modules_beside
     cfg, explicit = MegaflowConfig(), set()
     for file, data in config_layers(path) if path is not None else []:  # a file's bases first (base = "...")
+        data = relative_to_file(file, data)  # its paths are read from its folder
+        reward = data.get("reward")
+        if isinstance(reward, dict) and isinstance(reward.get("weights"), dict):
+            reward_modules_beside(file, reward["weights"])
         for section, values in data.items():
             _apply_section(cfg, section, values, f"{file.name}: ", explicit)
     for text in overrides:

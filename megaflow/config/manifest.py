@@ -62,9 +62,10 @@ def read_manifest(images_dir: str | Path) -> list[ImageEntry]:
     return entries
 
 
-def check_reward_args(name: str, kwargs_json: str | None) -> dict:
-    """The reward's keyword arguments from ``--kwargs`` (a JSON object); ValueError for an unknown name or argument,
-    a custom reward that does not resolve or bind, or a missing/malformed model reward directory."""
+def check_reward_args(name: str, kwargs_json: str | None, base: dict | None = None) -> dict:
+    """The reward's keyword arguments: ``base`` (a config's ``reward.kwargs.<name>``) updated by ``--kwargs`` (a
+    JSON object); ValueError for an unknown name or argument, a custom reward that does not resolve or bind, or a
+    missing/malformed model reward directory."""
     check_reward_name(name, "--reward: ")
     if kwargs_json is None:
         kwargs_json = "{}"
@@ -77,6 +78,7 @@ def check_reward_args(name: str, kwargs_json: str | None) -> dict:
     if not isinstance(kwargs, dict):
         raise ValueError(f"--kwargs: want a JSON object such as '{{\"threads\": 2}}', got {kwargs_json[:200]!r}")
     check_value_shape("--kwargs", kwargs)
+    kwargs = {**(base or {}), **kwargs}
     if ":" in name:  # imported, found and its arguments bound before any image is read
         check_custom_reward(name, kwargs, "--reward: ")
         return kwargs

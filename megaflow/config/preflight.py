@@ -12,6 +12,7 @@ from megaflow.config.dotted import is_dotted_path, unfindable
 from megaflow.config.files import (check_backend_paths, check_pipeline, check_safetensors, check_text_file,
                                    os_error)
 from megaflow.config.load import ConfigError, run_dir_of
+from megaflow.config.logging_check import check_logging
 from megaflow.config.machine import cuda_available
 from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
 from megaflow.config.schema import MegaflowConfig
@@ -60,9 +61,7 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logging.tensorboard = true: the tensorboard package is not installed "
-                          "(pip install tensorboard, or set logging.tensorboard = false)")
+    check_logging(cfg)
     if command == "train" and files:  # the demo writes to a fresh run dir
         check_backend_paths(run_dir_of(cfg), wandb=cfg.logging.wandb, tensorboard=cfg.logging.tensorboard)
     if files or not cfg.model.pretrained:

@@ -50,7 +50,8 @@ def check_rewards(cfg: MegaflowConfig, *, probe: bool, files: bool = True) -> No
     for name in r.weights:
         check_reward_name(name, "reward.weights: ")
         if ":" in name and files and (missing := unfindable(name)):
-            raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path")
+            raise ConfigError(f"reward.weights: {name!r}: no module {missing!r} on this Python path "
+                              "(nor beside the config file)")
     for name, kwargs in r.kwargs.items():
         if name not in r.weights:
             raise ConfigError(f"reward.kwargs.{name}: no reward {name!r} in reward.weights "

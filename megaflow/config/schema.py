@@ -233,11 +233,11 @@ class LoggingConfig:
                       "before training), and the first 16 images of each sample grid ('samples') and of each "
                       "evaluation ('eval/images'), captioned with prompt and reward. wandb picks online or "
                       "offline itself: WANDB_MODE if set, else online after 'wandb login' or with WANDB_API_KEY "
-                      "(neither: a one-line error); files go under <run dir>/wandb. --resume continues the same "
-                      "W&B run (its id is kept in <run dir>/wandb_id).")
-    tensorboard: bool = opt(False, "Write the same as logging.wandb (numbers as float32 scalars; each image as "
-                            "'<tag>/NN' with its captions in the text '<tag>/captions') to TensorBoard event "
-                            "files in <run dir>/tensorboard (torch.utils.tensorboard; needs the tensorboard "
+                      "(neither: refused in one line before the run starts); files go under <run dir>/wandb. "
+                      "--resume continues the same W&B run (its id is kept in <run dir>/wandb_id).")
+    tensorboard: bool = opt(False, "Write the same as logging.wandb (numbers as float32 scalars; the images of "
+                            "one call as one grid '<tag>', its numbered captions in the text '<tag>/captions') to "
+                            "TensorBoard event files in <run dir>/tensorboard (torch.utils.tensorboard; needs the tensorboard "
                             "package). --resume hides what an earlier session logged after the checkpoint.")
     project: str = opt("megaflow", "W&B project of the run (logging.wandb).")
     entity: str = opt("", "W&B entity (team or user) of the run; empty = wandb's default entity.")

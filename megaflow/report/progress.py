@@ -20,7 +20,7 @@ logger = logging.getLogger("megaflow.report")
 
 class RunReporter:
     def __init__(self, run_dir: Path, cfg: MegaflowConfig, *, enabled: bool, verbose: bool, total_iterations: int,
-                 start_iteration: int = 0):
+                 start_iteration: int = 0, evaluations: list[dict] = ()):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.total, self.start = total_iterations, start_iteration
@@ -29,6 +29,7 @@ class RunReporter:
         self.reward_names = list(cfg.reward.weights)
         self.curves_path = self.run_dir / "curves.png"
         self.rows: list[dict] = []  # counted iterations (> start_iteration), for the curves
+        self.evals = [dict(r) for r in evaluations]  # evaluation rows ({"iteration", "eval/...": value}), the same
         self._use_bar = enabled and not verbose and sys.stderr.isatty()
         self._bar = None
         self._seconds: list[float] = []  # per counted iteration of this session (for s/it and ETA)
@@ -88,6 +89,9 @@ class RunReporter:
         self._metrics.log(step, result.figures)
         if result.images:
             self._metrics.log_images(step, "eval/images", result.images, result.captions)
+        self.evals.append({"iteration": step, **result.figures})
+        if self.rows:
+            self.write_curves()
 
     def summary(self, row: dict) -> str:
         """One line: iteration, reward mean ± std, KL, clip fraction, grad norm, s/it and ETA."""
@@ -108,7 +112,7 @@ class RunReporter:
         if not self.rows:
             return None
         self._drawn = len(self.rows)
-        return panel_plot(curve_panels(self.rows, self.reward_names), self.curves_path)
+        return panel_plot(curve_panels(self.rows, self.reward_names, self.evals), self.curves_path)
 
     def close(self) -> None:
         """Close the bar, draw the curves if rows came after the last drawing, close metrics.jsonl."""
@@ -149,22 +153,34 @@ class RunReporter:
             print(line, flush=True)
 
 
-def curve_panels(rows: list[dict], reward_names: list[str]) -> list[Panel]:
-    """The charts of curves.png from metrics rows (panels whose metrics never appear are left out)."""
-    def points(key: str) -> list[tuple[float, float]]:
-        return [(r["iteration"], r[key]) for r in rows if _finite(r.get(key))]
+EVAL_FIGURES = ("eval/reward_total", "eval/accuracy", "eval/partial_mean", "eval/seen_accuracy")
+MAX_TAG_SERIES = 12  # per-tag evaluation lines in one panel: beyond, a legend no one can read
+
+
+def curve_panels(rows: list[dict], reward_names: list[str], evals: list[dict] = ()) -> list[Panel]:
+    """The charts of curves.png from metrics rows and evaluation rows (panels whose metrics never appear are left
+    out): rewards, evaluation on the test prompts (overall and per tag, ``eval/<field>/<value>``), loss, learning
+    rate, KL, clipping, log-prob mismatch, seconds."""
+    def points(key: str, source=rows) -> list[tuple[float, float]]:
+        return [(r["iteration"], r[key]) for r in source if _finite(r.get(key))]
 
     band = [(r["iteration"], r["reward/total"] - r["reward/total_std"], r["reward/total"] + r["reward/total_std"])
             for r in rows if _finite(r.get("reward/total")) and _finite(r.get("reward/total_std"))]
+    tags = sorted({k for r in evals for k in r if k.startswith("eval/") and k.count("/") >= 2})[:MAX_TAG_SERIES]
     panels = [
         Panel("reward: batch mean ± std", {"reward/total": points("reward/total")}, {"reward/total": band}),
         Panel("reward components: batch means", {f"reward/{n}": points(f"reward/{n}") for n in reward_names}),
+        Panel("evaluation (test prompts)", {k: points(k, evals) for k in EVAL_FIGURES}),
+        Panel("evaluation per tag", {k: points(k, evals) for k in tags}),
+        Panel("loss", {"train/loss": points("train/loss")}),
+        Panel("learning rate", {"train/lr": points("train/lr")}),
         Panel("KL (to reference; to the sampling policy)",
               {k: points(k) for k in ("train/kl", "train/approx_kl")}),
         Panel("clip fraction", {k: points(k) for k in ("train/clip_frac", "train/clip_frac_stale")}),
         Panel("log-prob mismatch, trainer vs engine",
               {k: points(k) for k in ("train/logp_abs_diff_rollout", "train/is_log_ratio_abs_mean")}),
-        Panel("seconds per iteration", {k: points(k) for k in ("time/iteration_s", "time/rollout_s", "time/train_s")}),
+        Panel("seconds per iteration (sample: the engines' own; rollout: the trainer's wait for it)",
+              {k: points(k) for k in ("time/iteration_s", "time/sample_s", "time/rollout_s", "time/train_s")}),
     ]
     out = []
     for p in panels:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megaflow.config.files import TENSORBOARD_DIR  # noqa: F401 (re-exported): "tensorboard"
+GRID_COLUMNS = 4
+GRID_PADDING = 2
 
 
 class TensorBoardBackend:
@@ -21,8 +23,15 @@ class TensorBoardBackend:
         self._writer.flush()  # a killed run keeps what it logged
 
     def images(self, step: int, tag: str, images: list, captions: list[str]) -> None:
-        for i, img in enumerate(images):
-            self._writer.add_image(f"{tag}/{i:02d}", img, global_step=step, dataformats="HWC")
+        """One grid image under ``tag`` (``GRID_COLUMNS`` a row, row by row, as the captions number them) and the
+        numbered captions under ``<tag>/captions``."""
+        import torch
+        from torchvision.utils import make_grid
+
+        if images:
+            stacked = torch.stack([torch.as_tensor(img).permute(2, 0, 1) for img in images])
+            grid = make_grid(stacked, nrow=min(GRID_COLUMNS, len(images)), padding=GRID_PADDING, pad_value=255)
+            self._writer.add_image(tag, grid, global_step=step, dataformats="CHW")
         lines = [f"{i:02d}: {caption}" for i, caption in enumerate(captions[:len(images)])]
         self._writer.add_text(f"{tag}/captions", "  \n".join(lines), global_step=step)
         self._writer.flush()

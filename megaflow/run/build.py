@@ -99,13 +99,14 @@ def build_run(cfg: MegaflowConfig, placement: Placement, groups: RunGroups, *, p
         # the asynchronous loop samples while it trains: the engines keep their memory
         phases = Phases(rollout.engines, enabled=cfg.phased,
                         trainer=trainer_offload(cfg, trainer))
+        evaluations: list[dict] = []
         if driver:
             write_metrics_rows(run_dir, history)  # a resumed run continues the checkpoint's record exactly
             if start:
                 from megaflow.rundir.eval_log import resume_eval_log
-                resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
+                evaluations = resume_eval_log(run_dir, start)  # and its evaluations: no second "after"
         reporter = RunReporter(run_dir, cfg, enabled=driver, verbose=verbose, total_iterations=cfg.train.iterations,
-                               start_iteration=start)
+                               start_iteration=start, evaluations=evaluations)
     except BaseException:
         rollout.close()
         raise

@@ -31,18 +31,19 @@ returns goes to the reporter."""
 
 
 def run(cfg: MegaflowConfig, *, evaluate: Evaluate | None = None, evaluate_every: int = 0, resume: bool = False,
-        verbose: bool = False, trust_checkpoint: bool = False) -> dict:
+        resume_overrides: tuple[str, ...] = (), verbose: bool = False, trust_checkpoint: bool = False) -> dict:
     """Train for ``train.iterations``; returns the last iteration's metrics ({} on an engine rank).
 
     ``evaluate(sampler, when)`` (pass it on every rank) runs "before" (not when resuming), every
     ``evaluate_every``-th iteration and "after", with the EMA when there is one; its Evaluation goes to the reporter.
-    ``resume``: continue from the latest checkpoint (manifest checked; ``trust_checkpoint`` to load one without).
+    ``resume``: continue from the latest checkpoint (manifest checked; ``trust_checkpoint`` to load one without);
+    the config may differ where config/resume_changes.py allows, or in the keys named in ``resume_overrides``.
     SIGINT/SIGTERM stop after the current iteration with a checkpoint (:class:`Interrupted`)."""
     torch.set_num_threads(cfg.run.num_threads)
     run_dir = run_dir_of(cfg)
     roles = start_roles(cfg)
     stop = StopRequests()  # on an engine rank a signal waits for the driver's stop
-    claim = claim_run_dir(cfg, roles, resume=resume)
+    claim = claim_run_dir(cfg, roles, resume=resume, overrides=resume_overrides)
     done, warm, metrics, the_run = False, {}, {}, None
     try:
         warm = start_engine_workers(cfg, roles.placement, verbose=verbose)  # they import SGLang meanwhile
@@ -104,6 +105,8 @@ def loop(run: Run, state: LoopState, *, stop: StopRequests, evaluate: Evaluate |
         run.reporter.iteration(it, metrics, images=result.images, captions=result.captions)
         if claim is not None and claim.owned is not None:
             claim.owned.first_iteration_done()
+        if evaluate is not None and not last and evaluate_every and it % evaluate_every == 0:
+            evaluate_weights(run, evaluate, it)  # before a stop, too: a resumed run does not evaluate it again
         if signum:
             interrupted = (signum, it, str(checkpoint_dir(run.run_dir, it)))
             run.rollout.release(interrupted)
@@ -111,8 +114,6 @@ def loop(run: Run, state: LoopState, *, stop: StopRequests, evaluate: Evaluate |
         if useless:
             run.rollout.release()
             raise UselessRun(f"{useless}; checkpoint {checkpoint_dir(run.run_dir, it)}")
-        if evaluate is not None and not last and evaluate_every and it % evaluate_every == 0:
-            evaluate_weights(run, evaluate, it)
     if evaluate is not None:
         evaluate_weights(run, evaluate, "after")
     run.rollout.release()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megaflow.config import MegaflowConfig, save_config
+from megaflow.config.resume_changes import describe_changes
 from megaflow.parallel.groups import RunGroups
 from megaflow.parallel.placement import Placement
 from megaflow.rundir.claim import RunDir
@@ -60,14 +61,18 @@ def start_roles(cfg: MegaflowConfig) -> Roles:
     return Roles(placement, groups)
 
 
-def claim_run_dir(cfg: MegaflowConfig, roles: Roles, *, resume: bool) -> Claim:
-    """The driver claims the run dir (lock, history checks); every rank gets the outcome or the same error."""
+def claim_run_dir(cfg: MegaflowConfig, roles: Roles, *, resume: bool, overrides: tuple[str, ...] = ()) -> Claim:
+    """The driver claims the run dir (lock, history checks) and says in one line what a resume changed; every
+    rank gets the outcome or the same error. ``overrides``: config keys a resume may change though they change
+    what the run trains (``--resume-override``)."""
     claimed, error = None, None
     if roles.driver:
         try:
-            claimed = RunDir(cfg, resume=resume)
+            claimed = RunDir(cfg, resume=resume, overrides=overrides)
         except ValueError as e:
             error = str(e)
+        if claimed is not None and claimed.changes:
+            print(describe_changes(claimed.changes, overrides), flush=True)
     shared = roles.share((error, claimed.resume_iteration if claimed else 0,
                           str(claimed.resume_from) if claimed and claimed.resume_from else None))
     if shared[0] is not None:

@@ -15,23 +15,23 @@ from pathlib import Path
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
 from megaflow.config.load import MAX_CONFIG_BYTES, current_values
+from megaflow.config.resume_changes import Change, config_changes, refused_change
 from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
-# Sections and keys a resumed run may change: how long it runs and what it prints.
-_RESUMABLE_CHANGES = {("train", "iterations"), ("train", "save_every"), ("train", "keep_checkpoints")}
-_RESUMABLE_SECTIONS = {"logging"}
 
 
 class RunDir:
-    """The claimed run directory; ``resume_from`` is the checkpoint dir to continue from (or None)."""
+    """The claimed run directory; ``resume_from`` is the checkpoint dir to continue from (or None), ``changes``
+    what the resumed run's config changed (accepted: config/resume_changes.py, or named in ``overrides``)."""
 
-    def __init__(self, cfg: MegaflowConfig, *, resume: bool):
+    def __init__(self, cfg: MegaflowConfig, *, resume: bool, overrides: tuple[str, ...] = ()):
         self.path = run_dir_of(cfg)
         self.created = False
         self.resume_from: Path | None = None
         self.resume_iteration = 0
+        self.changes: list[Change] = []
         self._lock_fh = None
         self._undo = True  # until the first iteration is done a failure puts back what the claim found
         with _os_errors(self.path):
@@ -49,7 +49,7 @@ class RunDir:
             raise
         try:
             with _os_errors(self.path):
-                self._check_history(cfg, resume=resume)
+                self._check_history(cfg, resume=resume, overrides=overrides)
                 self._write_pid()
         except BaseException:
             self.release(failed=True)
@@ -71,10 +71,10 @@ class RunDir:
         fh.write(f"{os.getpid()}\n")
         fh.flush()
 
-    def _check_history(self, cfg: MegaflowConfig, *, resume: bool) -> None:
-        found = _resumable(self.path, cfg, resume=resume)
+    def _check_history(self, cfg: MegaflowConfig, *, resume: bool, overrides: tuple[str, ...]) -> None:
+        found = _resumable(self.path, cfg, resume=resume, overrides=overrides)
         if found is not None:
-            self.resume_iteration, self.resume_from = found
+            self.resume_iteration, self.resume_from, self.changes = found
 
     def release(self, *, failed: bool) -> None:
         """Unlock; a run that ``failed`` before its first iteration removes the dir it created, or else puts
@@ -108,7 +108,7 @@ def with_unused_name(cfg: MegaflowConfig) -> MegaflowConfig:
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
 
 
-def check_run_dir(cfg: MegaflowConfig, *, resume: bool) -> None:
+def check_run_dir(cfg: MegaflowConfig, *, resume: bool, overrides: tuple[str, ...] = ()) -> None:
     """The claim's checks without taking it (nothing created or locked): the CLI runs this before any
     heavy import so a refused run dir is one line at once; :class:`RunDir` makes the same checks under the lock."""
     path = run_dir_of(cfg)
@@ -120,7 +120,7 @@ def check_run_dir(cfg: MegaflowConfig, *, resume: bool) -> None:
         if lock.is_file():
             with open(lock) as fh:
                 _take_lock(fh, path, fcntl.LOCK_SH)
-        _resumable(path, cfg, resume=resume)
+        _resumable(path, cfg, resume=resume, overrides=overrides)
 
 
 @contextlib.contextmanager
@@ -216,8 +216,10 @@ def _take_lock(fh, path: Path, mode: int) -> None:
                          "choose another run.name") from None
 
 
-def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, Path] | None:
-    """(iteration, checkpoint dir) to resume from, None to start fresh; ValueError when neither is allowed."""
+def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool,
+               overrides: tuple[str, ...] = ()) -> tuple[int, Path, list[Change]] | None:
+    """(iteration, checkpoint dir, the config's accepted changes) to resume from, None to start fresh; ValueError
+    when neither is allowed."""
     found = list_checkpoints(path)
     if not found:
         if resume:
@@ -233,26 +235,26 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, P
     read_state(last_dir)  # its types and ranges, before anything starts
     saved = path / CONFIG_FILE
     if os.path.lexists(saved):  # a directory, a FIFO or a symlink loop there: one line, from read_toml
-        _check_same_run(cfg, saved)
+        changes = _check_same_run(cfg, saved, overrides)
     else:  # config.toml lost: what the checkpoint itself records
-        _check_checkpoint(cfg, last_dir)
-    return last_it, last_dir
+        changes = _check_checkpoint(cfg, last_dir, overrides)
+    return last_it, last_dir, changes
 
 
-def _check_checkpoint(cfg: MegaflowConfig, ckpt: Path) -> None:
-    """The model family and tp / pp layout the checkpoint ``ckpt`` was saved with are ``cfg``'s (what can be
-    checked without its run's ``config.toml``)."""
+def _check_checkpoint(cfg: MegaflowConfig, ckpt: Path, overrides: tuple[str, ...]) -> list[Change]:
+    """The model family and tp / pp layout the checkpoint ``ckpt`` was saved with, against ``cfg``'s (what can be
+    checked without its run's ``config.toml``); their changes, each one named in ``overrides``."""
     meta, state = _read_json(ckpt / MODEL_DIR / CKPT_META), _read_json(ckpt / STATE_FILE)
-    family = meta.get("family", cfg.model.family)
-    if family != cfg.model.family:
-        raise ValueError(f"--resume: model.family = {cfg.model.family!r} differs from the checkpoint's {family!r} "
-                         f"({ckpt / MODEL_DIR / CKPT_META}); resume with the same config")
-    layout = state.get("layout") or {}
-    for key in ("tp", "pp"):
-        value = getattr(cfg.parallel, key)
-        if layout.get(key, value) != value:
-            raise ValueError(f"--resume: parallel.{key} = {value!r} differs from the checkpoint's "
-                             f"{layout[key]!r} ({ckpt / STATE_FILE}); resume with the same config")
+    layout = state.get("layout") if isinstance(state.get("layout"), dict) else {}
+    before = {"model": {"family": meta.get("family", cfg.model.family)},
+              "parallel": {key: layout.get(key, getattr(cfg.parallel, key)) for key in ("tp", "pp")}}
+    after = {"model": {"family": cfg.model.family}, "parallel": {key: getattr(cfg.parallel, key) for key in ("tp", "pp")}}
+    changes = config_changes(before, after)
+    if (refused := refused_change(changes, overrides)) is not None:
+        where = ckpt / MODEL_DIR / CKPT_META if refused.key == "model.family" else ckpt / STATE_FILE
+        raise ValueError(f"--resume: {refused.key} = {refused.after!r} differs from the checkpoint's "
+                         f"{refused.before!r} ({where}); {_SAME_OR_OVERRIDE.format(key=refused.key)}")
+    return changes
 
 
 def _read_json(path: Path) -> dict:
@@ -290,22 +292,22 @@ def _put_back(path: Path, data: bytes | None) -> None:
         pass
 
 
-def _check_same_run(cfg: MegaflowConfig, saved: Path) -> None:
-    """ValueError naming the first key ``cfg`` gives otherwise than the run's ``saved`` config.toml (one line too
-    when that file is no run file: read as ``base`` files are, each section a table)."""
+_SAME_OR_OVERRIDE = ("it changes what the run trains: resume with the same value, or pass --resume-override {key} "
+                     "if you mean it")
+
+
+def _check_same_run(cfg: MegaflowConfig, saved: Path, overrides: tuple[str, ...]) -> list[Change]:
+    """The changes of ``cfg`` against the run's saved config; ValueError naming the first one a resume refuses
+    (one line too when that file is no run file: read as ``base`` files are, each section a table)."""
     from megaflow.config.inherit import read_toml
     from megaflow.config.suggest import clipped
     old = current_values(read_toml(saved, " (the run's saved config)"))  # a run saved before a value was renamed
     for section, values in old.items():
         if not isinstance(values, dict):
-            raise ValueError(f"--resume: {saved}: {clipped(section)} is not a table ({type(values).__name__}); not the "
-                             "config.toml megaflow saves")
-    new = tomllib.loads(dump_config(cfg))
-    for section, values in new.items():
-        if section in _RESUMABLE_SECTIONS:
-            continue
-        for key, value in values.items():
-            before = old.get(section, {}).get(key, value)
-            if before != value and (section, key) not in _RESUMABLE_CHANGES:
-                raise ValueError(f"--resume: {section}.{key} = {value!r} differs from the checkpointed run's "
-                                 f"{before!r} ({saved}); resume with the same config")
+            raise ValueError(f"--resume: {saved}: {clipped(section)} is not a table ({type(values).__name__}); "
+                             "not the config.toml megaflow saves")
+    changes = config_changes(old, tomllib.loads(dump_config(cfg)))
+    if (refused := refused_change(changes, overrides)) is not None:
+        raise ValueError(f"--resume: {refused.key} = {refused.after!r} differs from the checkpointed run's "
+                         f"{refused.before!r} ({saved}); {_SAME_OR_OVERRIDE.format(key=refused.key)}")
+    return changes

@@ -30,15 +30,16 @@ def record(run_dir: Path, when: str | int, iterations: int, figures: dict) -> di
     return row
 
 
-def resume_eval_log(run_dir: Path, start: int) -> None:
+def resume_eval_log(run_dir: Path, start: int) -> list[dict]:
     """Before a run resumed after iteration ``start`` evaluates: eval.jsonl keeps its rows up to ``start`` (an
-    "after" among them becomes "iteration": the run goes on past it) and loses the later ones."""
+    "after" among them becomes "iteration": the run goes on past it) and loses the later ones; the kept rows."""
     path = Path(run_dir) / EVAL_LOG
     if not path.is_file():
-        return
+        return []
     rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     kept = [{**r, "when": "iteration" if r.get("when") == "after" else r.get("when")} for r in rows
             if r.get("iteration", 0) <= start]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
+    return kept

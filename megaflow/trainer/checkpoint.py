@@ -176,6 +176,7 @@ def load_checkpoint(chunks: list[torch.nn.Module], path: str | Path, *, optimize
             for key, tensor_name in shadow_names[name].items():
                 shadow.tensors[tensor_name].copy_(loaded[name][key])
     if optimizer is not None:
+        _take_current_lr(optimizer, loaded["optimizer"])
         with torch.no_grad():  # it copies into views of the (leaf) main params
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
@@ -211,6 +212,26 @@ def _process_group_for_reading():
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+_LR_KEYS = ("max_lr", "min_lr")
+
+
+def _take_current_lr(optimizer, saved) -> None:
+    """A run resumed with another ``train.lr``: megatron pairs each saved param group with the current one by the
+    group's settings, the learning rate it was built with among them; a saved group that differs from a current
+    one only there takes the current group's (the schedule sets every iteration's rate: trainer/settings.py)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+    others = [k for k in param_group_identifier_keys if k not in _LR_KEYS]
+    wrappers = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [saved] if len(wrappers) == 1 else [v for _, v in sorted(saved.items())] if isinstance(saved, dict) \
+        else list(saved)
+    for wrapper, state in zip(wrappers, states):
+        current = {tuple(g.get(k) for k in others): g for g in wrapper.optimizer.param_groups}
+        for group in state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []:
+            match = current.get(tuple(group.get(k) for k in others))
+            if match is not None:
+                group.update({k: match[k] for k in _LR_KEYS if k in match})
 
 
 def _init_adam_state(optimizer) -> None:

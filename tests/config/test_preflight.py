@@ -226,3 +226,30 @@ def test_trainer_offload_needs_the_synchronous_loop_with_engines_on_trainer_rank
                                         'bridge.mode="distributed"', 'train.offload="all"']), "show")
     with pytest.raises(ConfigError, match="train.offload"):
         load_config(None, ['train.offload="grads"'])
+
+
+def test_wandb_without_credentials_is_refused_before_the_run(tmp_path, monkeypatch):
+    """logging.wandb with no key (WANDB_API_KEY, or the netrc entry 'wandb login' writes) and no offline
+    WANDB_MODE: one line at preflight, before any heavy import (wandb.init would say so only after its timeouts)."""
+    from malformed_builders import TRAIN, check_one_line_exit_2
+    from megaflow.config.logging_check import check_logging
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    netrc_file = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    cfg = load_config(None, ["logging.wandb=true"])
+    with pytest.raises(ConfigError, match="no W&B credentials"):
+        check_logging(cfg)
+    (tmp_path / "cli").mkdir()
+    check_one_line_exit_2([*TRAIN, "--set", "logging.wandb=true"], tmp_path / "cli", "no W&B credentials")
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    netrc_file.chmod(0o600)
+    check_logging(cfg)  # 'wandb login'
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    with pytest.raises(ConfigError, match="no W&B credentials"):
+        check_logging(cfg)  # a key for another host
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_logging(cfg)
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_logging(cfg)

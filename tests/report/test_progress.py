@@ -90,6 +90,31 @@ def test_curve_panels_follow_the_metrics():
     assert [p.title for p in curve_panels(only_reward, ["a"])] == ["reward: batch mean ± std"]
 
 
+def test_curves_show_the_evaluations_per_tag_loss_learning_rate_and_sampling_time(tmp_path):
+    """curves.png's evaluation panels come from the reporter's evaluations (this session's and, resumed, the
+    earlier ones it is given); loss, learning rate and the engines' own sampling time from the rows."""
+    from megaflow.report.metrics import Evaluation
+    rows = [{"iteration": it, **_metrics(it), "train/loss": 1.0 / it, "train/lr": 1e-4, "time/sample_s": 0.9}
+            for it in range(1, 4)]
+    evals = [{"iteration": 0, "eval/accuracy": 0.5, "eval/num": 4, "eval/category/color": 0.25}]
+    panels = {p.title: p for p in curve_panels(rows, ["a"], evals)}
+    assert panels["evaluation (test prompts)"].series == {"eval/accuracy": [(0, 0.5)]}  # eval/num is no figure
+    assert panels["evaluation per tag"].series == {"eval/category/color": [(0, 0.25)]}
+    assert panels["loss"].series["train/loss"] == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+    assert panels["learning rate"].series["train/lr"] == [(it, 1e-4) for it in range(1, 4)]
+    seconds = [p for t, p in panels.items() if t.startswith("seconds per iteration")][0]
+    assert seconds.series["time/sample_s"] == [(it, 0.9) for it in range(1, 4)]
+
+    reporter = RunReporter(tmp_path, _cfg(), enabled=True, verbose=False, total_iterations=3, start_iteration=1,
+                           evaluations=evals)
+    _run(reporter, [2])
+    reporter.evaluation(2, Evaluation({"eval/accuracy": 0.75, "eval/category/color": 0.5}, [], []))
+    reporter.close()
+    assert [(r["iteration"], r["eval/accuracy"]) for r in reporter.evals] == [(0, 0.5), (2, 0.75)]
+    with Image.open(tmp_path / "curves.png") as img:
+        img.verify()
+
+
 def test_curves_rewrite_is_cheap(tmp_path):
     """Redrawing curves.png (after every logged iteration) stays cheap by construction, not by a timer: it draws
     from the rows held in memory -- metrics.jsonl is never read back."""

@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megaflow.config import load_config
 from megaflow.report.metrics import Evaluation
 from megaflow.report.progress import RunReporter
+from megaflow.report import tensorboard_backend
 from megaflow.report.tensorboard_backend import TensorBoardBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,10 +65,14 @@ def test_reporter_rows_evaluations_and_images_read_back(tmp_path):
     expected["eval/reward_total"] = [(0, f32(0.1)), (2, f32(0.3))]
     expected["eval/num"] = [(0, 4.0)]
     assert scalar_series(acc) == expected
-    assert sorted(acc.Tags()["images"]) == [f"{t}/{k:02d}" for t in ("eval/images", "samples") for k in range(4)]
-    assert [e.step for e in acc.Images("samples/03")] == [2] and [e.step for e in acc.Images("eval/images/00")] == [0]
-    pixels = np.asarray(Image.open(io.BytesIO(acc.Images("samples/03")[0].encoded_image_string)))
-    assert pixels.shape == (4, 6, 3) and (pixels == round(3 / 7 * 255)).all()
+    assert sorted(acc.Tags()["images"]) == ["eval/images", "samples"]  # one grid per call, not one tag an image
+    assert [e.step for e in acc.Images("samples")] == [2] and [e.step for e in acc.Images("eval/images")] == [0]
+    grid = np.asarray(Image.open(io.BytesIO(acc.Images("samples")[0].encoded_image_string)))
+    pad = tensorboard_backend.GRID_PADDING
+    assert grid.shape == (4 + 2 * pad, 4 * (6 + pad) + pad, 3)  # the four images in one row, padded
+    for k in range(4):  # image k at its place in the row, as its caption's number says
+        cell = grid[pad:pad + 4, pad + k * (6 + pad):pad + k * (6 + pad) + 6]
+        assert (cell == round(k / 7 * 255)).all(), k
     (text,) = acc.Tensors("samples/captions/text_summary")
     assert text.step == 2 and text.tensor_proto.string_val[0].decode() == "  \n".join(
         f"{k:02d}: {c}" for k, c in enumerate(captions))

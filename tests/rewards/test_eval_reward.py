@@ -48,7 +48,8 @@ def test_eval_reward_json(folder):
     r = _cli("eval", "reward", "--reward", "ocr", "--kwargs", '{"threads": 1}', "--images", str(folder), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(out) == {"scores", "mean"}
+    assert set(out) == {"reward", "files", "scores", "mean", "masked"} and out["reward"] == "ocr"
+    assert out["files"] == ["open.png", "garden.png", "blank.png", "wrong.png"] and out["masked"] == 0
     open_, garden, blank, wrong = out["scores"]
     assert open_ >= 0.9 and garden >= 0.9, out  # correct text; garden's target comes from its metadata
     assert blank == 0.0, out
@@ -86,7 +87,23 @@ def test_eval_reward_custom_callable_and_masking(tmp_path):
                         "--kwargs", '{"scale": 2}', "--images", str(d), "--json"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"scores": [2.0, 6.0, None], "mean": 4.0}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "reward": "myreward:score", "files": ["0.png", "1.png", "2.png"], "scores": [2.0, 6.0, None], "mean": 4.0,
+        "masked": 1}
+
+    # -c CONFIG: the config's one reward (its module beside the config) with its reward.kwargs, --kwargs on top
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (tmp_path / "myreward.py").rename(conf / "myreward.py")
+    (conf / "run.toml").write_text('[reward]\nweights = { "myreward:score" = 1.0 }\n'
+                                   'kwargs = { "myreward:score" = { scale = 3.0 } }\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for extra, scale in (((), 3.0), (("--kwargs", '{"scale": 0.5}'), 0.5)):
+        r = subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "-c", str(conf / "run.toml"),
+                            "--images", str(d), "--json", *extra], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1])["scores"] == [scale, 3 * scale, None]
 
 
 def test_eval_reward_unreadable_image_is_one_line(tmp_path):

@@ -69,7 +69,7 @@ def _verdicts(cfg, resume: bool) -> tuple[str, str]:
     ("a file", "is not a directory"),
     ("checkpoints, no resume", "pass --resume"),
     ("finished", "already finished"),
-    ("other config", "differs from the checkpointed run"),
+    ("other config", "rollout.group_size = 8 differs from the checkpointed run's 4"),
     ("resume, no checkpoint", "no checkpoint to resume from"),
     ("resume, config lost, other family", "model.family = 'flux' differs from the checkpoint's 'sd3'"),
     ("resume, config lost, other tp", "parallel.tp = 2 differs from the checkpoint's 1"),
@@ -95,7 +95,7 @@ def test_check_run_dir_and_the_claim_agree(tmp_path, case, needle):
     elif case in ("checkpoints, no resume", "finished", "other config"):
         _checkpoint(cfg, run_dir, 4 if case == "finished" else 2)
         if case == "other config":
-            cfg = _cfg(runs, "train.lr=0.5")
+            cfg = _cfg(runs, "rollout.group_size=8")
     elif case == "resume, config saved with an old spelling":  # bridge.mode = "colocated", now "shared_memory"
         _checkpoint(cfg, run_dir, 2)
         saved = run_dir / "config.toml"
@@ -183,3 +183,41 @@ def test_unwritable_output_dir_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^run dir '.*r': read-only file system$"):
         RunDir(cfg, resume=False)
     assert os.listdir(runs) == []
+
+
+def test_resume_accepts_the_safe_changes_and_lists_them(tmp_path):
+    """Evaluation, logging, the learning rate and iterations may change on resume (the claim lists them); a
+    change of what the run trains is refused naming the key unless ``--resume-override`` names it, and the
+    overridden change is listed as such. check_run_dir and the claim agree."""
+    from megaflow.config.resume_changes import describe_changes
+    cfg, run_dir = _cfg(tmp_path), tmp_path / "r"
+    _checkpoint(cfg, run_dir, 2)
+    safe = _cfg(tmp_path, "train.lr=0.5", "eval.num=7", "train.iterations=8", "logging.log_every=3")
+    check_run_dir(safe, resume=True)
+    claim = RunDir(safe, resume=True)
+    claim.release(failed=True)
+    assert {c.key for c in claim.changes} == {"train.lr", "eval.num", "train.iterations", "logging.log_every"}
+    line = describe_changes(claim.changes)
+    assert "\n" not in line and f"train.lr {cfg.train.lr!r} -> 0.5" in line and "eval.num" in line, line
+    meaning = _cfg(tmp_path, "train.lr=0.5", "rollout.group_size=8", "algo.kl_beta=0.5")
+    for check in (lambda: check_run_dir(meaning, resume=True), lambda: RunDir(meaning, resume=True)):
+        with pytest.raises(ValueError, match=r"rollout.group_size = 8 differs.*--resume-override rollout.group_size"):
+            check()
+    with pytest.raises(ValueError, match=r"algo.kl_beta = 0.5 differs"):
+        check_run_dir(meaning, resume=True, overrides=("rollout.group_size",))
+    both = ("rollout.group_size", "algo.kl_beta")
+    check_run_dir(meaning, resume=True, overrides=both)
+    claim = RunDir(meaning, resume=True, overrides=both)
+    claim.release(failed=True)
+    line = describe_changes(claim.changes, both)
+    assert "rollout.group_size 4 -> 8 (--resume-override)" in line and "(--resume-override)" not in \
+        line.split("train.lr")[1].split(",")[0], line
+
+
+def test_resume_without_config_overrides_the_layout_only_when_named(tmp_path):
+    cfg, run_dir = _cfg(tmp_path), tmp_path / "r"
+    _checkpoint(cfg, run_dir, 2, config=False)
+    other = _cfg(tmp_path, "parallel.tp=2")
+    with pytest.raises(ValueError, match="parallel.tp = 2 differs from the checkpoint's 1"):
+        check_run_dir(other, resume=True)
+    check_run_dir(other, resume=True, overrides=("parallel.tp",))

@@ -70,6 +70,88 @@ def test_launch_defaults_and_help(tmp_path):
     assert read and all(re.search(rf"^  {v} ", h.stdout, re.M) for v in read), sorted(read)
 
 
+# srun stand-in that runs the node tasks concurrently and passes SIGTERM on to them, as srun does; its exit code
+# is the worst task's.
+SRUN_CONCURRENT = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do echo "srun $1" >> "$LOG"; shift; done
+pids=()
+for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n "$@" & pids+=($!); done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+rc=0
+for p in "${pids[@]}"; do
+  while true; do wait "$p"; r=$?; kill -0 "$p" 2>/dev/null || break; done
+  [ "$r" -gt "$rc" ] && rc=$r
+done
+exit $rc
+"""
+SCONTROL_RECORDING = SCONTROL + '[ "$1" = "requeue" ] && echo "requeue $2" >> "$LOG"\nexit 0\n'
+# launch.sh stand-in: a rank that runs until SIGTERM, then "checkpoints" and exits 143 as megaflow does; with
+# TASK_EXIT it ends at once with that code.
+FAKE_LAUNCH = """#!/usr/bin/env bash
+trap 'echo "checkpoint $NODE_RANK" >> "$LOG"; exit 143' TERM
+echo "start $NODE_RANK $*" >> "$LOG"
+[ -n "${TASK_EXIT:-}" ] && exit "$TASK_EXIT"
+while true; do sleep 0.1; done
+"""
+
+
+def _slurm_stand_ins(tmp_path: Path) -> tuple[dict, Path]:
+    """A PATH with the concurrent srun and a recording scontrol, a repository whose launch.sh is the stand-in
+    rank, and the log they all write."""
+    bin_dir, repo, log = tmp_path / "bin", tmp_path / "repo", tmp_path / "log"
+    (repo / "scripts").mkdir(parents=True)
+    bin_dir.mkdir()
+    for path, text in ((bin_dir / "srun", SRUN_CONCURRENT), (bin_dir / "scontrol", SCONTROL_RECORDING),
+                       (repo / "scripts" / "launch.sh", FAKE_LAUNCH)):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_NNODES="2", LOG=str(log),
+               SLURM_JOB_NODELIST="gpu-a[17-18]", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="64",
+               MEGAFLOW_REPO=str(repo))
+    return env, log
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.is_file() else []
+
+
+def test_sbatch_time_limit_signal_checkpoints_every_rank_then_requeues(tmp_path):
+    """SLURM's USR1 ahead of the time limit (--signal=B:USR1@...): every rank gets SIGTERM and checkpoints, the
+    batch script waits for them, requeues the job itself and exits 0; srun gets the CPUs explicitly."""
+    import signal
+    import time
+    assert "#SBATCH --signal=B:USR1@" in SBATCH.read_text() and "#SBATCH --requeue" in SBATCH.read_text()
+    env, log = _slurm_stand_ins(tmp_path)
+    proc = subprocess.Popen(["bash", str(SBATCH), "-c", "x.toml"], cwd=tmp_path, env=env, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 30
+    while sum(x.startswith("start") for x in _lines(log)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    lines = _lines(log)
+    assert proc.returncode == 0, err
+    assert sorted(x for x in lines if x.startswith(("start", "checkpoint"))) == [
+        "checkpoint 0", "checkpoint 1", "start 0 --resume auto -c x.toml", "start 1 --resume auto -c x.toml"], lines
+    assert lines[-1] == "requeue 4242" and lines.count("requeue 4242") == 1, lines
+    assert "srun --cpus-per-task=64" in lines, lines
+
+
+def test_sbatch_without_the_signal_does_not_requeue(tmp_path):
+    """A run that ends by itself (0) or fails (1) ends the job with that code; nothing is requeued. A job id that
+    is not a number is refused before anything runs (it would be run by shell arithmetic)."""
+    env, log = _slurm_stand_ins(tmp_path)
+    for code in (0, 1):
+        r = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env={**env, "TASK_EXIT": str(code)},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == code, r.stderr
+    assert not any(x.startswith("requeue") for x in _lines(log))
+    marker = tmp_path / "ran"
+    r = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**env, "SLURM_JOB_ID": f"a[$(touch {marker})]"})
+    assert r.returncode == 2 and "SLURM_JOB_ID must be a number" in r.stderr and not marker.exists(), r.stderr
+
+
 LAUNCH_REFUSALS = {  # the variables' values launch.sh refuses before torchrun starts (one line, exit 2)
     "NNODES with a shell separator": ({"NNODES": "2;x"}, "launch.sh: NNODES=2\\;x: want a whole number >= 1"),
     "NODE_RANK beyond NNODES": ({"NNODES": "2", "NODE_RANK": "2"},
