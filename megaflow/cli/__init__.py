@@ -16,8 +16,7 @@ from megaflow.cli.common import (Handler, add_config_args, add_verbose_arg, appl
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
 from megaflow.shapeeval import SAMPLERS
-from megaflow.rundir.interrupt import (Interrupted, adopt_orphans, child_pids, exit_without, kill_children,
-                                       lingering_threads)
+from megaflow.rundir.interrupt import Interrupted, adopt_orphans, child_pids, kill_children
 
 TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust checks of its metadata and pickles "
               "(torch unpickles them and reads what they name): only from a trusted source.")
@@ -411,15 +410,3 @@ def main(argv: list[str] | None = None) -> int:
         if before is not None:  # what a reward started (e.g. on a call abandoned at its timeout) ends with us
             kill_children(spare=before)
 
-
-def entry() -> None:
-    """The ``megaflow`` command (console script, ``python -m megaflow.cli``, what torchrun starts): ``main``, then
-    exit with its status. The command ends even when something it ran, usually a custom reward, left a
-    non-daemon thread running, which Python's exit would wait for forever: after ``LEFTOVER_GRACE_S`` it leaves
-    without it (``exit_without``: one line, stdout flushed, atexit handlers run, ``os._exit``). The processes a
-    reward started, double-forked ones included, ``main`` already ended (``adopt_orphans``, ``kill_children``).
-    Here, not in ``main``: a caller of ``main`` in its own process keeps its exit."""
-    code = main()
-    if threads := lingering_threads():
-        exit_without(threads, code)
-    sys.exit(code)
