@@ -8,6 +8,8 @@
 - at most 4 loose modules at the top of ``megaflow/``;
 - no file over 400 lines;
 - every directory of modules is a package (an ``__init__.py``: what setuptools installs);
+- no module outside ``models/`` and ``families/`` tests a model family's name (``family == "sd3"``,
+  ``d.family in ("sd3", "flux")``) or keys a table by one: what differs by family is its card or its ``FAMILY``;
 - no algorithm's module imports another algorithm's. An algorithm X owns ``algo/X.py`` (math), ``trainer/X.py``
   (update) and ``run/X.py`` (requests, settings, shadows), plus any ``<room>/X_*.py``; what algorithms share lives
   in the shared modules below (``ALGORITHM_SHARED``).
@@ -256,3 +258,56 @@ def test_every_docs_page_a_module_docstring_names_exists():
     assert "docs/algorithms/flowgrpo.md" in named, sorted(named)  # the docstrings were read
     missing = {page: module for page, module in named.items() if not (PACKAGE.parent / page).is_file()}
     assert not missing, f"module docstrings name docs pages that do not exist: {missing}"
+
+
+FAMILY_HOMES = ("megaflow/models/", "megaflow/families/")
+
+
+def family_names_on_disk() -> set[str]:
+    """The registered families' names: one card module per family in ``megaflow/families/``."""
+    return {p.stem for p in (PACKAGE / "families").glob("*.py")} - {"__init__", "card"}
+
+
+def _names_family(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "family" in name.lower()
+
+
+def _literal_strings(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_literal_strings(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def family_tests(source: str, names: set[str]) -> list[str]:
+    """``line: code`` of each family test in ``source``: a comparison of something named ``*family*`` with string
+    literals, and a dict literal keyed by a family's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+        if any(map(_names_family, operands)) and any(map(_literal_strings, operands)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value in names for k in node.keys):
+            found.append(f"{node.lineno}: a table keyed by family names {ast.unparse(node)[:60]}")
+    return found
+
+
+def test_no_family_test_outside_the_family_folders():
+    names, root = family_names_on_disk(), PACKAGE.parent
+    assert {"sd3", "flux"} <= names, names  # the cards were found
+    found = {}
+    for path in sorted([*PACKAGE.rglob("*.py"), *(root / "tools").rglob("*.py")]):
+        rel = str(path.relative_to(root))
+        if not rel.startswith(FAMILY_HOMES) and (hits := family_tests(path.read_text(), names)):
+            found[rel] = hits
+    assert not found, f"model-family tests outside {FAMILY_HOMES} (use the family's card or FAMILY): {found}"
+
+
+def test_family_tests_are_detected():
+    names = {"sd3", "flux"}
+    caught = ('x = 2 if cfg.model.family == "flux" else 1', 'if family in ("sd3",): pass',
+              'ok = self.family != "sd3"', 'T = {"sd3": 3, "flux": 2}')
+    assert all(family_tests(code, names) for code in caught), [family_tests(c, names) for c in caught]
+    allowed = ("if family != cfg.model.family: pass", 'get_family("sd3")', 'if name not in family_names(): pass',
+               'T = {"sd4": 1}', 'if mode == "flux": pass')
+    assert not any(family_tests(code, names) for code in allowed), [family_tests(c, names) for c in allowed]

@@ -78,10 +78,10 @@ SEED_STRIDE = 100_000  # sample k of prompt i: seed + i + k * SEED_STRIDE (eval.
 def eval_requests(cfg: MegaflowConfig, prompts: list[str], metadata: list[dict]) -> list:
     """One deterministic (ODE) request per prompt of ``eval.samples_per_prompt`` outputs, seeds fixed by
     ``eval.seed``, the prompt and the sample; the rollout's size, prompt length and guidance."""
-    from megaflow.models.registry import get_family
+    from megaflow.families import card
     from megaflow.rollout.types import RolloutRequest
     r, e = cfg.rollout, cfg.eval
-    do_cfg = r.guidance_scale > 1.0 and not get_family(cfg.model.family).embedded_guidance
+    do_cfg = card(cfg.model.family).uses_cfg(r.guidance_scale)
     n = e.samples_per_prompt
     return [RolloutRequest(prompt=p, metadata=m, num_outputs=n, seed=e.seed * 100_003 + i,
                            seeds=[e.seed * 100_003 + i + k * SEED_STRIDE for k in range(n)] if n > 1 else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megaflow.config.load import ConfigError
 from megaflow.config.schema import MegaflowConfig
+from megaflow.families import card
 
 
 def _check_ode_rollouts(cfg: MegaflowConfig) -> None:
@@ -19,7 +20,7 @@ def _check_ode_rollouts(cfg: MegaflowConfig) -> None:
     if a.mismatch != "none":
         raise ConfigError(f"algo.mismatch = {a.mismatch!r} corrects FlowGRPO's log-prob ratio; algo.name = {name!r} "
                           "has none (use 'none')")
-    if r.guidance_scale > 1.0 and cfg.model.family == "sd3":
+    if card(cfg.model.family).uses_cfg(r.guidance_scale):
         raise ConfigError(f"rollout.guidance_scale = {r.guidance_scale} turns on CFG; algo.name = {name!r} samples "
                           "and trains without it (use 1.0)")
 

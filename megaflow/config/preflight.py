@@ -18,19 +18,18 @@ from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewa
 from megaflow.config.schema import MegaflowConfig
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
+from megaflow.families import card
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
 
-# Names of megaflow.rewards.registry.REWARDS (megaflow.config.reward_check), megaflow.models.provider.BUILTIN_SPECS
-# and the families' diffusers classes (megaflow.models.registry): those modules import torch, so the names are kept
-# here and tests/config/test_preflight.py checks that they are equal.
+# Names of megaflow.rewards.registry.REWARDS (megaflow.config.reward_check) and megaflow.models.provider.BUILTIN_SPECS:
+# those modules import torch, so the names are kept here and tests/config/test_preflight.py checks that they are
+# equal. What a model family needs checked is its card (megaflow.families).
 REWARD_NAMES = tuple(REWARD_ARGS)
 BUILTIN_SPECS = ("auto", "local", "te")
-FAMILY_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 COMMANDS = ("train", "demo", "show", "pretrain")
 DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
-TINY_SD3_POSITIONS = 16  # pos_embed_max_size of the tiny SD3 pipeline (megaflow.models.tiny_pipeline)
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -285,24 +284,25 @@ def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int,
     vae, tconf = configs.get("vae", {}), configs["transformer"]
     blocks = vae.get("block_out_channels")
     factor = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8
-    patch = 2 if cfg.model.family == "flux" else (_positive_int(tconf, "patch_size") or 2)
-    max_patches = _positive_int(tconf, "pos_embed_max_size") if cfg.model.family == "sd3" else None
+    family = card(cfg.model.family)
+    patch = family.latent_pack or _positive_int(tconf, "patch_size") or 2
+    max_patches = _positive_int(tconf, "pos_embed_max_size") if family.position_table else None
     return factor * patch, (max_patches * factor * patch if max_patches else None)
 
 
 def _check_model(cfg: MegaflowConfig) -> None:
     r, key = cfg.rollout, "model.pretrained"
-    multiple, largest, where = DEFAULT_PIXEL_MULTIPLE, None, "the tiny pipeline built for the run"
-    if cfg.model.family == "sd3":
-        largest = TINY_SD3_POSITIONS * DEFAULT_PIXEL_MULTIPLE
+    family = card(cfg.model.family)
+    multiple, where = DEFAULT_PIXEL_MULTIPLE, "the tiny pipeline built for the run"
+    largest = family.tiny_positions * DEFAULT_PIXEL_MULTIPLE if family.tiny_positions else None
     if cfg.model.pretrained:
         configs = check_pipeline(cfg.model.pretrained, key)
         tconf, where = configs["transformer"], cfg.model.pretrained
-        want = FAMILY_CLASSES[cfg.model.family]
+        want = family.diffusers_class
         if tconf.get("_class_name") != want:
             raise ConfigError(f"model.family = {cfg.model.family!r} expects a {want} but {where}/transformer is "
                               f"{tconf.get('_class_name')!r}")
-        layers = _positive_int(tconf, "num_layers") if cfg.model.family == "sd3" else None
+        layers = _positive_int(tconf, family.blocks_key) if family.blocks_key else None
         _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), layers, where)
         multiple, largest = _pixel_multiple(cfg, configs)
     for side in ("height", "width"):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from megaflow.config.algo_schema import AlgoConfig
 from megaflow.config.fields import MAX_ITERS, MAX_SIDE, MAX_STEPS, SEED_MAX, opt
+from megaflow.families import DEFAULT_FAMILY, family_names
 
 __all__ = ["AlgoConfig", "MAX_ITERS", "MAX_SIDE", "MAX_STEPS", "MegaflowConfig", "SEED_MAX", "opt"]
 
@@ -26,7 +27,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    family: str = opt("sd3", "Model family from the registry (megaflow.models.registry).", choices=("sd3", "flux"))
+    family: str = opt(DEFAULT_FAMILY, "Model family from the registry (megaflow.families).", choices=family_names())
     pretrained: str = opt("", "Diffusers pipeline directory (with transformer/, vae/, ...); empty = build tiny.")
     spec: str = opt("auto", "Layer implementation: auto (TE on GPU, local on CPU), local, te, or a dotted path "
                     "'pkg.mod:fn' returning a layer spec or a whole model.")

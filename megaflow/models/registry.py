@@ -1,6 +1,7 @@
-"""Model families by name: an explicit table, no dispatch on substrings of model ids.
-A family bundles the diffusers class, config mapping, layer spec, model class and weight map;
-imported on first use.
+"""Model families by name: the torch part (``ModelFamily``) of each family registered in ``megaflow.families``
+(one line there per family; its card names the package defining ``FAMILY``), no dispatch on substrings of model
+ids. A family bundles the diffusers class, config mapping, layer spec, model class and weight map; imported on
+first use, and its name, diffusers class and guidance agree with its card.
 """
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-# name -> module defining FAMILY.
-_FAMILIES: dict[str, str] = {
-    "sd3": "megaflow.models.sd3",
-    "flux": "megaflow.models.flux",
-}
+from megaflow.families import card, family_names
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +40,9 @@ class ModelFamily:
     batch_conditioning: Callable[[Any, Any, bool], dict]
     """(config, the trajectories of one trainer microbatch, cfg) -> its conditioning keys: what
     ``model_inputs`` reads besides latents and sigma, batched ([negative; positive] under CFG)."""
+    tiny: ModuleType | None = None
+    """Module with the family's tiny configs and reference models (``tiny_config``, ``diffusers_model``, ...) and
+    the GPU check's microbatch layout (``check_latent_shape``, ``check_inputs``); None: the family has none."""
     embedded_guidance: bool = False
     """True: a rollout's ``guidance_scale`` is a model input (FLUX.1-dev's guidance embedding) and never
     turns on classifier-free guidance; False: guidance_scale > 1 samples with CFG (two branches)."""
@@ -49,22 +50,18 @@ class ModelFamily:
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
                      weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type,
-                     embedded_guidance: bool = False) -> ModelFamily:
+                     embedded_guidance: bool = False, tiny: ModuleType | None = None) -> ModelFamily:
         """The family of a package laid out like ``megaflow.models.sd3`` (``config`` and ``model`` modules)."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
                    model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length,
-                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance)
-
-
-def family_names() -> tuple[str, ...]:
-    """Registered family names."""
-    return tuple(_FAMILIES)
+                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance, tiny=tiny)
 
 
 def get_family(name: str) -> ModelFamily:
-    """The family registered as ``name``; ValueError naming it if unknown."""
-    if name not in _FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(_FAMILIES)}")
-    return importlib.import_module(_FAMILIES[name]).FAMILY
+    """The family registered as ``name`` (its card's ``package``); ValueError naming it if unknown."""
+    return importlib.import_module(card(name).package).FAMILY
+
+
+__all__ = ["ModelFamily", "card", "family_names", "get_family"]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux")
+from megaflow.families import DEFAULT_FAMILY, card
+
 _WORDS = (
     "a photo of the an and with on in red green blue yellow white black orange purple cat dog circle "
     "square triangle star big small one two three shape background sky tree house car"
@@ -123,7 +124,7 @@ def build_sd3(seed: int):
     transformer = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=t5_width, caption_projection_dim=64,
-        pooled_projection_dim=2 * clip_width, pos_embed_max_size=16,
+        pooled_projection_dim=2 * clip_width, pos_embed_max_size=card("sd3").tiny_positions,
     ).eval()
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -164,11 +165,16 @@ def build_flux(seed: int):
     )
 
 
+BUILDERS = {"sd3": build_sd3, "flux": build_flux}
+"""The tiny pipeline of each family that has one: family name -> builder(seed)."""
+FAMILIES = tuple(BUILDERS)
+
+
 def make_tiny_pipeline(family: str, out: str | Path, *, seed: int = 0) -> Path:
     """Build the tiny ``family`` pipeline with weights drawn from ``seed`` and save it (fp32) to ``out``."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    pipe = build_sd3(seed) if family == "sd3" else build_flux(seed)
+    pipe = BUILDERS[family](seed)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty")
@@ -187,7 +193,7 @@ def make_tiny_pipeline(family: str, out: str | Path, *, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the builder never downloads; nor do the libraries it calls
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, default="sd3")
+    parser.add_argument("--family", choices=FAMILIES, default=DEFAULT_FAMILY)
     parser.add_argument("--out", required=True, help="directory to write the pipeline into")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed => same weights)")
     args = parser.parse_args(argv)

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# diffusers transformer configs of the published checkpoints (keys as in their config.json).
-BUILTIN = {
-    "sd3": ("SD3.5-Medium (built-in table)", dict(
-        _class_name="SD3Transformer2DModel", num_layers=24, attention_head_dim=64, num_attention_heads=24,
-        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, in_channels=16,
-        out_channels=16, patch_size=2, pos_embed_max_size=384, sample_size=128,
-        dual_attention_layers=list(range(13)), qk_norm="rms_norm")),
-    "flux": ("FLUX.1-dev (built-in table)", dict(
-        _class_name="FluxTransformer2DModel", num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64,
-        patch_size=1, guidance_embeds=True, axes_dims_rope=[16, 56, 56])),
-}
-# Text encoders and VAE parameters when the pipeline is not here (CLIP-L/14 text 123.7M, OpenCLIP bigG/14 text
-# 694.7M, T5-XXL encoder 4762M, the SD3/FLUX 16-channel VAE 83.7M).
-BUILTIN_ENCODERS = {"sd3": {"text encoders": 123_650_304 + 694_659_840 + 4_762_310_656, "vae": 83_653_863},
-                    "flux": {"text encoders": 123_060_480 + 4_762_310_656, "vae": 83_819_683}}
-DEFAULT_TEXT_TOKENS = {"sd3": 77 + 256, "flux": 512}  # CLIP 77 + T5 256 (SD3 pipelines); T5 512 (FLUX.1-dev)
+from megaflow.families import card, family_names
+
+# The families' published transformer configs (``megaflow.families``' cards): name -> (source, config dict).
+BUILTIN = {name: card(name).builtin for name in family_names()}
 
 # Saved activations per token per hidden unit of one block, in activation-dtype units: (replicated, TP-split).
 STREAM = (8.0, 14.0)       # one MMDiT stream: LN in, modulated, residual operands, MLP in | qkv, q/k norm, attn, 4h x 2
@@ -56,9 +43,9 @@ class DiTDims:
     hidden: int
     heads: int
     head_dim: int
-    blocks: int            # SD3 MMDiT blocks / FLUX double-stream blocks
-    single_blocks: int     # FLUX single-stream blocks (0 for SD3)
-    dual_blocks: int       # SD3.5 blocks with a second image attention
+    blocks: int            # joint (two-stream) blocks: SD3 MMDiT blocks / FLUX double-stream blocks
+    single_blocks: int     # single-stream blocks after them (FLUX; 0 for SD3)
+    dual_blocks: int       # leading blocks with a second image attention (SD3.5; 0 for FLUX)
     qk_norm: bool
     in_channels: int
     out_channels: int
@@ -67,6 +54,7 @@ class DiTDims:
     pooled_dim: int
     guidance_embeds: bool
     pos_table: int = 0     # SD3: rows of the fp32 sin-cos position table (pos_embed_max_size ** 2), a buffer
+    context_pre_only_last: bool = False  # SD3: the last joint block's text stream stops at q/k/v
 
     @property
     def num_blocks(self) -> int:
@@ -74,21 +62,15 @@ class DiTDims:
 
 
 def dims_from_config(family: str, conf: dict, source: str) -> DiTDims:
-    """``DiTDims`` from a diffusers transformer config dict (defaults as the diffusers classes have them)."""
+    """``DiTDims`` from a diffusers transformer config dict (defaults as the diffusers classes have them; the
+    family-specific fields from its card's ``plan_dims``)."""
     heads, head_dim = int(conf["num_attention_heads"]), int(conf["attention_head_dim"])
-    in_ch = int(conf.get("in_channels", 16 if family == "sd3" else 64))
-    out_ch = conf.get("out_channels") or in_ch
-    qk = conf.get("qk_norm") if family == "sd3" else "rms_norm"
+    own = card(family).plan_dims(conf)  # it may set out_channels / joint_dim where its class's defaults differ
+    shared = dict(out_channels=int(conf.get("out_channels") or own["in_channels"]),
+                  joint_dim=int(conf.get("joint_attention_dim", 4096)),
+                  guidance_embeds=bool(conf.get("guidance_embeds", False)))
     return DiTDims(family=family, source=source, hidden=heads * head_dim, heads=heads, head_dim=head_dim,
-                   blocks=int(conf.get("num_layers", 18 if family == "sd3" else 19)),
-                   single_blocks=int(conf.get("num_single_layers", 38)) if family == "flux" else 0,
-                   dual_blocks=len(conf.get("dual_attention_layers") or ()) if family == "sd3" else 0,
-                   qk_norm=qk is not None, in_channels=in_ch, out_channels=int(out_ch),
-                   patch=int(conf.get("patch_size", 2 if family == "sd3" else 1)),
-                   joint_dim=int(conf.get("joint_attention_dim", 4096)),
-                   pooled_dim=int(conf.get("pooled_projection_dim", 2048 if family == "sd3" else 768)),
-                   guidance_embeds=bool(conf.get("guidance_embeds", False)),
-                   pos_table=int(conf.get("pos_embed_max_size") or 96) ** 2 if family == "sd3" else 0)
+                   **{**shared, **own})
 
 
 def _linear(i: int, o: int) -> int:
@@ -99,11 +81,11 @@ def block_params(d: DiTDims, index: int) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of block ``index`` (SD3 block, FLUX double, then FLUX single)."""
     h, norms = d.hidden, (2 * d.head_dim if d.qk_norm else 0)
     mlp = _linear(h, 4 * h) + _linear(4 * h, h)
-    if d.family == "flux" and index >= d.blocks:  # single-stream: qkv + mlp-in, fused out over [attn; mlp]
+    if index >= d.blocks:  # single-stream: qkv + mlp-in, fused out over [attn; mlp]
         return 3 * _linear(h, h) + _linear(h, 4 * h) + _linear(5 * h, h), _linear(h, 3 * h) + norms
-    last = d.family == "sd3" and index == d.blocks - 1  # context_pre_only: no context output / MLP
+    last = d.context_pre_only_last and index == d.blocks - 1  # no context output / MLP
     sharded = 4 * _linear(h, h) + mlp + 3 * _linear(h, h) + (0 if last else _linear(h, h) + mlp)
-    dual = d.family == "sd3" and index < d.dual_blocks
+    dual = index < d.dual_blocks
     replicated = _linear(h, (9 if dual else 6) * h) + _linear(h, 2 * h if last else 6 * h) + 2 * norms
     if dual:
         sharded += 4 * _linear(h, h)
@@ -118,11 +100,11 @@ def lora_params(d: DiTDims, index: int, rank: int, targets) -> int:
     attention (dual blocks) is not counted: the adapters are a few percent of the weights either way."""
     h = d.hidden
     per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": 5 * h, "linear_fc2": 5 * h}
-    if d.family == "flux" and index >= d.blocks:
+    if index >= d.blocks:
         per = {"linear_qkv": 3 * 2 * h, "linear_proj": 6 * h, "linear_fc1": 5 * h, "linear_fc2": 0}
         return rank * sum(per[t] for t in targets)
     image = sum(per[t] for t in targets)
-    last = d.family == "sd3" and index == d.blocks - 1  # context_pre_only: the text stream has q/k/v only
+    last = d.context_pre_only_last and index == d.blocks - 1  # the text stream has q/k/v only
     text = per["linear_qkv"] if last and "linear_qkv" in targets else (0 if last else image)
     return rank * (image + text)
 
@@ -169,13 +151,13 @@ def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: in
     def part(coef, tokens):
         rep, split = coef
         return tokens * (rep / (tp if sp else 1) + split / tp)
-    if d.family == "flux" and index >= d.blocks:
+    if index >= d.blocks:
         return part(SINGLE if lora_targets is None else LORA_SINGLE, image + text)
-    last = d.family == "sd3" and index == d.blocks - 1
+    last = d.context_pre_only_last and index == d.blocks - 1
     stream = STREAM if lora_targets is None else lora_stream(lora_targets)
     units = part(stream, image) + part(CONTEXT_PRE_ONLY if last else stream, text)
     if d.qk_norm:
         units += part(QK_NORM_EXTRA, image + text)
-    if d.family == "sd3" and index < d.dual_blocks:
+    if index < d.dual_blocks:
         units += part(DUAL_EXTRA, image)
     return units

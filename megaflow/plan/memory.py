@@ -13,11 +13,10 @@ from megaflow.config.load import ConfigError
 from megaflow.config.schema import MegaflowConfig
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
+from megaflow.families import card
 from megaflow.plan.dit import (
-    BLOCK_INPUTS, BUILTIN, BUILTIN_ENCODERS, DEFAULT_TEXT_TOKENS, INFERENCE_LIVE, LORA_STAGE_EXTRA, STAGE_EXTRA,
-    VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units, block_params, buffer_bytes, dims_from_config,
-    embed_params,
-    final_params, lora_params, total_params,
+    BLOCK_INPUTS, INFERENCE_LIVE, LORA_STAGE_EXTRA, STAGE_EXTRA, VAE_DECODE_PER_PIXEL, DiTDims, block_activation_units,
+    block_params, buffer_bytes, dims_from_config, embed_params, final_params, lora_params, total_params,
 )
 from megaflow.plan.rewards import MODELS_ITEM, SCORING_ITEM, describe, reward_items, reward_loads, scoring_ranks
 from megaflow.plan.weights import folder_numel
@@ -89,8 +88,9 @@ def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
     if root is None:
         raise ValueError("megaflow plan needs model.pretrained (a pipeline dir, or the path it will be "
                          "downloaded to: the built-in table of the family is used when it is missing)")
-    source, conf = BUILTIN[family]
-    return dims_from_config(family, conf, source), dict(BUILTIN_ENCODERS[family]), 8
+    c = card(family)
+    source, conf = c.builtin
+    return dims_from_config(family, conf, source), {"text encoders": c.encoder_params, "vae": c.vae_params}, 8
 
 
 def _stage_blocks(d: DiTDims, pp: int, stage: int) -> range:
@@ -116,7 +116,7 @@ def microbatch_bytes(cfg: MegaflowConfig, d: DiTDims, *, dp: int, image: int, te
     r, t = cfg.rollout, cfg.train
     items = -(-r.prompts_per_iter * r.group_size // t.num_minibatches) * trained_steps(cfg)
     per_rank = -(-(-(-items // dp)) // t.micro_batch_size) * t.micro_batch_size
-    cfg_copies = 2 if r.guidance_scale > 1.0 and d.family == "sd3" else 1
+    cfg_copies = card(d.family).cfg_copies(r.guidance_scale)
     latent = image * d.in_channels * d.patch * d.patch * 4 * (cfg_copies + 1)
     cond = (text * d.joint_dim + d.pooled_dim) * _BYTES[r.precision] * cfg_copies
     return per_rank * (latent + cond)
@@ -131,7 +131,7 @@ def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, im
     local = sum(s / tp + r for s, r in (block_params(d, i) for i in blocks))
     local += (embed_params(d) if stage == 0 else 0) + (final_params(d) if stage == pp - 1 else 0)
     wb = _BYTES[cfg.model.dtype]
-    batch = t.micro_batch_size * (2 if cfg.rollout.guidance_scale > 1.0 and d.family == "sd3" else 1)
+    batch = t.micro_batch_size * card(d.family).cfg_copies(cfg.rollout.guidance_scale)
     in_flight = pp - stage if pp > 1 else 1
     lora = cfg.lora
     # Frozen base: torch's F.linear (megaflow's local linears at TP=1) and Transformer Engine's linears (spec
@@ -170,7 +170,7 @@ def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, im
 def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image: int, text: int) -> dict:
     """One rollout engine: DiT, text encoders, VAE in rollout.precision; sampling and decode activations."""
     r, eb = cfg.rollout, _BYTES[cfg.rollout.precision]
-    batch = r.max_batch_outputs * (2 if r.guidance_scale > 1.0 and d.family == "sd3" else 1)
+    batch = r.max_batch_outputs * card(d.family).cfg_copies(r.guidance_scale)
     return {
         "engine DiT": total_params(d) * eb + buffer_bytes(d),
         "engine text encoders": enc["text encoders"] * eb,
@@ -195,12 +195,13 @@ def check_plan_args(gpus: int, gpu_mem_gib: float) -> int:
 
 
 def token_counts(cfg: MegaflowConfig, d: DiTDims, vae_factor: int = 8) -> tuple[int, int]:
-    """(image, text) tokens of one sample at the rollout's size: latent / patch (FLUX packs 2x2 latents into one
-    token); text = T5's max_sequence_length (+ CLIP's 77 for SD3), or the family's default."""
-    pack = 2 if d.family == "flux" else d.patch
+    """(image, text) tokens of one sample at the rollout's size: latent / the family's token side (FLUX packs 2x2
+    latents into one token); text = T5's max_sequence_length plus the family's fixed tokens (CLIP's 77 for SD3), or
+    the family's default."""
+    family, max_len = card(d.family), cfg.rollout.max_sequence_length
+    pack = family.token_side(d.patch)
     image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
-    text = cfg.rollout.max_sequence_length + (77 if d.family == "sd3" else 0) if cfg.rollout.max_sequence_length \
-        else DEFAULT_TEXT_TOKENS[d.family]
+    text = max_len + family.fixed_text_tokens if max_len else family.default_text_tokens
     return image, text
 
 

@@ -9,8 +9,8 @@ from megaflow.algo.advantages import AdvantageConfig, group_advantages
 from megaflow.config import MegaflowConfig
 from megaflow.config.sections import from_section
 from megaflow.data.prompts import prompt_and_metadata
+from megaflow.families import card
 from megaflow.flow.window import check_sde_window, sample_sde_window
-from megaflow.models.registry import get_family
 from megaflow.rollout.types import RewardScores, RolloutRequest
 from megaflow.seeds import ROLLOUT, SDE_WINDOW, iteration_seed
 
@@ -33,7 +33,7 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
     r = cfg.rollout
     base = iteration_seed(cfg.run.seed, iteration, ROLLOUT)
     window = sde_window(cfg, iteration)
-    do_cfg = r.guidance_scale > 1.0 and not get_family(cfg.model.family).embedded_guidance
+    do_cfg = card(cfg.model.family).uses_cfg(r.guidance_scale)
     items = [prompt_and_metadata(next(prompts)) for _ in range(r.prompts_per_iter)]
     return [RolloutRequest(prompt=text, metadata=meta, num_outputs=r.group_size, seed=base + g * r.group_size,
                            num_steps=r.num_steps, height=r.height, width=r.width,

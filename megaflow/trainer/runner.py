@@ -15,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megaflow.families import DEFAULT_FAMILY
 from megaflow.models.common.lora import LoRASettings, adapter_state, adapters_disabled, attach_lora
 from megaflow.models.common.lora_map import lora_weight_map
 from megaflow.models.provider import build_model_chunks
@@ -150,7 +151,7 @@ class Trainer(ModelRunner):
     optimizer; ``fast_paths`` picks megaflow.trainer.fast_paths' shortcuts (``fast_paths_active`` names those in
     effect); ``lora``: train adapters on a frozen base; ``lr_schedule``: the lr of each iteration's update."""
 
-    def __init__(self, config, *, family: str = "sd3", spec: str = "auto",
+    def __init__(self, config, *, family: str = DEFAULT_FAMILY, spec: str = "auto",
                  optimizer_config: OptimizerConfig | None = None,
                  ddp_config: DistributedDataParallelConfig | None = None,
                  fast_paths: FastPaths | None = None, lora: LoRASettings | None = None,
@@ -245,7 +246,7 @@ class ReferenceModel(ModelRunner):
     """A frozen, forward-only copy of the policy (the KL reference), same TP/PP shard layout as the trainer, no
     DDP, grad buffer or optimizer; ``forward_backward`` only with ``forward_only=True``."""
 
-    def __init__(self, config, *, family: str = "sd3", spec: str = "auto"):
+    def __init__(self, config, *, family: str = DEFAULT_FAMILY, spec: str = "auto"):
         chunks = _build_chunks(config, family, spec)
         for c in chunks:
             c.requires_grad_(False)

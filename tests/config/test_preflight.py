@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from megaflow.config import ConfigError, load_config
 from megaflow.config import files, preflight as pf
+from megaflow.families import card
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,13 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_name_tables_equal_the_registries():
     from megaflow.data.shapes import CATEGORIES
     from megaflow.models.provider import BUILTIN_SPECS
-    from megaflow.models.registry import family_names, get_family
     from megaflow.rewards.registry import REWARDS
     from megaflow.trainer.checkpoint import META_FILE
 
     assert pf.REWARD_NAMES == tuple(REWARDS)
     assert pf.BUILTIN_SPECS == BUILTIN_SPECS
-    assert pf.FAMILY_CLASSES == {n: get_family(n).diffusers_class for n in family_names()}
     assert files.CKPT_META == META_FILE
     assert pf.CATEGORIES is CATEGORIES
 
@@ -64,8 +63,9 @@ def test_the_tiny_pipelines_constants_are_its_config(tiny_sd3_dir):
     table are the ones of the pipeline megaflow.models.tiny_pipeline writes."""
     configs = files.check_pipeline(tiny_sd3_dir, "k")
     multiple, largest = pf._pixel_multiple(load_config(None, []), configs)
-    assert (multiple, largest) == (pf.DEFAULT_PIXEL_MULTIPLE, pf.TINY_SD3_POSITIONS * pf.DEFAULT_PIXEL_MULTIPLE)
-    assert configs["transformer"]["pos_embed_max_size"] == pf.TINY_SD3_POSITIONS
+    positions = card("sd3").tiny_positions
+    assert (multiple, largest) == (pf.DEFAULT_PIXEL_MULTIPLE, positions * pf.DEFAULT_PIXEL_MULTIPLE)
+    assert configs["transformer"]["pos_embed_max_size"] == positions
 
 
 def _library_accepts(path: Path) -> bool:

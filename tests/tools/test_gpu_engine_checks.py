@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _dims(**kw) -> DiTDims:
     base = dict(family="sd3", source="test", hidden=4, heads=2, head_dim=2, blocks=2, single_blocks=0, dual_blocks=1,
-                qk_norm=True, in_channels=2, out_channels=2, patch=1, joint_dim=3, pooled_dim=2, guidance_embeds=False)
+                qk_norm=True, in_channels=2, out_channels=2, patch=1, joint_dim=3, pooled_dim=2, guidance_embeds=False,
+                context_pre_only_last=True)
     return DiTDims(**{**base, **kw})
 
 
@@ -38,11 +39,11 @@ def test_sd3_forward_flops_by_hand():
     # embed 2*5*2*4 = 80, text 2*3*3*4 = 72, final 2*5*4*2 = 80; block 0 (dual): image 2*5*12*16 = 1920,
     # text 2*3*12*16 = 1152, joint attention 4*8*8*4 = 1024, dual 2*5*4*16 + 4*5*5*4 = 1040; block 1 (last):
     # image 1920, text (qkv only) 2*3*3*16 = 288, attention 1024
-    assert throughput.sd3_forward_flops(_dims(), image=5, text=3) == 232 + 5136 + 3232
+    assert throughput.forward_flops(_dims(), image=5, text=3) == 232 + 5136 + 3232
     assert throughput.train_step_flops(_dims(), 5, 3, batch=4) == 3 * 4 * 8600
-    flux = _dims(family="flux", blocks=1, single_blocks=2, dual_blocks=0)
+    flux = _dims(family="flux", blocks=1, single_blocks=2, dual_blocks=0, context_pre_only_last=False)
     # embed 2*5*2*4 + 2*3*3*4 + 2*5*4*2 = 232; three blocks of 2*8*12*16 + 4*64*4 = 3072 + 1024
-    assert throughput.flux_forward_flops(flux, image=5, text=3) == 232 + 3 * 4096
+    assert throughput.forward_flops(flux, image=5, text=3) == 232 + 3 * 4096
 
 
 def test_sd3_forward_flops_match_torch_flop_counter():
@@ -62,7 +63,7 @@ def test_sd3_forward_flops_match_torch_flop_counter():
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         dit(hidden_states=torch.randn(1, 16, 32, 32), timestep=torch.tensor([500.0]),
             encoder_hidden_states=torch.randn(1, 77, 96), pooled_projections=torch.randn(1, 32))
-    ours = throughput.sd3_forward_flops(dims_from_config("sd3", conf, "test"), image=256, text=77)
+    ours = throughput.forward_flops(dims_from_config("sd3", conf, "test"), image=256, text=77)
     assert ours == pytest.approx(counter.get_total_flops(), rel=0.02)
 
 
@@ -80,7 +81,7 @@ def test_check_records_from_measurements():
     rec = sd35m.rollout_record({"sglang": [1.0, 2.0, 1.0], "diffusers": [2.0, 2.0, 2.0]})
     assert rec["images_per_s"] == {"sglang": 8.0, "diffusers": 4.0} and rec["sglang_over_diffusers"] == 2.0
     step = sd35m.step_record(_dims(), [0.5, 0.4, 0.6], 4, "none", "NVIDIA H100", 2**30)
-    assert step["step_s"] == 0.5 and step["mfu"] == pytest.approx(3 * 4 * throughput.sd3_forward_flops(
+    assert step["step_s"] == 0.5 and step["mfu"] == pytest.approx(3 * 4 * throughput.forward_flops(
         _dims(), 1024, 333) / 0.5 / 989e12)
     metrics = {"time/iteration_s": 4.0, "time/rollout_s": 1.0, "time/train_s": 2.5, "mem/cuda_alloc_mib_train": 2048.0}
     loop = sd35m.loop_record("nft", metrics, {"train": 2**31, "rollout": 2**30}, 2**31, 9.0)

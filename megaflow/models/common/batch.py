@@ -2,6 +2,7 @@
 
 ``stack_conditioning`` stacks per-sample conditioning along a new batch dim; under CFG the negative
 branch comes first (``[negative; positive]``), from the trajectories' ``negative_<key>`` twins.
+``packed_grid`` recovers a packed latent grid from its token count and the image size.
 """
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ def stack_conditioning(trajectories: Sequence, keys: Sequence[str], cfg: bool) -
             pos = torch.cat([neg, pos])
         out[key] = pos
     return out
+
+
+def packed_grid(num_tokens: int, height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) of the packed latent tokens (FLUX, Qwen-Image) for ``height`` x ``width``: the one scale s
+    (2 x VAE factor) giving ``num_tokens``; ValueError when none does."""
+    for s in range(1, max(height, width) + 1):
+        rows, cols = height // s, width // s
+        if rows * cols == num_tokens:
+            return rows, cols
+        if rows * cols < num_tokens:
+            break
+    raise ValueError(f"{num_tokens} packed latent tokens fit no grid of a {height}x{width} image")

@@ -77,7 +77,8 @@ class HeadRMSNorm(torch.nn.Module):
 
 class SDPAttention(MegatronModule):
     """Core attention via torch SDPA, same interface as megatron's DotProductAttention:
-    q, k, v [s, b, heads_local, head_dim] -> [s, b, heads_local * head_dim], no mask.
+    q, k, v [s, b, heads_local, head_dim] -> [s, b, heads_local * head_dim]; an optional padding
+    ``attention_mask`` [b, 1, 1, s] (True: a key nobody attends to, megatron's convention).
     ``input_layout = "bhsd"``: ``attend`` hands over views of contiguous [b, h, s, d] tensors."""
 
     input_layout = "bhsd"
@@ -86,29 +87,33 @@ class SDPAttention(MegatronModule):
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, **unused: Any):
         super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.no_mask:
-            raise ValueError(f"SDPAttention supports only AttnMaskType.no_mask, got {attn_mask_type}")
+        if attn_mask_type not in (AttnMaskType.no_mask, AttnMaskType.padding):
+            raise ValueError(f"SDPAttention supports only AttnMaskType.no_mask and .padding, got {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        assert attention_mask is None and attention_bias is None and packed_seq_params is None
+        assert attention_bias is None and packed_seq_params is None
         s, b, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
 
 
-def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """core_attention over the concatenation of per-stream [s_i, b, heads, d] tensors -> [sum s_i, b, heads * d]."""
+def attend(core_attention, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
+           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """core_attention over the concatenation of per-stream [s_i, b, heads, d] tensors -> [sum s_i, b, heads * d];
+    ``attention_mask`` [b, 1, 1, sum s_i] (True: padding, never attended to) switches to a padding mask."""
     if getattr(core_attention, "input_layout", "sbhd") == "bhsd":
         q, k, v = (torch.cat([t.permute(1, 2, 0, 3) for t in ts], dim=2).permute(2, 0, 1, 3) for ts in (qs, ks, vs))
     else:
         q, k, v = (torch.cat(ts) for ts in (qs, ks, vs))
-    return core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+    mask_type = AttnMaskType.no_mask if attention_mask is None else AttnMaskType.padding
+    return core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=mask_type)
 
 
 @dataclass
@@ -124,7 +129,10 @@ class JointAttentionSubmodules:
 
 class JointAttention(MegatronModule):
     """MMDiT attention: fused QKV per stream, one attention over [image; context] tokens.
-    ``has_context=False``: image self-attention only; ``context_output=False``: no context output projection."""
+    ``has_context=False``: image self-attention only; ``context_output=False``: no context output projection.
+    ``attn_mask_type``: what the core attention is built for (a subclass that masks padding sets ``padding``)."""
+
+    attn_mask_type = AttnMaskType.no_mask
 
     def __init__(self, config: TransformerConfig, submodules: JointAttentionSubmodules, layer_number: int,
                  has_context: bool = True, context_output: bool = True):
@@ -145,7 +153,7 @@ class JointAttention(MegatronModule):
                     self.add_module(f"{p}{n}_layernorm", norm)
         self.core_attention = build_module(
             submodules.core_attention, config=config, layer_number=layer_number,
-            attn_mask_type=AttnMaskType.no_mask, attention_type="self",
+            attn_mask_type=self.attn_mask_type, attention_type="self",
         )
 
     def _qkv_linear(self, submodules):

@@ -30,31 +30,41 @@ from megaflow.models.common.layers import ReplicatedLinear, layer_norm, modulate
 TIMESTEP_CHANNELS = 256  # sinusoidal timestep features (diffusers Timesteps(num_channels=256))
 
 
-def timestep_features(timestep: torch.Tensor, dim: int = TIMESTEP_CHANNELS) -> torch.Tensor:
-    """Sinusoidal timestep features [B, dim], cos first (diffusers flip_sin_to_cos=True, shift 0)."""
+def timestep_features(timestep: torch.Tensor, dim: int = TIMESTEP_CHANNELS, scale: float = 1.0) -> torch.Tensor:
+    """Sinusoidal timestep features [B, dim], cos first (diffusers flip_sin_to_cos=True, shift 0); ``scale``
+    multiplies the angles after the product, as diffusers' ``Timesteps(scale=...)`` does."""
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
     args = timestep[:, None].float() * freqs[None, :]
+    if scale != 1.0:
+        args = scale * args
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
 class EmbedMLP(torch.nn.Module):
-    """linear_1 -> SiLU -> linear_2 (timestep, guidance and pooled-text embedders)."""
+    """linear_1 -> ``activation`` (SiLU) -> linear_2 (timestep, guidance and pooled-text embedders; Wan's
+    text projection with GELU-tanh). ``sequence_parallel_grad``: the output is used on every rank's sequence
+    shard (a conditioning vector), so its grads are summed over TP under SP; False for token embeddings
+    that are scattered over the sequence afterwards."""
 
-    def __init__(self, in_features: int, config: TransformerConfig):
+    def __init__(self, in_features: int, config: TransformerConfig, *,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, sequence_parallel_grad: bool = True):
         super().__init__()
         h = config.hidden_size
-        self.linear_1 = ReplicatedLinear(in_features, h, config=config, sequence_parallel_grad=True)
-        self.linear_2 = ReplicatedLinear(h, h, config=config, sequence_parallel_grad=True)
+        self.linear_1 = ReplicatedLinear(in_features, h, config=config, sequence_parallel_grad=sequence_parallel_grad)
+        self.linear_2 = ReplicatedLinear(h, h, config=config, sequence_parallel_grad=sequence_parallel_grad)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
+        return self.linear_2(self.activation(self.linear_1(x)))
 
 
-def pipeline_seq_length(config: TransformerConfig, num_image_tokens: int, num_context_tokens: int) -> int:
-    """``seq_length`` for megatron's pipeline schedule: image + context tokens + one temb row (divided by tp under SP)."""
+def pipeline_seq_length(config: TransformerConfig, num_image_tokens: int, num_context_tokens: int, *,
+                        rows: int = 1) -> int:
+    """``seq_length`` for megatron's pipeline schedule: image + context tokens + ``rows`` conditioning rows
+    (one temb row; replicated on every rank, so tp times ``rows`` under SP, where the schedule divides by tp)."""
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return num_image_tokens + num_context_tokens + tp
+    return num_image_tokens + num_context_tokens + rows * tp
 
 
 def stage_layers(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None) -> range:

@@ -40,5 +40,6 @@ def sft_reference(model, batches: list[dict],
         loss = torch.nn.functional.mse_loss(velocity(model, b), b["noise"] - b["x0"]) / len(batches)
         loss.backward()
         total += float(loss)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # A parameter the loss never reaches (Qwen-Image's last text-stream MLP) has a zero grad, as megatron's main grads.
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     return total, grads

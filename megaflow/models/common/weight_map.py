@@ -12,7 +12,8 @@ from megaflow.models.common.model import stage_ends, stage_layers
 
 __all__ = [
     "ADALN_ATTENTION_ROWS", "ADALN_MLP_ROWS", "FINAL_ROWS", "QKV", "W", "WB", "ParamMap", "Recipe", "WeightMap",
-    "embed_mlp_rows", "fuse_qkv", "join", "shard", "stage_layers", "unfuse_qkv",
+    "block_maps", "embed_mlp_rows", "fuse_qkv", "interleave_heads", "join", "shard", "split_heads", "stage_layers",
+    "unfuse_qkv",
 ]
 
 W, WB = ("weight",), ("weight", "bias")  # param suffixes of a norm / of a biased linear
@@ -70,6 +71,17 @@ class ParamMap:
         return None
 
 
+def block_maps(rows, megatron_prefix: str, diffusers_prefix: str, layer: int,
+               param_map: type = ParamMap) -> list[ParamMap]:
+    """Every row of a block table (all its parts present) as ``param_map``s of global block ``layer``."""
+    out = []
+    for mg, df, kind, suffixes, _when in rows:
+        dfs = df if isinstance(df, tuple) else (df,)
+        out += [param_map(f"{megatron_prefix}{mg}.{s}", tuple(f"{diffusers_prefix}{d}.{s}" for d in dfs), kind, layer)
+                for s in suffixes]
+    return out
+
+
 def join(module: str, suffix: str) -> str:
     """``module.suffix`` (just ``module`` for the empty suffix of a buffer)."""
     return f"{module}.{suffix}" if suffix else module
@@ -87,6 +99,21 @@ def unfuse_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.T
     """Inverse of ``fuse_qkv``."""
     per_head = qkv.reshape(num_heads, 3, -1, *qkv.shape[1:])
     return tuple(per_head[:, j].reshape(qkv.shape[0] // 3, *qkv.shape[1:]) for j in range(3))
+
+
+def interleave_heads(parts: list[torch.Tensor], num_heads: int, dim: int = 0) -> torch.Tensor:
+    """Concatenate ``parts`` along ``dim`` per head: each part is cut into ``num_heads`` equal
+    slices along ``dim`` and the result is ``[p0_h0 p1_h0 ... | p0_h1 p1_h1 ... | ...]``."""
+    if any(p.shape[dim] % num_heads for p in parts):
+        raise ValueError(f"sizes {[p.shape[dim] for p in parts]} along dim {dim} are not divisible by {num_heads} heads")
+    per_head = [p.unflatten(dim, (num_heads, -1)) for p in parts]
+    return torch.cat(per_head, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def split_heads(fused: torch.Tensor, sizes: list[int], num_heads: int, dim: int = 0) -> list[torch.Tensor]:
+    """Inverse of ``interleave_heads``: ``sizes`` are the parts' full sizes along ``dim``."""
+    per_head = fused.unflatten(dim, (num_heads, -1)).split([s // num_heads for s in sizes], dim=dim + 1)
+    return [p.flatten(dim, dim + 1).contiguous() for p in per_head]
 
 
 def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:

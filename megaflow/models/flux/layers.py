@@ -1,5 +1,5 @@
-"""FLUX.1 blocks on megatron-core (layout [s, b, h]): rotary embeddings and the two block kinds;
-shared pieces are in ``megaflow.models.common.layers``.
+"""FLUX.1 blocks on megatron-core (layout [s, b, h]): the single-stream block; the double-stream block and
+the rotary embeddings are the shared ones of ``megaflow.models.common.rope``.
 
 Design notes: docs/design/models.md.
 """
@@ -14,95 +14,24 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
 
-from megaflow.models.common.layers import (
-    AdaLNBlockSubmodules,
-    JointAttention,
-    attend,
-    gated_residual,
-    layer_norm,
-    modulate,
-)
+from megaflow.models.common.layers import AdaLNBlockSubmodules, attend, gated_residual, layer_norm, modulate
+from megaflow.models.common.rope import Rope, RopeDoubleLayer, RopeJointAttention, StreamRope, apply_rope, rope_table
 from megaflow.models.flux.config import FluxConfig
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, head_dim] float32
+__all__ = ["FluxDoubleLayer", "FluxJointAttention", "FluxRope", "FluxSingleLayer", "FluxSingleLayerSubmodules",
+           "Rope", "apply_rope", "rope_table"]
 
 
 @dataclass
-class FluxRope:
+class FluxRope(StreamRope):
     """RoPE tables for one forward: per stream for double blocks, joint order for single blocks."""
 
-    image: Rope
-    context: Rope
     joint: Rope
 
 
-def rope_table(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float) -> Rope:
-    """cos, sin [tokens, sum(axes_dims)] for position ids [tokens, axes] (diffusers FluxPosEmbed:
-    float64 frequencies, each frequency repeated twice, axes concatenated)."""
-    pos = ids.float()
-    cos, sin = [], []
-    for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim))
-        angles = torch.outer(pos[:, axis].double(), freqs)
-        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
-        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
-    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x [s, b, heads, d] by the per-token angles (fp32 math)."""
-    cos, sin = (t[:, None, None, :] for t in rope)
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-class FluxJointAttention(JointAttention):
-    """The shared joint attention with RoPE on q and k; tokens attended as ``[context; image]``."""
-
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope: FluxRope):
-        """Returns ``(image_out, image_bias), (context_out, context_bias)`` (biases un-added)."""
-        qi, ki, vi = self._project(hidden, "")
-        qc, kc, vc = self._project(context, "context_")
-        out = attend(self.core_attention, [apply_rope(qc, rope.context), apply_rope(qi, rope.image)],
-                     [apply_rope(kc, rope.context), apply_rope(ki, rope.image)], [vc, vi])
-        num_context = qc.shape[0]
-        return self.linear_proj(out[num_context:]), self.context_linear_proj(out[:num_context])
-
-
+FluxJointAttention = RopeJointAttention  # tokens attended as [context; image], as diffusers' FLUX
 FluxDoubleLayerSubmodules = AdaLNBlockSubmodules  # the FLUX name of the shared submodule table
-
-
-class FluxDoubleLayer(MegatronModule):
-    """One FluxTransformerBlock: adaLN-Zero (6h per stream), joint attention with RoPE, MLP per stream."""
-
-    single = False
-
-    def __init__(self, config: FluxConfig, submodules: AdaLNBlockSubmodules, layer_number: int):
-        super().__init__(config=config)
-        self.layer_number = layer_number  # 1-based, global (megatron convention)
-        h = config.hidden_size
-        self.adaln = build_module(submodules.adaln, h, 6 * h, config=config, sequence_parallel_grad=True)
-        self.context_adaln = build_module(submodules.adaln, h, 6 * h, config=config, sequence_parallel_grad=True)
-        self.attention = build_module(submodules.attention, config=config, layer_number=layer_number)
-        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
-        self.context_mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
-
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor, rope: FluxRope):
-        """hidden [n, b, h], context [l, b, h], temb [b, h] -> (hidden, context)."""
-        eps = self.config.layernorm_epsilon
-        emb = F.silu(temb)
-        mod = self.adaln(emb).chunk(6, dim=-1)  # shift, scale, gate (attn); shift, scale, gate (mlp)
-        cmod = self.context_adaln(emb).chunk(6, dim=-1)
-        x = modulate(layer_norm(hidden, eps), mod[0], mod[1])
-        c = modulate(layer_norm(context, eps), cmod[0], cmod[1])
-        image_attn, context_attn = self.attention(x, c, rope)
-        hidden = gated_residual(hidden, mod[2], image_attn)
-        hidden = gated_residual(hidden, mod[5], self.mlp(modulate(layer_norm(hidden, eps), mod[3], mod[4])))
-        context = gated_residual(context, cmod[2], context_attn)
-        context = gated_residual(context, cmod[5],
-                                  self.context_mlp(modulate(layer_norm(context, eps), cmod[3], cmod[4])))
-        return hidden, context
+FluxDoubleLayer = RopeDoubleLayer  # one FluxTransformerBlock
 
 
 @dataclass

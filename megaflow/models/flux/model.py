@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megaflow.models.common.batch import stack_conditioning
+from megaflow.models.common.batch import packed_grid, stack_conditioning
 from megaflow.models.common.layers import ReplicatedLinear
 from megaflow.models.common.model import TIMESTEP_CHANNELS, DiTModel, EmbedMLP, pipeline_seq_length, timestep_features
 from megaflow.models.flux.config import ROPE_THETA, TIMESTEP_SCALE, FluxConfig
@@ -119,18 +119,6 @@ class FluxTransformer(DiTModel):
         if self.post_process:
             return self._final(hidden, temb)
         return torch.cat([context, hidden, temb[None]], dim=0)
-
-
-def packed_grid(num_tokens: int, height: int, width: int) -> tuple[int, int]:
-    """(rows, cols) of FLUX's packed tokens for ``height`` x ``width``: the one scale s (2 x VAE factor)
-    giving ``num_tokens``; ValueError when none does."""
-    for s in range(1, max(height, width) + 1):
-        rows, cols = height // s, width // s
-        if rows * cols == num_tokens:
-            return rows, cols
-        if rows * cols < num_tokens:
-            break
-    raise ValueError(f"{num_tokens} packed latent tokens fit no grid of a {height}x{width} image")
 
 
 def batch_conditioning(config: FluxConfig, trajectories, cfg: bool) -> dict:

@@ -62,3 +62,17 @@ def diffusers_velocity(model, b: dict, latents: torch.Tensor | None = None) -> t
 def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
     return sft_reference(model, batches, diffusers_velocity)
+
+
+def check_latent_shape(conf: dict[str, Any], image_tokens: int) -> tuple[int, ...]:
+    """One sample's packed tokens of ``image_tokens`` tokens for transformer config ``conf``, as the train-step GPU
+    check draws them (``megaflow.testing.gpu.model``)."""
+    return (1, image_tokens, conf["in_channels"])
+
+
+def check_inputs(image_tokens: int, text_tokens: int, device) -> dict[str, torch.Tensor]:
+    """The model inputs of the GPU check's microbatch beside latents, sigma and text: the text and (square) image
+    positions and the embedded guidance 3.5 (the check's ``rollout.guidance_scale``)."""
+    side = int(image_tokens ** 0.5)
+    return dict(txt_ids=torch.zeros(text_tokens, 3, device=device), img_ids=image_ids(side, side).to(device),
+                guidance=torch.full((1,), 3.5, device=device))

@@ -16,8 +16,11 @@ from megaflow.models.common.weight_map import (
     Recipe,
     W,
     WeightMap,
+    block_maps,
     embed_mlp_rows,
+    interleave_heads,
     join,
+    split_heads,
 )
 from megaflow.models.common.weight_map import ParamMap as _BaseParamMap
 from megaflow.models.common.weight_map import shard, stage_layers  # noqa: F401  (re-exported)
@@ -65,15 +68,6 @@ class ParamMap(_BaseParamMap):
         return super().split_dim
 
 
-def _block_maps(table, megatron_prefix: str, diffusers_prefix: str, layer: int) -> list[ParamMap]:
-    out = []
-    for mg, df, kind, suffixes, _when in table:  # every FLUX block has all its parts
-        dfs = df if isinstance(df, tuple) else (df,)
-        out += [ParamMap(f"{megatron_prefix}{mg}.{s}", tuple(f"{diffusers_prefix}{d}.{s}" for d in dfs), kind, layer)
-                for s in suffixes]
-    return out
-
-
 def param_maps(config: FluxConfig) -> list[ParamMap]:
     """Every megatron tensor of the full model (global names), in a stable order."""
     stages = {"first": "first", "guidance": "first", "last": "last"}
@@ -83,25 +77,11 @@ def param_maps(config: FluxConfig) -> list[ParamMap]:
     out = [m for m in top if m.stage == "first"]
     for i in range(config.num_layers):
         if config.is_single(i):
-            out += _block_maps(_SINGLE, f"layers.{i}.", f"single_transformer_blocks.{i - config.num_double_layers}.", i)
+            out += block_maps(_SINGLE, f"layers.{i}.", f"single_transformer_blocks.{i - config.num_double_layers}.", i,
+                              ParamMap)
         else:
-            out += _block_maps(_DOUBLE, f"layers.{i}.", f"transformer_blocks.{i}.", i)
+            out += block_maps(_DOUBLE, f"layers.{i}.", f"transformer_blocks.{i}.", i, ParamMap)
     return out + [m for m in top if m.stage == "last"]
-
-
-def interleave_heads(parts: list[torch.Tensor], num_heads: int, dim: int = 0) -> torch.Tensor:
-    """Concatenate ``parts`` along ``dim`` per head: each part is cut into ``num_heads`` equal
-    slices along ``dim`` and the result is ``[p0_h0 p1_h0 ... | p0_h1 p1_h1 ... | ...]``."""
-    if any(p.shape[dim] % num_heads for p in parts):
-        raise ValueError(f"sizes {[p.shape[dim] for p in parts]} along dim {dim} are not divisible by {num_heads} heads")
-    per_head = [p.unflatten(dim, (num_heads, -1)) for p in parts]
-    return torch.cat(per_head, dim=dim + 1).flatten(dim, dim + 1)
-
-
-def split_heads(fused: torch.Tensor, sizes: list[int], num_heads: int, dim: int = 0) -> list[torch.Tensor]:
-    """Inverse of ``interleave_heads``: ``sizes`` are the parts' full sizes along ``dim``."""
-    per_head = fused.unflatten(dim, (num_heads, -1)).split([s // num_heads for s in sizes], dim=dim + 1)
-    return [p.flatten(dim, dim + 1).contiguous() for p in per_head]
 
 
 def _fuse_qkv_mlp(m: ParamMap, tensors: list[torch.Tensor], config: FluxConfig) -> torch.Tensor:

@@ -58,3 +58,15 @@ def diffusers_sft_reference(model, batches: list[dict]) -> tuple[float, dict[str
     """Mean rectified-flow loss over ``batches`` and its grads (diffusers names) for ``model``."""
     return sft_reference(model, batches, lambda m, b: diffusers_velocity(
         m, noised(b), b["sigma"], b["encoder_hidden_states"], b["pooled_projections"]))
+
+
+def check_latent_shape(conf: dict[str, Any], image_tokens: int) -> tuple[int, ...]:
+    """One sample's latents of ``image_tokens`` tokens for transformer config ``conf`` (a square latent image), as
+    the train-step GPU check draws them (``megaflow.testing.gpu.model``)."""
+    side = int(image_tokens ** 0.5) * conf["patch_size"]
+    return (1, conf["in_channels"], side, side)
+
+
+def check_inputs(image_tokens: int, text_tokens: int, device) -> dict[str, torch.Tensor]:
+    """The model inputs of the GPU check's microbatch beside latents, sigma and text: none for SD3."""
+    return {}

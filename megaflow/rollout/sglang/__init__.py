@@ -1,7 +1,7 @@
 """The SGLang adapter: the only package importing sglang. Design notes: docs/design/rollout.md."""
 import importlib
 
-_HOMES = {"FAMILY_MODEL_IDS": "config", "SGLangEngineConfig": "config", "EngineCrashed": "engine",
+_HOMES = {"SGLangEngineConfig": "config", "EngineCrashed": "engine",
           "SGLangEngine": "engine", "free_port": "server", "weights_checksum": "server",
           "worker_processes_alive": "server", "EngineCallFailed": "wire"}
 

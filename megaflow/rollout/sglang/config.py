@@ -9,9 +9,8 @@ import torch
 
 from megaflow.checksum import ALGORITHMS, DEFAULT
 from megaflow.config.schema import MegaflowConfig
+from megaflow.families import DEFAULT_FAMILY, family_names
 
-FAMILY_MODEL_IDS = {"sd3": "stable-diffusion-3-medium-diffusers", "flux": "FLUX.1-dev"}
-NUM_TEXT_ENCODERS = {"sd3": 3, "flux": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -21,8 +20,8 @@ class SGLangEngineConfig:
 
     model_path: str
     """Diffusers pipeline directory (model_index.json + component folders)."""
-    family: str = "sd3"
-    """Model family: 'sd3' or 'flux'; selects SGLang's native pipeline (see FAMILY_MODEL_IDS)."""
+    family: str = DEFAULT_FAMILY
+    """Model family (``megaflow.families``); its card's ``sglang_model_id`` selects SGLang's native pipeline."""
     engine_id: str = "sglang0"
     precision: str = "fp32"
     """Precision of DiT, VAE and text encoders ('fp32' | 'bf16' | 'fp16'); fp32 on CPU."""
@@ -60,8 +59,8 @@ class SGLangEngineConfig:
     """Extra sglang ServerArgs kwargs (expert escape hatch, e.g. {'num_gpus': 2})."""
 
     def __post_init__(self):
-        if self.family not in FAMILY_MODEL_IDS:
-            raise ValueError(f"family must be one of {sorted(FAMILY_MODEL_IDS)}, got {self.family!r}")
+        if self.family not in family_names():
+            raise ValueError(f"family must be one of {sorted(family_names())}, got {self.family!r}")
         if self.precision not in DTYPES:
             raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {self.precision!r}")
         if self.checksum not in ALGORITHMS:

@@ -18,8 +18,9 @@ import torch
 
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.checksum import DEFAULT, tensor_digest
+from megaflow.families import card
 from megaflow.rollout.engine import EngineHealth
-from megaflow.rollout.sglang.config import FAMILY_MODEL_IDS, NUM_TEXT_ENCODERS, SGLangEngineConfig
+from megaflow.rollout.sglang.config import SGLangEngineConfig
 from megaflow.rollout.sglang.server import EngineServer, free_port
 from megaflow.rollout.sglang.replay import ReplayStore
 from megaflow.rollout.sglang.weights import flatten
@@ -117,9 +118,9 @@ class SGLangEngine:
 
     def _server_kwargs(self) -> dict:
         c = self.config
-        kwargs = dict(model_path=c.model_path, model_id=FAMILY_MODEL_IDS[c.family], backend="sglang",
+        kwargs = dict(model_path=c.model_path, model_id=card(c.family).sglang_model_id, backend="sglang",
                       dit_precision=c.precision, vae_precision=c.precision,
-                      text_encoder_precisions=(c.precision,) * NUM_TEXT_ENCODERS[c.family], num_gpus=1,
+                      text_encoder_precisions=(c.precision,) * card(c.family).text_encoders, num_gpus=1,
                       batching_max_size=1,
                       # OS-chosen free ports: SGLang's defaults (master 30005, scheduler 5555 + small
                       # random offset) collide when several engines or runs start on one host at once.
@@ -142,10 +143,11 @@ class SGLangEngine:
             raise RuntimeError(f"engine {self.engine_id} is shut down")
         if self._released:
             raise RuntimeError(f"engine {self.engine_id} is released: call resume() before generate()")
+        family = card(self.config.family)
         for r in requests:
-            if self.config.family == "flux" and r.do_cfg:
-                raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for FLUX; "
-                                 "guidance_scale is FLUX's embedded guidance")
+            if family.embedded_guidance and r.do_cfg:
+                raise ValueError(f"request {r.request_id}: do_cfg (true CFG) is not supported for {family.title}; "
+                                 f"guidance_scale is {family.title}'s embedded guidance")
         items = [_Item(r, Future(), time.perf_counter()) for r in requests]
         for call in plan_calls([i.request for i in items], max_outputs=self.config.max_batch_outputs,
                                merge=self.config.merge_requests):

@@ -5,6 +5,7 @@ import torch
 from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
 
+from megaflow.families import card
 from megaflow.rollout.types import RolloutRequest, Trajectory
 
 
@@ -28,7 +29,7 @@ def build_request(server_args, family: str, requests: list[RolloutRequest], *, l
         prompt=r0.prompt, seed=seeds[0] if (merged or len(seeds) == 1) else seeds,
         num_outputs_per_prompt=1 if merged else r0.num_outputs, num_inference_steps=r0.num_steps,
         height=r0.height, width=r0.width,
-        guidance_scale=r0.guidance_scale if (r0.do_cfg or family == "flux") else 1.0,
+        guidance_scale=r0.guidance_scale if (r0.do_cfg or card(family).embedded_guidance) else 1.0,
         generator_device=generator_device(), rollout=True, rollout_sde_type=sde_type,
         rollout_noise_level=r0.noise_level,
         rollout_log_prob_no_const=r0.log_prob_no_const or sde_type == "ode",  # SGLang asserts it for ODE

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from megaflow.families import DEFAULT_FAMILY
 from megaflow.testing.gpu.common import require_cuda, require_module
 
 TOLERANCE = {"fp32": 1e-5}
@@ -32,7 +33,7 @@ def tiny_pipeline(family: str, root: Path) -> Path:
     return make_tiny_pipeline(family, root / f"tiny-{family}", seed=0)
 
 
-def start_engine(path: Path, family: str = "sd3", precision: str = "fp32", engine_id: str = "gpu0"):
+def start_engine(path: Path, family: str = DEFAULT_FAMILY, precision: str = "fp32", engine_id: str = "gpu0"):
     """An SGLang engine on the sgl_kernel-free path (``SERVER_KWARGS``, ``ENGINE_ENV``)."""
     import megaflow  # noqa: F401
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig

@@ -5,20 +5,16 @@ import copy
 import statistics
 import time
 
+from megaflow.families import DEFAULT_FAMILY, card, family_names
 from megaflow.testing.gpu.common import Skip, rel_err, require_cuda, require_module
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 """Largest velocity error relative to max |diffusers velocity| that passes."""
 RATIO_BOUNDS = (0.6, 1.6)
 """measured / predicted trainer memory that passes (tests/plan/test_plan.py's bounds on CPU)."""
-SETTINGS = {
-    "sd3": ["model.family=sd3", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
-            "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=1.0", "parallel.tp=1"],
-    "flux": ["model.family=flux", "model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0",
-             "rollout.height=512", "rollout.width=512", "rollout.guidance_scale=3.5", "parallel.tp=1",
-             "lora.rank=32"],
-}
-"""``--set`` overrides of each step check: 512 px, batch 1, no KL reference (docs/design/testing.md)."""
+SETTINGS = {name: [f"model.family={name}", *card(name).gpu_check_settings] for name in family_names()}
+"""``--set`` overrides of each family's step check (its card's ``gpu_check_settings``): 512 px, batch 1, no KL
+reference (docs/design/testing.md)."""
 STEPS, WARMUP = 5, 2
 
 
@@ -105,15 +101,15 @@ def parity_te() -> dict:
     return _parity("te")
 
 
-def predicted(recompute: str, family: str = "sd3") -> dict:
+def predicted(recompute: str, family: str = DEFAULT_FAMILY) -> dict:
     """``megaflow plan``'s trainer items (bytes) for ``SETTINGS[family]`` + ``train.recompute``, the family's
     built-in dims, 1 GPU. Standard library + megaflow config only (no torch), so the CPU test calls it too."""
     from megaflow.config import load_config
-    from megaflow.plan.dit import BUILTIN, dims_from_config
+    from megaflow.plan.dit import dims_from_config
     from megaflow.plan.memory import token_counts, trainer_items
 
     cfg = load_config(None, [*SETTINGS[family], f"train.recompute={recompute}"])
-    source, conf = BUILTIN[family]
+    source, conf = card(family).builtin
     dims = dims_from_config(family, conf, source)
     image, text = token_counts(cfg, dims)
     items, info = trainer_items(cfg, dims, world=1, stage=0, image=image, text=text)
@@ -121,7 +117,7 @@ def predicted(recompute: str, family: str = "sd3") -> dict:
     return {"items": items, "info": info, "train_step_bytes": step, "image_tokens": image, "text_tokens": text}
 
 
-def _trainer(recompute: str, conf: dict, family: str = "sd3"):
+def _trainer(recompute: str, conf: dict, family: str = DEFAULT_FAMILY):
     """(Trainer, megaflow config) of the step check for diffusers config ``conf``, random weights."""
     from megaflow.config import load_config
     from megaflow.models.registry import get_family
@@ -134,33 +130,26 @@ def _trainer(recompute: str, conf: dict, family: str = "sd3"):
                    lora=lora_settings(cfg)), cfg
 
 
-def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev, family: str = "sd3") -> dict:
-    """One random rectified-flow microbatch of the family's input layout (SD3: latent images; FLUX: packed
-    tokens with their position ids and the guidance input)."""
+def _microbatch(conf: dict, image_tokens: int, text_tokens: int, dev, family: str = DEFAULT_FAMILY) -> dict:
+    """One random rectified-flow microbatch of the family's input layout (its ``tiny.check_latent_shape`` and
+    ``check_inputs``: SD3 latent images; FLUX packed tokens with their position ids and the guidance input)."""
     import torch
 
+    from megaflow.models.registry import get_family
     from megaflow.trainer.runner import rectified_flow_microbatch
 
+    tiny = get_family(family).tiny
     g = torch.Generator(device=dev).manual_seed(0)
-    if family == "flux":
-        shape = (1, image_tokens, conf["in_channels"])
-    else:
-        side = int(image_tokens ** 0.5) * conf["patch_size"]  # latent side
-        shape = (1, conf["in_channels"], side, side)
+    shape = tiny.check_latent_shape(conf, image_tokens)
     x0, noise = (torch.randn(*shape, device=dev, generator=g) for _ in range(2))
     ehs = torch.randn(1, text_tokens, conf["joint_attention_dim"], device=dev, generator=g, dtype=torch.bfloat16)
     pooled = torch.randn(1, conf["pooled_projection_dim"], device=dev, generator=g, dtype=torch.bfloat16)
     mb = rectified_flow_microbatch(x0, noise, torch.full((1,), 0.5, device=dev), ehs, pooled)
-    if family == "flux":
-        from megaflow.models.flux.model import image_ids
-
-        side = int(image_tokens ** 0.5)
-        mb.update(txt_ids=torch.zeros(text_tokens, 3, device=dev), img_ids=image_ids(side, side).to(dev),
-                  guidance=torch.full((1,), 3.5, device=dev))
+    mb.update(tiny.check_inputs(image_tokens, text_tokens, dev))
     return mb
 
 
-def _step(recompute: str, family: str = "sd3") -> dict:
+def _step(recompute: str, family: str = DEFAULT_FAMILY) -> dict:
     require_cuda()
     require_module("megatron.core")
     import torch
@@ -168,7 +157,7 @@ def _step(recompute: str, family: str = "sd3") -> dict:
     return measure_step(recompute, torch.device("cuda", 0), family=family)
 
 
-def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS, family: str = "sd3") -> dict:
+def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STEPS, family: str = DEFAULT_FAMILY) -> dict:
     """The step check's body: ``conf`` (default: the family's built-in table in megaflow plan) on ``dev``; memory
     figures are CUDA's (0 on CPU, where the CPU test runs a tiny ``conf`` through the same path)."""
     import torch
@@ -177,9 +166,7 @@ def measure_step(recompute: str, dev, conf: dict | None = None, steps: int = STE
     from megaflow.models.common.spec import resolve_impl
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import destroy_distributed, init_distributed
-    from megaflow.plan.dit import BUILTIN
-
-    conf, cuda = conf or BUILTIN[family][1], dev.type == "cuda"
+    conf, cuda = conf or card(family).builtin[1], dev.type == "cuda"
     mem = (lambda: torch.cuda.memory_allocated()) if cuda else (lambda: 0)
     peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -23,33 +23,23 @@ def attention_flops(tokens: int, hidden: int) -> float:
     return 4.0 * tokens * tokens * hidden
 
 
-def sd3_forward_flops(d, image: int, text: int) -> float:
-    """Model FLOPs of one SD3 / SD3.5 MMDiT forward for ``image`` + ``text`` tokens (``d``: a DiTDims)."""
-    h = d.hidden
+def forward_flops(d, image: int, text: int) -> float:
+    """Model FLOPs of one DiT forward for ``image`` + ``text`` tokens (``d``: a DiTDims): the patch, text and final
+    projections; each joint block 12h^2 per token and stream (the last one's text stream only q/k/v, 3h^2, when
+    ``context_pre_only_last``: SD3) and joint attention, plus SD3.5's second image attention on the first
+    ``dual_blocks``; each single-stream block (FLUX: qkv 3h^2, MLP in 4h^2, output over attention + MLP 5h^2: 12h^2)
+    and attention on image + text."""
+    h, tokens = d.hidden, image + text
     total = 2.0 * image * d.in_channels * d.patch ** 2 * h + 2.0 * text * d.joint_dim * h
     total += 2.0 * image * h * d.patch ** 2 * d.out_channels
     for i in range(d.blocks):
-        last = i == d.blocks - 1
+        last = d.context_pre_only_last and i == d.blocks - 1
         total += 2.0 * image * 12 * h * h + 2.0 * text * (3 if last else 12) * h * h
-        total += attention_flops(image + text, h)
+        total += attention_flops(tokens, h)
         if i < d.dual_blocks:
             total += 2.0 * image * 4 * h * h + attention_flops(image, h)
-    return total
-
-
-def flux_forward_flops(d, image: int, text: int) -> float:
-    """Model FLOPs of one FLUX.1 forward: double-stream blocks as SD3's (12h^2 per token and stream, joint
-    attention), single-stream blocks on image + text tokens (qkv 3h^2, MLP in 4h^2, output over attention + MLP
-    5h^2: 12h^2), attention over image + text."""
-    h, tokens = d.hidden, image + text
-    total = 2.0 * image * d.in_channels * h + 2.0 * text * d.joint_dim * h + 2.0 * image * h * d.out_channels
-    total += d.blocks * (2.0 * tokens * 12 * h * h + attention_flops(tokens, h))
     total += d.single_blocks * (2.0 * tokens * 12 * h * h + attention_flops(tokens, h))
     return total
-
-
-def forward_flops(d, image: int, text: int) -> float:
-    return (sd3_forward_flops if d.family == "sd3" else flux_forward_flops)(d, image, text)
 
 
 def train_step_flops(d, image: int, text: int, batch: int) -> float:
