@@ -21,12 +21,14 @@ def test_every_recipe_is_its_algorithm_on_one_evaluation():
 def test_unknown_algorithm_or_a_different_evaluation_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown ppo"):
         recipes(["nft", "ppo"], CONFIGS, [])
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "assets").symlink_to(CONFIGS.parent / "assets")  # the configs' paths are relative to them
     for name in ALGO_CONFIGS.values():
-        shutil.copy(CONFIGS / name, tmp_path / name)
-    awm = tmp_path / ALGO_CONFIGS["awm"]
+        shutil.copy(CONFIGS / name, tmp_path / "configs" / name)
+    awm = tmp_path / "configs" / ALGO_CONFIGS["awm"]
     awm.write_text(awm.read_text().replace("[eval]\nnum = 300", "[eval]\nnum = 200"))
     with pytest.raises(ValueError, match="awm's eval differs from nft's"):
-        recipes(["nft", "awm"], tmp_path, [])
+        recipes(["nft", "awm"], tmp_path / "configs", [])
 
 
 def _side(before: float, curve: list[tuple[float, float]]) -> dict:
