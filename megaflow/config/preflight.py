@@ -60,9 +60,9 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
-    check_logging(cfg)
     if command == "train" and files:  # the demo writes to a fresh run dir
         check_backend_paths(run_dir_of(cfg), wandb=cfg.logging.wandb, tensorboard=cfg.logging.tensorboard)
+    check_logging(cfg)
     if files or not cfg.model.pretrained:
         _check_model(cfg)
     return cfg
