@@ -48,6 +48,23 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
+# --- the variables checked before anything starts: one line and exit 2 (torchrun would trace back, or a node
+# rank beyond the launch would wait for a rendezvous that never comes) ---------------------------------------
+refuse() { echo "launch.sh: $*" >&2; exit 2; }
+whole() {  # whole NAME VALUE MIN: VALUE a whole number >= MIN (at most 9 digits: no overflow in bash)
+  [[ "$2" =~ ^[0-9]{1,9}$ ]] && (( 10#$2 >= $3 )) || refuse "$1=$(printf %q "$2"): want a whole number >= $3"
+}
+whole NNODES "${NNODES:-1}" 1
+whole NODE_RANK "${NODE_RANK:-0}" 0
+(( 10#${NODE_RANK:-0} < 10#${NNODES:-1} )) \
+  || refuse "NODE_RANK=${NODE_RANK} is beyond NNODES=${NNODES:-1} (node ranks are 0 .. $(( 10#${NNODES:-1} - 1 )))"
+[ -z "${NPROC:-}" ] || whole NPROC "$NPROC" 1
+whole MASTER_PORT "${MASTER_PORT:-29500}" 1
+(( 10#${MASTER_PORT:-29500} <= 65535 )) || refuse "MASTER_PORT=${MASTER_PORT}: want a TCP port, 1 .. 65535"
+whole SHUTDOWN_TIMEOUT "${SHUTDOWN_TIMEOUT:-600}" 0
+[[ "${MASTER_ADDR:-127.0.0.1}" =~ ^[A-Za-z0-9.:_-]+$ ]] \
+  || refuse "MASTER_ADDR=$(printf %q "${MASTER_ADDR}"): want a host name or an IP address"
+
 # --- environment -------------------------------------------------------------------------
 VENV="${VENV:-$(bash scripts/setup_env.sh | tail -n 1)}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false

@@ -43,17 +43,15 @@ def reused_reports(reuse: list[str], cfgs: dict[str, MegaflowConfig], out_dir: P
     """The earlier reports ``<out_dir>/<algo>.json`` of the algorithms in ``reuse``; a ValueError of one line
     names a missing report, or a recipe or evaluation field it recorded that today's config gives otherwise."""
     from megaflow.bench.learn import eval_record, recipe_record
+    from megaflow.bench.learn_report import checked_side, read_report
 
     reports = {}
     for algo in reuse:
         if algo not in cfgs:
             raise ValueError(f"--reuse {algo}: not one of --algos ({', '.join(cfgs)})")
         path = out_dir / f"{algo}.json"
-        try:
-            report = json.loads(path.read_text())
-            side = report["sides"]["megaflow"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--reuse {algo}: {path} is not a bench learn report ({type(e).__name__}: {e})") from None
+        report = read_report(path, f"--reuse {algo}")
+        side = checked_side(report, "megaflow", path, f"--reuse {algo}")
         now = {"recipe": recipe_record(cfgs[algo]), "eval": eval_record(cfgs[algo], eval_every, eval_num)}
         for part, fields in now.items():
             differing = _first_difference(report.get(part, {}), fields)

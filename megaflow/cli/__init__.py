@@ -16,7 +16,7 @@ from megaflow.cli.common import (Handler, add_config_args, add_trust_remote_code
                                  load_checked, print_json, run_config)
 from megaflow.config import ConfigError, dump_config, load_config, run_dir_of
 from megaflow.config.preflight import preflight
-from megaflow.rundir.interrupt import Interrupted, child_pids, kill_children
+from megaflow.rundir.interrupt import Interrupted, adopt_orphans, child_pids, kill_children
 
 TRUST_HELP = ("Load a checkpoint lacking MANIFEST.json, and skip the trust checks of its metadata and pickles "
               "(torch unpickles them and reads what they name): only from a trusted source.")
@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     handler: Handler = args.handler
     scores_rewards = args.command in ("train", "demo") or getattr(args, "eval_command", None) == "reward"
     before = child_pids() if scores_rewards else None
+    if scores_rewards:
+        adopt_orphans()  # a reward's double-forked helper stays ours: kill_children below ends it too
     try:
         return handler(args)
     except ConfigError as e:
@@ -301,3 +303,4 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if before is not None:  # what a reward started (e.g. on a call abandoned at its timeout) ends with us
             kill_children(spare=before)
+

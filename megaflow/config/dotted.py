@@ -55,7 +55,9 @@ def resolve(path: str, what: str) -> object:
         obj = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({e})") from None
-    except Exception as e:  # noqa: BLE001 - the user's module raised while it was imported
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the user's module raised (SystemExit too) while it was imported
         raise ValueError(f"{what} {path!r}: importing module {module_name!r} raised {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     for part in attr.split("."):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from megaflow.config.load import ConfigError
@@ -14,6 +15,9 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
 _MAX_HEADER = 100_000_000  # the safetensors library's own limit
 MAX_TEXT_BYTES = 64 << 20  # a prompt file larger than this is refused before it is read
+# What the metrics backends write in a run dir (megaflow.report.tensorboard_backend, wandb_backend): the event
+# files, W&B's files, the W&B run id.
+TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE = "tensorboard", "wandb", "wandb_id"
 CKPT_META = "megaflow_model.json"  # family + diffusers config of a megaflow checkpoint (trainer/checkpoint, run/checkpoints)
 
 
@@ -181,3 +185,27 @@ def check_megatron_checkpoint(path: str | Path, key: str) -> dict:
         if not isinstance(meta.get(field), kind):
             raise ConfigError(f"{key}: {path / CKPT_META} has no {field!r}")
     return meta
+
+
+def check_backend_paths(run_dir: Path, *, wandb: bool, tensorboard: bool) -> None:
+    """ConfigError when what a metrics backend writes in ``run_dir`` is there and unusable: ``tensorboard/`` or
+    ``wandb/`` not a directory or not writable, ``wandb_id`` not a regular file or not writable (absent: each is
+    made by the backend, in a run dir the claim checks)."""
+    wanted = [(TENSORBOARD_DIR, True, "logging.tensorboard")] if tensorboard else []
+    if wandb:
+        wanted += [(WANDB_DIR, True, "logging.wandb"), (WANDB_ID_FILE, False, "logging.wandb")]
+    for name, is_dir, key in wanted:
+        path = Path(run_dir) / name
+        try:
+            exists = os.path.exists(path)
+        except OSError as e:
+            raise os_error(key, path, e) from None
+        if not exists:
+            if os.path.islink(path):
+                raise ConfigError(f"{key}: {shown(path)} is a dangling symlink")
+            continue
+        if is_dir != path.is_dir() or not (is_dir or path.is_file()):
+            kind = "a directory" if is_dir else "a regular file"
+            raise ConfigError(f"{key}: {shown(path)} is not {kind} (the backend writes there; move it away)")
+        if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+            raise ConfigError(f"{key}: {shown(path)} is not writable (the backend writes there)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megaflow.config.schema import MegaflowConfig
-from megaflow.config.suggest import suggest_key, suggest_section
+from megaflow.config.suggest import clipped, suggest_key, suggest_section
 from megaflow.parallel.dims import ParallelDims
 
 
@@ -97,7 +97,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if want is int and isinstance(value, bool) or not isinstance(value, want):
-        raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__} {clipped(repr(value))}")
     if want is float and not math.isfinite(value):
         raise ConfigError(f"{key}: value {value!r} is not a finite number")
     meta = f.metadata
@@ -120,15 +120,16 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 def _apply_section(cfg: MegaflowConfig, section: str, values: dict, where: str, explicit: set[str]) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
-        raise ConfigError(f"{where}unknown section {section!r}{suggest_section(cfg, section)} (known: "
+        raise ConfigError(f"{where}unknown section {clipped(repr(section))}{suggest_section(cfg, section)} (known: "
                           f"{', '.join(sections)})")
     if not isinstance(values, dict):
-        raise ConfigError(f"{where}section {section!r} must be a table, got {values!r}")
+        raise ConfigError(f"{where}section {section!r} must be a table, got {clipped(repr(values))}")
     obj = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(f"{where}unknown key {section}.{key} = {value!r}{suggest_key(cfg, section, key)}")
+            raise ConfigError(f"{where}unknown key {clipped(f'{section}.{key}')} = {clipped(repr(value))}"
+                              f"{suggest_key(cfg, section, key)}")
         value = _read_renamed(where, section, key, value)
         setattr(obj, key, _coerce(f"{where}{section}.{key}", value, fields[key]))
         explicit.add(f"{section}.{key}")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from megaflow.config.algo_checks import CLEAN_SAMPLE_ALGORITHMS
 from megaflow.config.dotted import is_dotted_path, unfindable
-from megaflow.config.files import check_pipeline, check_safetensors, check_text_file, os_error
+from megaflow.config.files import (check_backend_paths, check_pipeline, check_safetensors, check_text_file,
+                                   os_error)
 from megaflow.config.load import ConfigError, run_dir_of
 from megaflow.config.logging_check import check_logging
 from megaflow.config.machine import cuda_available
@@ -61,6 +62,8 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     _check_rollout(cfg)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
+    if command == "train" and files:  # the demo writes to a fresh run dir
+        check_backend_paths(run_dir_of(cfg), wandb=cfg.logging.wandb, tensorboard=cfg.logging.tensorboard)
     check_logging(cfg)
     if files or not cfg.model.pretrained:
         _check_model(cfg)

@@ -13,6 +13,9 @@ from pathlib import Path
 SHAPES = "shapes"
 SHAPES_POOL = 512  # training prompts drawn from the ShapeEval grammar
 MAX_PROMPT_CHARS = 2000  # a longer prompt is a mistake (text encoders read 77 to 512 tokens)
+MAX_TABLE_BYTES = 256 << 20  # uncompressed bytes a .parquet prompt table may hold (its metadata says, unread)
+MAX_TABLE_ROWS = 10_000_000  # rows of a prompt table
+_PROMPT_BYTES = 4 * MAX_PROMPT_CHARS + 64  # what one prompt can take in a parquet column: UTF-8, length, slack
 
 
 def json_object(text: str, where: str, want: str) -> dict:
@@ -69,17 +72,68 @@ def read_jsonl_prompts(path: str | Path, key: str = "data.prompts") -> list[Prom
     return records
 
 
-def _table_records(table, path: Path, key: str) -> list[PromptRecord]:
+def _table_records(table, path: Path, key: str, first_row: int = 0) -> list[PromptRecord]:
     """The rows of a pyarrow table: its string column ``"prompt"`` (``prompt_record``), the other columns each
-    row's metadata (plain Python values); ValueError without that column or without rows (rows count from 0)."""
+    row's metadata (plain Python values); ValueError without that column or without rows (rows count from 0,
+    this table's first being ``first_row``). An over-long prompt is found on the arrow column, before any row
+    becomes Python objects."""
     if "prompt" not in table.column_names:
         raise ValueError(f"{key}: {path} has no 'prompt' column (columns: {', '.join(table.column_names) or 'none'})")
-    if table.num_rows == 0:
+    if table.num_rows == 0 and first_row == 0:
         raise ValueError(f"{key}: {path} has no prompts (an empty table)")
+    _check_prompt_lengths(table.column("prompt"), path, key, first_row)
     records = []
-    for i, row in enumerate(table.to_pylist()):
+    for i, row in enumerate(table.to_pylist(), first_row):
         records.append(prompt_record(row.pop("prompt"), row, f"{key}: {path} row {i} (counting from 0)"))
     return records
+
+
+def _check_prompt_lengths(column, path: Path, key: str, first_row: int) -> None:
+    """ValueError naming the first row whose prompt (whitespace trimmed) is over ``MAX_PROMPT_CHARS`` characters;
+    lengths are computed by arrow (a dictionary column's on its dictionary), no prompt is copied into Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    row = first_row
+    for chunk in column.chunks:
+        kind = chunk.type.value_type if pa.types.is_dictionary(chunk.type) else chunk.type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            return  # not text: prompt_record says so, row by row
+        values = chunk.dictionary if pa.types.is_dictionary(chunk.type) else chunk
+        lengths = pc.utf8_length(pc.utf8_trim_whitespace(values))
+        if pa.types.is_dictionary(chunk.type):
+            lengths = pc.take(lengths, chunk.indices)
+        over = pc.greater(lengths, MAX_PROMPT_CHARS)
+        if pc.any(over).as_py():
+            i = pc.index(over, True).as_py()
+            raise ValueError(f"{key}: {path} row {row + i} (counting from 0): a prompt of {lengths[i].as_py()} "
+                             f"characters, longer than the {MAX_PROMPT_CHARS} a prompt may have")
+        row += len(chunk)
+
+
+def _check_parquet_sizes(meta, path: Path, key: str) -> None:
+    """ValueError, from a parquet file's metadata alone (nothing decompressed), when it holds more than
+    ``MAX_TABLE_ROWS`` rows or ``MAX_TABLE_BYTES`` uncompressed bytes, or when a row group's ``prompt`` column holds
+    more bytes than its rows' prompts could take (so one of them is over ``MAX_PROMPT_CHARS``): a 49 KB file can
+    hold a 1.5 GB string."""
+    if meta.num_rows > MAX_TABLE_ROWS:
+        raise ValueError(f"{key}: {path} has {meta.num_rows} rows, more than the {MAX_TABLE_ROWS} a prompt table "
+                         "may have")
+    total = 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            size = column.total_uncompressed_size
+            total += size
+            if column.path_in_schema == "prompt" and size > group.num_rows * _PROMPT_BYTES + 4096:
+                raise ValueError(f"{key}: {path} row group {g}: its 'prompt' column holds {size} bytes for "
+                                 f"{group.num_rows} row{'s' if group.num_rows != 1 else ''}, so a prompt is longer "
+                                 f"than the {MAX_PROMPT_CHARS} characters a prompt may have (refused from the "
+                                 "file's metadata, before reading)")
+    if total > MAX_TABLE_BYTES:
+        raise ValueError(f"{key}: {path} holds {total / 2**20:.0f} MiB uncompressed, more than the "
+                         f"{MAX_TABLE_BYTES >> 20} MiB a prompt table may (refused from the file's metadata, before "
+                         "reading)")
 
 
 def _needs(module: str, path: Path, key: str):
@@ -93,17 +147,26 @@ def _needs(module: str, path: Path, key: str):
 
 
 def read_parquet_prompts(path: str | Path, key: str = "data.prompts") -> list[PromptRecord]:
-    """The rows of a ``.parquet`` prompt table (``_table_records``); ValueError naming the config ``key`` and
-    the file when it is unreadable, has no ``"prompt"`` column, no rows or a bad prompt."""
+    """The rows of a ``.parquet`` prompt table (``_table_records``), read one row group at a time after its
+    metadata passed ``_check_parquet_sizes`` (the prompt column read as a dictionary: repeated prompts are not
+    copied before their lengths are checked); ValueError naming the config ``key`` and the file when it is
+    unreadable, too large, has no ``"prompt"`` column, no rows or a bad prompt."""
     path = Path(path)
     pq = _needs("pyarrow.parquet", path, key)
     import pyarrow as pa
     try:
-        table = pq.read_table(path)
+        file = pq.ParquetFile(path)
+        _check_parquet_sizes(file.metadata, path, key)
+        if "prompt" not in file.schema_arrow.names or file.metadata.num_rows == 0:
+            return _table_records(file.schema_arrow.empty_table(), path, key)  # raises: no column, no rows
+        file = pq.ParquetFile(path, read_dictionary=["prompt"])
+        records: list[PromptRecord] = []
+        for g in range(file.metadata.num_row_groups):
+            records += _table_records(file.read_row_group(g), path, key, first_row=len(records))
+        return records
     except (pa.ArrowException, OSError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"{key}: {path} is not a readable parquet file ({why})") from None
-    return _table_records(table, path, key)
 
 
 def _dataset_dir(path: Path, key: str) -> None:

@@ -24,6 +24,8 @@ class MetricsBackend(Protocol):
 def open_backends(run_dir: Path, cfg, *, start: int = 0) -> list[MetricsBackend]:
     """The backends ``cfg.logging`` turns on for ``run_dir``; ``start`` > 0: a run resumed after iteration
     ``start`` (W&B continues its run; TensorBoard drops what a previous session logged after ``start``)."""
+    from megaflow.config.files import check_backend_paths
+    check_backend_paths(Path(run_dir), wandb=cfg.logging.wandb, tensorboard=cfg.logging.tensorboard)  # one line
     backends: list[MetricsBackend] = []
     try:
         if cfg.logging.wandb:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TENSORBOARD_DIR = "tensorboard"
+from megaflow.config.files import TENSORBOARD_DIR  # noqa: F401 (re-exported): "tensorboard"
 GRID_COLUMNS = 4
 GRID_PADDING = 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-WANDB_ID_FILE = "wandb_id"  # <run dir>/wandb_id: the W&B run id, so --resume continues the same W&B run
+from megaflow.config.files import WANDB_ID_FILE  # <run dir>/wandb_id: the W&B run id, so --resume continues it
 
 
 def wandb_init_kwargs(run_dir: Path, config=None, *, resume: bool = False) -> dict:

@@ -87,12 +87,29 @@ class RewardContractError(ValueError):
     which masking every sample would hide, so it stops the command."""
 
 
+def _values(out, dtype, name: str):
+    """``out`` (a tensor of any real dtype, bfloat16 included, an array, a number or a list) as a numpy array of
+    ``dtype``; RewardContractError for a tensor with no values (the meta device) or complex ones, TypeError /
+    ValueError for what is no number."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type == "meta":
+            raise RewardContractError(f"reward {name!r} returned a tensor on the meta device (it holds no values); "
+                                      "a reward returns one number per image")
+        if out.is_complex():
+            raise RewardContractError(f"reward {name!r} returned complex scores ({out.dtype}); a reward returns one "
+                                      "real number per image")
+        out = out.detach().to("cpu", torch.float64 if dtype == np.float64 else torch.float32)
+    return np.asarray(out, dtype=dtype)
+
+
 def _as_scores(out, num: int, name: str) -> torch.Tensor:
-    """Validate a reward's output: anything convertible to float32 of shape [num]; RewardContractError otherwise."""
+    """Validate a reward's output: anything convertible to float32 of shape [num] (a tensor of any float dtype is
+    converted); RewardContractError otherwise."""
     try:
-        t = torch.as_tensor(np.asarray(out.detach().cpu() if isinstance(out, torch.Tensor) else out,
-                                       dtype=np.float32))
-    except (TypeError, ValueError) as e:
+        t = torch.as_tensor(_values(out, np.float32, name))
+    except (TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, RewardContractError):
+            raise
         raise RewardContractError(f"reward {name!r} returned {type(out).__name__}, not scores ({str(e)[:80]}); a "
                                   "reward returns one number per image") from None
     if t.shape != (num,):
@@ -101,21 +118,21 @@ def _as_scores(out, num: int, name: str) -> torch.Tensor:
     return t
 
 
-def _split(out, name: str) -> tuple[object, dict[str, float]]:
-    """A reward's output as (scores, info means): ``scores`` alone or a ``(scores, info dict)`` pair."""
+def _split(out, name: str) -> tuple[object, dict[str, float], list[str]]:
+    """A reward's output as (scores, info means, info keys that are no numbers: not reported): ``scores`` alone or
+    a ``(scores, info dict)`` pair."""
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
-        return out, {}
-    info = {}
+        return out, {}, []
+    info, skipped = {}, []
     for key, value in out[1].items():
         try:
-            arr = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value,
-                             dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            logger.warning("reward %s: info %r is not a number or a list of numbers: not reported", name, key)
+            arr = _values(value, np.float64, name).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            skipped.append(str(key))
             continue
         finite = arr[np.isfinite(arr)]
         info[str(key)] = float(finite.mean()) if finite.size else float("nan")
-    return out[0], info
+    return out[0], info, skipped
 
 
 def _mean_info(parts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -124,47 +141,83 @@ def _mean_info(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([part[k] for part in parts if k in part])) for k in keys}
 
 
+def failure(e: BaseException) -> str:
+    """``Type: message`` of what a reward raised, on one line of at most 200 characters."""
+    if isinstance(e, RewardRaised):
+        return str(e)
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+class RewardRaised(Exception):
+    """A reward raised a BaseException that is not a stop (``SystemExit``, ``GeneratorExit``, ...)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _call(reward, images: ImageBatch, prompts: list[str], meta: list[dict], name: str):
+    """``reward(images, prompts, meta)`` split (``_split``) into (scores, info, info keys not reported); whatever it raises but a stop (Ctrl-C:
+    KeyboardInterrupt and its subclasses) comes out as an Exception: a ``SystemExit`` or another BaseException
+    from a reward is a reward failure, never the command's exit."""
+    try:
+        return _split(reward(images, prompts, meta), name)
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit(0) inside a reward must not end train / eval reward
+        raise RewardRaised(failure(e)) from None
+
+
 def safe_score(reward, images: ImageBatch, prompts: Sequence[str],
-               metadata: Sequence[dict] | None = None, *, name: str | None = None) -> torch.Tensor:
+               metadata: Sequence[dict] | None = None, *, name: str | None = None, warn: bool = True) -> torch.Tensor:
     """Run ``reward`` on a batch; never raises for reward failures. Returns float32 [B] with NaN
     for masked samples (the reward raised on that sample, or returned NaN/inf for it)."""
-    return score_with_info(reward, images, prompts, metadata, name=name)[0]
+    return score_with_info(reward, images, prompts, metadata, name=name, warn=warn)[0]
 
 
 def score_with_info(reward, images: ImageBatch, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
-                    *, name: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``safe_score``'s scores and the reward's info as means, ``{key: float}`` (empty when it gives none)."""
+                    *, name: str | None = None, warn: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """``safe_score``'s scores and the reward's info as means, ``{key: float}`` (empty when it gives none). A
+    batch the reward raised on is retried sample by sample; what it masked is ONE warning line for the batch
+    (``warn``; False: the caller summarises, as ``megaflow eval reward`` does for its folder)."""
     name = name or getattr(reward, "name", type(reward).__name__)
     num = batch_size(images)
     if len(prompts) != num or (metadata is not None and len(metadata) != num):
         raise ValueError(f"reward {name!r}: {num} images but {len(prompts)} prompts"
                          f"{'' if metadata is None else f' and {len(metadata)} metadata'}")
     meta = list(metadata) if metadata is not None else [{} for _ in range(num)]
-    raised: set[int] = set()
+    raised: dict[int, str] = {}
+    notes = []
     try:
-        out, info = _split(reward(images, list(prompts), meta), name)
+        out, info, skipped = _call(reward, images, list(prompts), meta, name)
     except Exception as e:  # noqa: BLE001 - a reward's failure must never stop the run
-        logger.warning("reward %s raised on a batch of %d (%s: %s); retrying per sample",
-                       name, num, type(e).__name__, e)
-        scores, infos = torch.full((num,), float("nan")), []
+        notes.append(f"raised on the batch of {num} ({failure(e)}), retried per sample")
+        scores, infos, skipped = torch.full((num,), float("nan")), [], []
         for i in range(num):
             try:
-                out, info_i = _split(reward(select(images, i), [prompts[i]], [meta[i]]), name)
+                out, info_i, skipped_i = _call(reward, select(images, i), [prompts[i]], [meta[i]], name)
             except Exception as e_i:  # noqa: BLE001
-                raised.add(i)
-                logger.warning("reward %s masked sample %d (prompt %r): %s: %s",
-                               name, i, prompts[i], type(e_i).__name__, e_i)
+                raised[i] = failure(e_i)
                 continue
             scores[i] = _as_scores(out, 1, name)[0]  # a RewardContractError stops the command
             infos.append(info_i)
+            skipped += [k for k in skipped_i if k not in skipped]
         info = _mean_info(infos)
         if raised:
-            _LAST_FAILURE[name] = f"{type(e).__name__}: {e}"
+            first = min(raised)
+            notes.append(f"masked {len(raised)} of {num} (first: sample {first}, prompt {prompts[first][:80]!r}: "
+                         f"{raised[first]})")
+            _LAST_FAILURE[name] = failure(e)
     else:
         scores = _as_scores(out, num, name)  # a RewardContractError stops the command
     bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in raised]
     if bad:
-        logger.warning("reward %s returned non-finite values for samples %s: masked", name, bad)
+        notes.append(f"returned non-finite values for {len(bad)} sample{'s' if len(bad) > 1 else ''} "
+                     f"{bad[:8]}{'...' if len(bad) > 8 else ''}: masked")
         scores[bad] = float("nan")
         _LAST_FAILURE[name] = "returned non-finite values (NaN or inf)"
+    if skipped:
+        notes.append(f"info {', '.join(map(repr, skipped[:8]))} not a number or a list of numbers: not reported")
+    if notes and warn:
+        logger.warning("reward %s: %s", name, "; ".join(notes))
     return scores, info

@@ -80,7 +80,12 @@ def _instantiate(factory: Callable, name: str, kwargs: Mapping[str, object]):
         raise ValueError(f"reward {name!r}: bad arguments {dict(kwargs)} ({e})") from None
     except ValueError:  # no signature available (builtins): let the call decide
         pass
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit(0) while a reward is built must not end the command
+        raise ValueError(f"reward {name!r}: building it raised {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def build_reward(name: str, **kwargs) -> Callable:

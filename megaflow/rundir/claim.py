@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
-from megaflow.config.load import current_values
+from megaflow.config.load import MAX_CONFIG_BYTES, current_values
 from megaflow.config.resume_changes import Change, config_changes, refused_change
 from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
 
@@ -115,6 +115,7 @@ def check_run_dir(cfg: MegaflowConfig, *, resume: bool, overrides: tuple[str, ..
     with _os_errors(path):
         if not _check_path(path, resume=resume):
             return
+        _read_bytes(path / CONFIG_FILE)  # what the claim keeps to put back: a regular file, or none
         lock = path / LOCK_FILE
         if lock.is_file():
             with open(lock) as fh:
@@ -233,7 +234,7 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool,
                          f"train.iterations = {cfg.train.iterations}); raise train.iterations to continue it")
     read_state(last_dir)  # its types and ranges, before anything starts
     saved = path / CONFIG_FILE
-    if saved.is_file():
+    if os.path.lexists(saved):  # a directory, a FIFO or a symlink loop there: one line, from read_toml
         changes = _check_same_run(cfg, saved, overrides)
     else:  # config.toml lost: what the checkpoint itself records
         changes = _check_checkpoint(cfg, last_dir, overrides)
@@ -266,10 +267,17 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_bytes(path: Path) -> bytes | None:
+    """The run's saved config ``path`` as it is (None: none); ValueError when it is no regular file or is over
+    the size of a run file (a FIFO or a device is never read), OSError for the OS's refusals (a symlink loop)."""
     try:
-        return path.read_bytes()
+        info = os.stat(path)
     except FileNotFoundError:
         return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CONFIG_BYTES:
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+        raise ValueError(f"run dir {str(path.parent)!r}: {path.name} is {why}, not the run's saved config "
+                         "(move it away)")
+    return path.read_bytes()
 
 
 def _put_back(path: Path, data: bytes | None) -> None:
@@ -289,8 +297,15 @@ _SAME_OR_OVERRIDE = ("it changes what the run trains: resume with the same value
 
 
 def _check_same_run(cfg: MegaflowConfig, saved: Path, overrides: tuple[str, ...]) -> list[Change]:
-    """The changes of ``cfg`` against the run's saved config; ValueError naming the first one a resume refuses."""
-    old = current_values(tomllib.loads(saved.read_text()))  # a run saved before a value was renamed
+    """The changes of ``cfg`` against the run's saved config; ValueError naming the first one a resume refuses
+    (one line too when that file is no run file: read as ``base`` files are, each section a table)."""
+    from megaflow.config.inherit import read_toml
+    from megaflow.config.suggest import clipped
+    old = current_values(read_toml(saved, " (the run's saved config)"))  # a run saved before a value was renamed
+    for section, values in old.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"--resume: {saved}: {clipped(section)} is not a table ({type(values).__name__}); "
+                             "not the config.toml megaflow saves")
     changes = config_changes(old, tomllib.loads(dump_config(cfg)))
     if (refused := refused_change(changes, overrides)) is not None:
         raise ValueError(f"--resume: {refused.key} = {refused.after!r} differs from the checkpointed run's "

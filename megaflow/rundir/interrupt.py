@@ -64,6 +64,52 @@ def kill_children(grace_s: float = KILL_GRACE_S, *, spare: set[int] | frozenset[
     return [c.pid for c in children]
 
 
+LEFTOVER_GRACE_S = 5.0  # how long a command's exit waits for threads it left running before it leaves without them
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux
+
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants (Linux ``prctl``): a grandchild whose parent exits (a
+    double fork, a daemonising helper a reward starts) is re-parented here, not to init, so
+    :func:`kill_children` still finds and ends it. False where the OS does not offer it."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def lingering_threads(grace_s: float = LEFTOVER_GRACE_S) -> list[threading.Thread]:
+    """The non-daemon threads still alive after waiting up to ``grace_s`` for them (Python's exit would wait for
+    them forever); idle ``concurrent.futures`` workers are not counted (Python's exit stops them itself)."""
+    pools = getattr(sys.modules.get("concurrent.futures.thread"), "_threads_queues", {})
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+              and t not in pools]
+    deadline = time.monotonic() + grace_s
+    for t in others:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in others if t.is_alive()]
+
+
+def exit_without(threads: list[threading.Thread], code: int) -> None:
+    """Leave now with ``code`` though ``threads`` still run: one stderr line naming them, stdout / stderr flushed,
+    the ``atexit`` handlers run, then ``os._exit`` (so nothing waits for them)."""
+    import atexit
+    names = ", ".join(repr(t.name) for t in threads[:4]) + (" ..." if len(threads) > 4 else "")
+    print(f"megaflow: {len(threads)} thread{'s' if len(threads) > 1 else ''} ({names}) still running after the "
+          f"command (a reward's?): not waited for", file=sys.stderr)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 def abort(signum: int, why: str) -> None:
     """Leave now: our child processes stopped (:func:`kill_children`), then ``os._exit(128 + signum)`` (no
     thread is waited for, no ``finally`` runs)."""

@@ -21,12 +21,14 @@ def test_every_recipe_is_its_algorithm_on_one_evaluation():
 def test_unknown_algorithm_or_a_different_evaluation_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown ppo"):
         recipes(["nft", "ppo"], CONFIGS, [])
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "assets").symlink_to(CONFIGS.parent / "assets")  # the configs' paths are relative to them
     for name in ALGO_CONFIGS.values():
-        shutil.copy(CONFIGS / name, tmp_path / name)
-    awm = tmp_path / ALGO_CONFIGS["awm"]
+        shutil.copy(CONFIGS / name, tmp_path / "configs" / name)
+    awm = tmp_path / "configs" / ALGO_CONFIGS["awm"]
     awm.write_text(awm.read_text().replace("[eval]\nnum = 300", "[eval]\nnum = 200"))
     with pytest.raises(ValueError, match="awm's eval differs from nft's"):
-        recipes(["nft", "awm"], tmp_path, [])
+        recipes(["nft", "awm"], tmp_path / "configs", [])
 
 
 def _side(before: float, curve: list[tuple[float, float]]) -> dict:
@@ -87,7 +89,7 @@ def test_reuse_refuses_a_report_of_another_recipe_or_evaluation_before_any_run(t
     over = ["train.iterations=10"]
     cfgs = recipes(["nft", "dgpo"], CONFIGS, over)
     kw = dict(config_dir=CONFIGS, overrides=over, out_dir=tmp_path, eval_every=5, eval_num=50)
-    with pytest.raises(ValueError, match=r"--reuse dgpo: .*dgpo.json is not a bench learn report"):
+    with pytest.raises(ValueError, match=r"--reuse dgpo: .*dgpo.json: no bench learn report to reuse \(No such file"):
         lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
     with pytest.raises(ValueError, match="--reuse awm: not one of --algos"):
         lb.leaderboard(["nft", "dgpo"], reuse=["awm"], **kw)
@@ -99,3 +101,98 @@ def test_reuse_refuses_a_report_of_another_recipe_or_evaluation_before_any_run(t
     (tmp_path / "dgpo.json").write_text(json.dumps(_report(cfgs["dgpo"], _side(0.5, [(0, 0.5)]), eval_num=100)))
     with pytest.raises(ValueError, match="ran eval eval_num = 100, shapes_demo_dgpo.toml with these options gives 50"):
         lb.leaderboard(["nft", "dgpo"], reuse=["dgpo"], **kw)
+
+
+def _damaged(change):
+    """A valid nft report (as test_reuse_... writes it) after ``change(report)``; the text to write."""
+    import json
+
+    def make(cfg) -> str:
+        report = _report(cfg, _side(0.5, [(0, 0.5), (60, 0.7)]))
+        out = change(report)
+        return out if isinstance(out, str) else json.dumps(report)
+    return make
+
+
+def _set(dotted: str, value):
+    def change(report):
+        *parents, last = dotted.split(".")
+        table = report
+        for p in parents:
+            table = table[int(p)] if isinstance(table, list) else table[p]
+        table[int(last) if isinstance(table, list) else last] = value
+    return _damaged(change)
+
+
+def _drop(dotted: str):
+    def change(report):
+        *parents, last = dotted.split(".")
+        table = report
+        for p in parents:
+            table = table[int(p)] if isinstance(table, list) else table[p]
+        del table[last]
+    return _damaged(change)
+
+
+REPORTS = {  # a damaged report -> its one line (after "--reuse nft: <out_dir>/nft.json")
+    "no sides": (_drop("sides"), ": sides is missing"),
+    "no megaflow side": (_set("sides", {"baseline": {}}), ": sides.megaflow is missing"),
+    "sides a list": (_set("sides", [1, 2]), ": sides is [1, 2], want a JSON object"),
+    "accuracy a string": (_set("sides.megaflow.after.accuracy", "0.7"),
+                          ": sides.megaflow.after.accuracy is '0.7', want a number"),
+    "accuracy null": (_set("sides.megaflow.before.accuracy", None), ": sides.megaflow.before.accuracy is None"),
+    "accuracy NaN": (_set("sides.megaflow.before.accuracy", float("nan")), ".before.accuracy is nan, want a number"),
+    "accuracy a bool": (_set("sides.megaflow.before.accuracy", True), ".before.accuracy is True, want a number"),
+    "ci95 of three": (_set("sides.megaflow.after.ci95", [0, 1, 2]), ".after.ci95 has 3 entries, want [low, high]"),
+    "ci95 of strings": (_set("sides.megaflow.after.ci95", ["a", "b"]), ".after.ci95[0] is 'a', want a number"),
+    "curve a table": (_set("sides.megaflow.curve", {"rl_s": 1}), ".curve is {'rl_s': 1}, want a list"),
+    "curve point a list": (_set("sides.megaflow.curve.1", [60, 0.7]), ".curve[1] is [60, 0.7], want a JSON object"),
+    "no curve": (_drop("sides.megaflow.curve"), ".curve is missing"),
+    "curve point without rl_s": (_drop("sides.megaflow.curve.0.rl_s"), ".curve[0].rl_s is missing"),
+    "rl_wall_s null": (_set("sides.megaflow.rl_wall_s", None), ".rl_wall_s is None, want a number"),
+    "peak rss a list": (_set("sides.megaflow.peak_rss_mib", [1]), ".peak_rss_mib is [1], want a JSON object|null"),
+    "peak rss of strings": (_set("sides.megaflow.peak_rss_mib", {"trainer": "900"}),
+                            ".peak_rss_mib.trainer is '900', want a number"),
+    "recipe a list": (_set("recipe", ["x"]), ": recipe is ['x'], want a JSON object"),
+    "a list, not a report": (_damaged(lambda r: "[1, 2, 3]"),
+                             " is not a bench learn report (a JSON list, not an object)"),
+    "not JSON": (_damaged(lambda r: "{\"sides\": "), " is not a bench learn report (not JSON: "),
+    "nested 100000 deep": (_damaged(lambda r: "[" * 100_000 + "]" * 100_000), "nested too deeply to read"),
+    "nested 40 deep": (_damaged(lambda r: '{"sides": ' + "[" * 40 + "]" * 40 + "}"),
+                       "nests more than 32 lists or objects deep"),
+    "a long string": (_set("sides.megaflow.rl_wall_s", "x" * 10_000), ".rl_wall_s is a str, want a number"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPORTS))
+def test_reuse_of_a_malformed_report_is_one_line_naming_the_field(name, tmp_path, monkeypatch):
+    from megaflow.bench import leaderboard as lb
+    monkeypatch.setattr(lb, "run_one", lambda *a, **k: pytest.fail("a run started before the checks"))
+    over = ["train.iterations=10"]
+    cfgs = recipes(["nft"], CONFIGS, over)
+    make, needle = REPORTS[name]
+    (tmp_path / "nft.json").write_text(make(cfgs["nft"]))
+    with pytest.raises(ValueError) as e:
+        lb.leaderboard(["nft"], reuse=["nft"], config_dir=CONFIGS, overrides=over, out_dir=tmp_path, eval_every=5,
+                       eval_num=50)
+    line = str(e.value)
+    assert line.startswith(f"--reuse nft: {tmp_path / 'nft.json'}") and needle in line, line
+    assert "\n" not in line and len(line) < 300, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nft.json"]  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
+def test_reuse_of_a_report_that_is_no_file_is_refused_unread(kind, tmp_path):
+    import os
+
+    from megaflow.bench import leaderboard as lb
+    path = tmp_path / "nft.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # reading it would wait forever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")  # reading it would never end
+    with pytest.raises(ValueError, match=r"nft.json is not a regular file \(a bench learn report is a JSON file\)"):
+        lb.leaderboard(["nft"], reuse=["nft"], config_dir=CONFIGS, overrides=["train.iterations=10"],
+                       out_dir=tmp_path, eval_every=5, eval_num=50)

@@ -92,6 +92,19 @@ def _cfg(tmp: Path, text: str) -> Path:
     return tmp / "run.toml"
 
 
+def _based(tmp: Path, make_base) -> list[str]:
+    """``config show`` of ``run.toml`` whose ``base = "base.toml"`` is what ``make_base(<tmp>/base.toml)`` made."""
+    make_base(tmp / "base.toml")
+    return ["config", "show", "-c", str(_cfg(tmp, 'base = "base.toml"\n[run]\nname = "x"\n'))]
+
+
+def _chain(tmp: Path, files: int) -> list[str]:
+    """``config show`` of a chain of ``files`` run files, each the base of the one before."""
+    for i in range(files):
+        (tmp / f"c{i}.toml").write_text(f'base = "c{i + 1}.toml"\n' if i + 1 < files else "[run]\n")
+    return ["config", "show", "-c", str(tmp / "c0.toml")]
+
+
 def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str = "prompts.txt",
              size: int = 0) -> list[str]:
     path = tmp / name
@@ -103,6 +116,14 @@ def _prompts(tmp: Path, data: bytes | None, *, as_dir: bool = False, name: str =
     elif data is not None:
         path.write_bytes(data)
     return ["--set", f'data.prompts="{path}"']
+
+
+def _parquet_prompts(tmp: Path, prompts: list[str]) -> list[str]:
+    """``data.prompts`` a zstd parquet file of ``prompts`` (a long repeated string compresses to a few KB)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": prompts}), tmp / "p.parquet", compression="zstd")
+    return ["--set", f'data.prompts="{tmp / "p.parquet"}"']
 
 
 def _test_prompts(tmp: Path, data: bytes | None, name: str = "held.txt") -> list[str]:
@@ -258,6 +279,31 @@ def _lost_config(runs: Path) -> None:
     (runs / "r" / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
 
 
+def _saved_config(make):
+    """A run dir at iteration 2 whose ``config.toml`` is what ``make(<run dir>/config.toml)`` made."""
+    def build(runs: Path) -> None:
+        _lost_config(runs)
+        make(runs / "r" / "config.toml")
+    return build
+
+
+def _in_run_dir(name: str, kind: str):
+    """A run dir (no checkpoint) holding ``name`` as ``kind``: "file", "dir", "dangling" (a symlink to nothing)
+    or "read-only" (a directory of mode 0o555; skipped as root, who writes there anyway)."""
+    def make(runs: Path) -> None:
+        if kind == "read-only" and os.geteuid() == 0:
+            pytest.skip("root writes into a chmod 0o555 folder")
+        path = runs / "r" / name
+        path.parent.mkdir(parents=True)
+        if kind == "file":
+            path.write_text("not a directory")
+        elif kind == "dangling":
+            path.symlink_to("nowhere")
+        else:
+            path.mkdir(mode=0o555 if kind == "read-only" else 0o777)
+    return make
+
+
 def _elsewhere(runs: Path) -> None:
     (runs.parent / "elsewhere").mkdir()
     _link(runs, "elsewhere")
@@ -326,7 +372,8 @@ T = "transformer/diffusion_pytorch_model.safetensors"
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (symlinks not followed): a file's SHA-256, a link's target, "dir"."""
+    """Every entry under ``root`` (symlinks not followed): a file's SHA-256, a link's target, "dir", another
+    kind's mode."""
     out = {}
     for top, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -335,6 +382,8 @@ def _snapshot(root: Path) -> dict[str, str]:
                 out[str(p.relative_to(root))] = "-> " + os.readlink(p)
             elif p.is_dir():
                 out[str(p.relative_to(root))] = "dir"
+            elif not p.is_file():  # a FIFO or a device a row made: never read
+                out[str(p.relative_to(root))] = f"mode {p.stat().st_mode:o}"
             else:
                 out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out

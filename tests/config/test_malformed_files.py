@@ -5,12 +5,13 @@ check_one_line_exit_2: exit 2, one stderr line naming what is wrong, nothing wri
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
     DEEP_JSON, TRAIN, _A, _clip_dir, _elsewhere, _images, _link, _looped_images, _looped_reward_images,
-    _lost_config, _png_text_chunk, _read_only, _resume_state, _reward_images, _runs, _text_chunk_reward_images,
+    _lost_config, _png_text_chunk, _read_only, _in_run_dir, _resume_state, _reward_images, _saved_config, _runs, _text_chunk_reward_images,
     png_header, check_one_line_exit_2,
 )
 
@@ -70,8 +71,31 @@ CASES = {
                                         "--kwargs: nested too deeply to read"),
     "reward: --timeout-s -1": (lambda t: [*_reward_images(t, _A, reward="jpeg_compressibility"), "--timeout-s", "-1"],
                                "--timeout-s -1.0: want seconds >= 0"),
+    "run dir: tensorboard dir a file": (lambda t: _runs(t, _in_run_dir("tensorboard", "file"), "--set",
+                                                        "logging.tensorboard=true"),
+                                        "logging.tensorboard: "),
+    "run dir: wandb dir a file": (lambda t: _runs(t, _in_run_dir("wandb", "file"), "--set", "logging.wandb=true"),
+                                  "r/wandb is not a directory (the backend writes there; move it away)"),
+    "run dir: wandb_id a directory": (lambda t: _runs(t, _in_run_dir("wandb_id", "dir"), "--set",
+                                                      "logging.wandb=true"), "r/wandb_id is not a regular file"),
+    "run dir: tensorboard dir a dangling symlink": (lambda t: _runs(t, _in_run_dir("tensorboard", "dangling"),
+                                                                    "--set", "logging.tensorboard=true"),
+                                                    "r/tensorboard is a dangling symlink"),
+    "run dir: tensorboard dir read-only": (lambda t: _runs(t, _in_run_dir("tensorboard", "read-only"), "--set",
+                                                           "logging.tensorboard=true"),
+                                           "r/tensorboard is not writable"),
+    "run dir: resume, config.toml a symlink loop": (lambda t: _runs(t, _saved_config(
+        lambda c: c.symlink_to(c.name)), "--resume"), "r/config.toml': too many levels of symbolic links"),
+    "run dir: resume, config.toml a FIFO": (lambda t: _runs(t, _saved_config(os.mkfifo), "--resume"),
+                                            "config.toml is not a regular file, not the run's saved config"),
+    "run dir: config.toml /dev/zero": (lambda t: _runs(t, lambda r: (r / "r").mkdir(parents=True) or (
+        r / "r" / "config.toml").symlink_to("/dev/zero")), "config.toml is not a regular file"),
+    "run dir: resume, config.toml a section not a table": (lambda t: _runs(t, _saved_config(
+        lambda c: c.write_text("run = 3\n")), "--resume"), "config.toml: run is not a table (int)"),
+    "run dir: resume, config.toml nested 5000 deep": (lambda t: _runs(t, _saved_config(lambda c: c.write_text(
+        "[reward]\nkwargs = { a = " + "[" * 5000 + "]" * 5000 + " }\n")), "--resume"),
+                                                      "config.toml: nested too deeply to read"),
 }
-
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -7,13 +7,15 @@ created unless the row made it), and never import torch, megatron, sglang, diffu
 Needs: CPU, 1 process at a time, no torch (~10 s)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
-    DEMO, MARKER, PRETRAIN, SHOW, T, TRAIN, _cfg, _clip_dir, _imagereward_dir, _pipe, _pipe_dir, _prompts, _remote,
-    _test_prompts, _tool, _transformer, _truncate, add_remote_code, fake_megatron_checkpoint, check_one_line_exit_2,
+    DEMO, MARKER, PRETRAIN, SHOW, T, TRAIN, _based, _cfg, _chain, _clip_dir, _imagereward_dir, _parquet_prompts,
+    _pipe, _pipe_dir, _prompts, _remote, _test_prompts, _tool, _transformer, _truncate, add_remote_code,
+    fake_megatron_checkpoint, check_one_line_exit_2,
 )
 from megaflow.config.preflight import cuda_available
 
@@ -127,6 +129,10 @@ CASES = {
                                "p.jsonl line 2: not JSON"),
     "prompts jsonl no prompt": (lambda t: [*TRAIN, *_prompts(t, b'{"text": "OPEN"}\n', name="p.jsonl")],
                                 "p.jsonl line 1: needs a non-empty string 'prompt'"),
+    "prompts parquet holding a 64 MB string": (lambda t: [*TRAIN, *_parquet_prompts(t, ["a red circle", "x" * (64 << 20)])],
+                                              "p.parquet row group 0: its 'prompt' column holds 671"),
+    "prompts parquet prompt too long": (lambda t: [*TRAIN, *_parquet_prompts(t, ["a red circle", "x" * 2001])],
+                                        "p.parquet row 1 (counting from 0): a prompt of 2001 characters"),
     "prompts parquet corrupt": (lambda t: [*TRAIN, *_prompts(t, b"PAR1 not a table " * 64, name="p.parquet")],
                                 "p.parquet is not a readable parquet file ("),
     "prompts a directory, no dataset": (lambda t: [*TRAIN, *_prompts(t, None, as_dir=True, name="ds")],
@@ -201,6 +207,21 @@ CASES = {
     "tool: remote code, auto_map": (lambda t: _tool(t, "to-megatron", add_remote_code(
         _transformer(t), "auto_map", marker=t / MARKER, folder="")), "--src: " + "{t}/pipe/transformer/config.json: "
                                                                                   "auto_map"),
+    "config: a 1 MB unknown key": (lambda t: ["config", "show", "-c", str(_cfg(
+        t, "[run]\n" + "k" * 1_000_000 + " = 1\n"))], "unknown key run.kkkk"),
+    "config: base a symlink loop": (lambda t: _based(t, lambda b: b.symlink_to(b.name)),
+                                    "base.toml (the base of"),
+    "config: base a FIFO": (lambda t: _based(t, os.mkfifo), "base.toml (the base of"),
+    "config: base /dev/zero": (lambda t: _based(t, lambda b: b.symlink_to("/dev/zero")),
+                               "not a regular file (a TOML run file is one)"),
+    "config: base a directory": (lambda t: _based(t, lambda b: b.mkdir()), "not a regular file"),
+    "config: base a table": (lambda t: ["config", "show", "-c", str(_cfg(t, "[base]\nfile = 'a.toml'\n"))],
+                             "base must be the path of another run file (a string), got {'file': 'a.toml'}"),
+    "config: base's section not a table": (lambda t: _based(t, lambda b: b.write_text("run = 3\n")),
+                                           "base.toml: section 'run' must be a table, got 3"),
+    "config: base nested 5000 deep": (lambda t: _based(t, lambda b: b.write_text(
+        "[reward]\nkwargs = { a = " + "[" * 5000 + "]" * 5000 + " }\n")), "base.toml: nested too deeply to read"),
+    "config: a chain of 17 bases": (lambda t: _chain(t, 17), "more than 16 files in one chain of base"),
 }
 if not cuda_available():  # valid settings on a GPU machine
     CASES["cuda without a GPU"] = (lambda t: [*TRAIN, "--set", "run.device=cuda"], "run.device = 'cuda'")
@@ -214,6 +235,20 @@ if not cuda_available():  # valid settings on a GPU machine
 def test_malformed_input_one_line_exit_2(name, tmp_path):
     build, needle = CASES[name]
     check_one_line_exit_2(build(tmp_path), tmp_path, needle.replace("{t}", str(tmp_path)))
+
+
+def test_a_long_unknown_key_gets_no_did_you_mean_search(monkeypatch):
+    """difflib is quadratic in the word: a key over suggest.MAX_WORD characters is never handed to it, and the
+    message shows its start and length."""
+    import difflib
+
+    from megaflow.config import ConfigError, load_config
+    from megaflow.config import suggest
+    monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: pytest.fail("difflib searched"))
+    assert suggest.did_you_mean("x" * (suggest.MAX_WORD + 1), ["x"]) == ""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["run." + "k" * 100_000 + "=1"])
+    assert f"run.{'k' * 76}... (100004 characters) = 1" in str(e.value) and len(str(e.value)) < 200
 
 
 def test_table_covers_every_kind_of_input():

@@ -134,3 +134,19 @@ def test_run_prompt_stream_hands_on_parquet_metadata(tmp_path):
     assert sorted(drawn, key=lambda r: r.metadata["n"]) == EXPECTED
     requests = make_requests(cfg, prompt_stream(cfg), iteration=1)
     assert {r.prompt: r.metadata for r in requests} == {r.text: r.metadata for r in EXPECTED}
+
+
+def test_a_huge_prompt_is_refused_from_the_parquet_metadata_before_reading(tmp_path, monkeypatch):
+    """A few-KB zstd file holding a 64 MB string: refused from the row group's uncompressed size (no row group is
+    read); repeated long prompts (a dictionary column) are refused from arrow's lengths, before Python copies."""
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "x" * (64 << 20)]}), path, compression="zstd")
+    assert path.stat().st_size < 100_000
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda *a, **k: pytest.fail("a row group was read"))
+    with pytest.raises(ValueError, match=r"p.parquet row group 0: its 'prompt' column holds \d+ bytes for 2 rows, "
+                                         r"so a prompt is longer than the 2000 characters"):
+        prompt_pool(str(path), seed=0)
+    monkeypatch.undo()
+    pq.write_table(pa.table({"prompt": ["ok"] * 3 + ["y" * 3000] * 200}), path, compression="zstd")
+    with pytest.raises(ValueError, match=r"p.parquet row 3 \(counting from 0\): a prompt of 3000 characters"):
+        prompt_pool(str(path), seed=0)

@@ -178,3 +178,27 @@ log.close()
         ids.append([x[3:] for x in r.stdout.splitlines() if x.startswith("ID=")][0])
     assert ids[0] == ids[1] == (tmp_path / "run" / "wandb_id").read_text().strip()
     assert list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{ids[0]}"))
+
+
+@pytest.mark.parametrize("name, kind, setting, line", [
+    ("tensorboard", "file", "logging.tensorboard=true", "logging.tensorboard: {d}/tensorboard is not a directory"),
+    ("wandb", "file", "logging.wandb=true", "logging.wandb: {d}/wandb is not a directory"),
+    ("wandb_id", "dir", "logging.wandb=true", "logging.wandb: {d}/wandb_id is not a regular file"),
+    ("tensorboard", "read-only", "logging.tensorboard=true", "logging.tensorboard: {d}/tensorboard is not writable"),
+    ("wandb", "read-only", "logging.wandb=true", "logging.wandb: {d}/wandb is not writable"),
+])
+def test_an_unusable_backend_path_is_one_line_before_any_backend_opens(tmp_path, fake_wandb, monkeypatch, name,
+                                                                       kind, setting, line):
+    """What a backend writes in the run dir, there as a file, a directory or read-only: one line (ConfigError)
+    from open_backends, nothing opened (read-only is the OS's answer, stood in for: this may run as root)."""
+    from megaflow.config import ConfigError
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / name
+    path.write_text("x") if kind == "file" else path.mkdir()
+    if kind == "read-only":
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: Path(p) != path and real(p, mode, **k))
+    with pytest.raises(ConfigError) as e:
+        open_backends(run_dir, _cfg(setting))
+    assert str(e.value).startswith(line.format(d=run_dir)) and not inits_of(fake_wandb)

@@ -222,3 +222,129 @@ def test_a_reward_that_never_returns_meets_the_timeout_and_its_children_end(tmp_
     assert len(started) == 1  # the first image's call; the others were never tried after the folder's time ran out
     time.sleep(0.5)
     assert not [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _eval(d: Path, env: dict, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megaflow.cli", "eval", "reward", "--reward", "myreward:score",
+                           "--images", str(d), "--json", *extra], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+HOSTILE = {  # a custom reward's code -> the one stderr line of `eval reward` (exit 2, nothing on stdout)
+    "SystemExit(0)": ("def score(images, prompts, metadata):\n    raise SystemExit(0)\n",
+                      "megaflow: error: reward 'myreward:score' scored none of the 3 images (SystemExit: 0)"),
+    "GeneratorExit": ("def score(images, prompts, metadata):\n    raise GeneratorExit('gone')\n",
+                      "megaflow: error: reward 'myreward:score' scored none of the 3 images (GeneratorExit: gone)"),
+    "SystemExit on import": ("raise SystemExit(0)\n",
+                             "megaflow: config error: --reward: reward 'myreward:score': importing module 'myreward' "
+                             "raised "
+                             "SystemExit: 0"),
+    "SystemExit when built": ("class score:\n    def __init__(self):\n        raise SystemExit(3)\n",
+                              "megaflow: error: reward 'myreward:score': building it raised SystemExit: 3"),
+    "a meta tensor": ("import torch\ndef score(images, prompts, metadata):\n"
+                      "    return torch.zeros(len(prompts), device='meta')\n",
+                      "megaflow: error: reward 'myreward:score' returned a tensor on the meta device (it holds no "
+                      "values); a reward returns one number per image"),
+    "complex scores": ("import torch\ndef score(images, prompts, metadata):\n"
+                       "    return torch.ones(len(prompts), dtype=torch.complex64)\n",
+                       "megaflow: error: reward 'myreward:score' returned complex scores (torch.complex64); a reward "
+                       "returns one real number per image"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_reward_is_one_line(name, tmp_path):
+    code, line = HOSTILE[name]
+    d, env = _custom(tmp_path, code)
+    r = _eval(d, env)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.splitlines() == [line], r.stderr[-2000:]
+
+
+def test_a_bfloat16_or_float64_score_is_a_score(tmp_path):
+    """A floating tensor of any dtype is a valid score, read as float32 (values exact in bfloat16 here)."""
+    d, env = _custom(tmp_path, "import torch\ndef score(images, prompts, metadata):\n"
+                               "    value = float(images[0, 0, 0, 0]) * 255\n"  # the red channel: 0, 1, 2
+                               "    dtype = torch.bfloat16 if value < 2 else torch.float64\n"
+                               "    return torch.tensor([0.375 + value], dtype=dtype)\n")
+    r = _eval(d, env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert (out["scores"], out["mean"]) == ([0.375, 1.375, 2.375], 1.375)
+
+
+def test_failures_on_many_images_are_one_warning_line(tmp_path):
+    """A reward failing on half of 40 images (one as SystemExit): one summary line, not a line per image."""
+    d, env = _custom(tmp_path, "def score(images, prompts, metadata):\n"
+                               "    red = round(float(images[0, 0, 0, 0]) * 255)\n"
+                               "    if red == 2:\n        raise SystemExit(1)\n"
+                               "    if red % 2 == 0:\n        raise RuntimeError(f'no {red}')\n"
+                               "    return [float(red)]\n", n=40)
+    r = _eval(d, env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.splitlines() == ["reward myreward:score masked 20 of 40 images (first: 0.png: RuntimeError: "
+                                     "no 0)"], r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["scores"] == [float(i) if i % 2 else None for i in range(40)] and out["mean"] == 20.0
+
+
+def test_a_batch_failure_is_one_warning_line_and_system_exit_a_failure(caplog):
+    """In training (score_with_info on a batch): a reward that raises on the batch, then SystemExit on some
+    samples, masks those in ONE warning line; KeyboardInterrupt still stops."""
+    import logging
+
+    import torch
+
+    from megaflow.rewards.base import last_failure, score_with_info
+
+    def reward(images, prompts, metadata):
+        if len(prompts) > 1:
+            raise ValueError("batch too large\nsecond line")
+        if metadata[0]["i"] % 3 == 0:
+            raise SystemExit(0)
+        return torch.tensor([float(metadata[0]["i"])], dtype=torch.bfloat16)
+
+    images = torch.zeros(9, 3, 4, 4)
+    with caplog.at_level(logging.WARNING, logger="megaflow.rewards"):
+        scores, _ = score_with_info(reward, images, ["p"] * 9, [{"i": i} for i in range(9)], name="r")
+    assert torch.equal(torch.isnan(scores), torch.tensor([i % 3 == 0 for i in range(9)]))
+    assert scores[1] == 1.0 and scores.dtype == torch.float32
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward r: raised on the batch of 9 (ValueError: batch too large second line), retried per sample; masked "
+        "3 of 9 (first: sample 0, prompt 'p': SystemExit: 0)"]
+    assert last_failure("r") == "ValueError: batch too large second line"
+
+    def interrupted(images, prompts, metadata):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        score_with_info(interrupted, images, ["p"] * 9, name="k")
+
+
+LEFTOVERS = """
+import subprocess, threading, time
+def score(images, prompts, metadata):
+    threading.Thread(target=time.sleep, args=(1000,), name="reward-helper").start()  # not a daemon
+    subprocess.run(["sh", "-c", "sleep 1000 & echo $! >> {pids}"])  # sh exits: its sleep is orphaned
+    return [1.0]
+"""
+
+
+def test_a_reward_leaving_a_thread_and_an_orphan_does_not_outlive_the_command(tmp_path):
+    """A reward that starts a non-daemon thread and a double-forked process: the command still ends (with its
+    scores and one line naming the thread), and the orphan ends with it."""
+    import psutil
+
+    pids = tmp_path / "pids.txt"
+    d, env = _custom(tmp_path, LEFTOVERS.format(pids=str(pids)), n=2)
+    t0 = time.perf_counter()
+    r = _eval(d, env, "--timeout-s", "0", timeout=120)  # on the main thread: its threads are not daemons
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert (out["scores"], out["mean"]) == ([1.0, 1.0], 1.0)
+    assert r.stderr.splitlines() == ["megaflow: 2 threads ('reward-helper', 'reward-helper') still running after "
+                                     "the command (a reward's?): not waited for"], r.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
+    started = [int(p) for p in pids.read_text().split()]
+    time.sleep(0.5)
+    assert len(started) == 2 and not [p for p in started if psutil.pid_exists(p)
+                                      and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

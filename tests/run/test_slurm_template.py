@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "scripts" / "launch.sh"
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -155,3 +157,27 @@ def test_sbatch_without_the_signal_does_not_requeue(tmp_path):
     r = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                        env={**env, "SLURM_JOB_ID": f"a[$(touch {marker})]"})
     assert r.returncode == 2 and "SLURM_JOB_ID must be a number" in r.stderr and not marker.exists(), r.stderr
+
+
+LAUNCH_REFUSALS = {  # the variables' values launch.sh refuses before torchrun starts (one line, exit 2)
+    "NNODES with a shell separator": ({"NNODES": "2;x"}, "launch.sh: NNODES=2\\;x: want a whole number >= 1"),
+    "NODE_RANK beyond NNODES": ({"NNODES": "2", "NODE_RANK": "2"},
+                                "launch.sh: NODE_RANK=2 is beyond NNODES=2 (node ranks are 0 .. 1)"),
+    "NODE_RANK beyond the default NNODES": ({"NODE_RANK": "1"}, "NODE_RANK=1 is beyond NNODES=1"),
+    "NODE_RANK negative": ({"NODE_RANK": "-1"}, "NODE_RANK=-1: want a whole number >= 0"),
+    "NNODES 0": ({"NNODES": "0"}, "NNODES=0: want a whole number >= 1"),
+    "NNODES of 20 digits": ({"NNODES": "9" * 20}, f"NNODES={'9' * 20}: want a whole number"),
+    "NPROC a word": ({"NPROC": "eight"}, "NPROC=eight: want a whole number >= 1"),
+    "MASTER_PORT beyond 65535": ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000: want a TCP port, 1 .. 65535"),
+    "SHUTDOWN_TIMEOUT a float": ({"SHUTDOWN_TIMEOUT": "1.5"}, "SHUTDOWN_TIMEOUT=1.5: want a whole number >= 0"),
+    "MASTER_ADDR with a space": ({"MASTER_ADDR": "node0 --x"}, "MASTER_ADDR=node0\\ --x: want a host name"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_REFUSALS))
+def test_launch_refuses_a_malformed_variable_in_one_line(name, tmp_path):
+    env, needle = LAUNCH_REFUSALS[name]
+    # VENV points nowhere: a refusal comes before the venv is looked for or anything starts
+    r = subprocess.run(["bash", str(LAUNCH), "-c", "configs/cpu_demo.toml"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env=_env(tmp_path, **env, VENV=str(tmp_path / "no-venv"), DRY_RUN="0"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr and r.stdout == "", r.stderr
