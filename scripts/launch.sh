@@ -19,7 +19,8 @@ Variables (all optional):
   VENV              the project venv (default: what scripts/setup_env.sh prints)
   HF_HUB_OFFLINE    1 unless set: models are local directories
   OMP_NUM_THREADS   1 unless set
-  DRY_RUN           1: print the torchrun command and exit without starting anything
+  DRY_RUN           1: print the torchrun command, check the config against NNODES x NPROC processes
+                    (parallel.gpus, the parallel layout) and exit without starting anything
 
 Every node needs the same repository and the run dir (run.output_dir) on a shared filesystem: rank 0 writes the
 run's config and, without model.pretrained, the tiny pipeline every engine loads. A config with parallel.gpus
@@ -86,7 +87,8 @@ TOPOLOGY=(
 
 # --- run ---------------------------------------------------------------------------------
 echo "launch.sh: torchrun ${TOPOLOGY[*]} -m megaflow.cli train $*" >&2
-if [ "${DRY_RUN:-0}" = "1" ]; then
-  exit 0
+if [ "${DRY_RUN:-0}" = "1" ]; then  # the config against NNODES x NPROC (parallel.gpus, TP x PP, engine ranks)
+  exec env WORLD_SIZE=$(( ${NNODES:-1} * NPROC )) LOCAL_WORLD_SIZE="$NPROC" RANK=0 \
+    "$VENV/bin/python" -m megaflow.cli train --dry-run "$@"
 fi
 exec "$VENV/bin/torchrun" "${TOPOLOGY[@]}" -m megaflow.cli train "$@"

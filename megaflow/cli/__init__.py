@@ -60,6 +60,11 @@ def _setup_logging(megaflow_level: int, verbose: bool) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from megaflow.rundir.claim import check_run_dir
+    if args.dry_run:  # the config and this launch's size, no local files: scripts/launch.sh's DRY_RUN=1
+        preflight(load_config(args.config, args.overrides), "train", files=False)
+        print(f"[megaflow] --dry-run: the config fits a launch of {os.environ.get('WORLD_SIZE', '1')} process(es)",
+              file=sys.stderr)
+        return 0
     cfg = load_checked(args, "train")
     overrides = _resume_overrides(args)
     resume = _resume_wanted(cfg, args.resume)
@@ -196,6 +201,8 @@ def _add_run_parsers(sub) -> None:
                          help="With --resume: accept a change of this key though it changes what the run trains "
                          "(e.g. rollout.group_size); repeatable.")
     p_train.add_argument("--trust-checkpoint", action="store_true", help=f"With --resume: {TRUST_HELP}")
+    p_train.add_argument("--dry-run", action="store_true", help="Check the config against this launch's size "
+                         "(WORLD_SIZE, LOCAL_WORLD_SIZE) and exit; local files are not checked.")
     add_trust_remote_code_arg(p_train, sets_config=True)
     add_verbose_arg(p_train)
     p_train.set_defaults(handler=_cmd_train)

@@ -35,10 +35,10 @@ _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def preflight(cfg: MegaflowConfig, command: str = "train", *, files: bool = True) -> MegaflowConfig:
-    """Check ``cfg`` for ``command``; returns it unchanged or raises ConfigError. ``files=False`` (only with "show")
-    skips checks of the files the config names and of model rewards' CUDA device."""
-    if not files and command != "show":
-        raise ValueError(f"preflight(files=False) is for 'show' only, got {command!r}")
+    """Check ``cfg`` for ``command``; returns it unchanged or raises ConfigError. ``files=False`` (with "show", or
+    "train" for its --dry-run) skips checks of the files the config names and of model rewards' CUDA device."""
+    if not files and command not in ("show", "train"):
+        raise ValueError(f"preflight(files=False) is for 'show' and 'train' only, got {command!r}")
     if command not in COMMANDS:
         raise ValueError(f"preflight command must be one of {COMMANDS}, got {command!r}")
     try:

@@ -67,9 +67,16 @@ def test_sbatch_outside_the_repository_is_one_line(tmp_path):
 def test_launch_defaults_and_help(tmp_path):
     r = subprocess.run(["bash", str(LAUNCH), "-c", "configs/cpu_demo.toml"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60, env=_env(tmp_path, NPROC="2"))
-    assert r.returncode == 0 and r.stderr.strip() == (
+    assert r.returncode == 0 and r.stderr.strip().splitlines() == [
         "launch.sh: torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29500 "
-        "--shutdown-timeout 600 -m megaflow.cli train -c configs/cpu_demo.toml"), r.stderr
+        "--shutdown-timeout 600 -m megaflow.cli train -c configs/cpu_demo.toml",
+        "[megaflow] --dry-run: the config fits a launch of 2 process(es)"], r.stderr
+    # DRY_RUN checks the config against NNODES x NPROC: parallel.gpus of another size is one line, exit 2
+    r = subprocess.run(["bash", str(LAUNCH), "-c", "configs/cpu_demo.toml", "--set", "parallel.gpus=4"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, env=_env(tmp_path, NPROC="1", NNODES="2"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 2 and "parallel.gpus = 4 but 2 process(es) were launched" in lines[1], \
+        r.stderr
     h = subprocess.run(["bash", str(LAUNCH), "--help"], capture_output=True, text=True, timeout=60)
     assert h.returncode == 0 and h.stdout.startswith("Usage: ") and "usage: megaflow" not in h.stdout
     body = LAUNCH.read_text().split("\nEOF\n", 1)[1]  # the script after its usage text
