@@ -205,22 +205,43 @@ class _Validator:
             covered += numel
             boxes.append((tuple(chunk.offsets), tuple(chunk.sizes)))
         if covered != math.prod(item.size) or _overlap(boxes):
-            self.bad(f"the chunks of tensor {fqn!r} do not cover its size {tuple(item.size)} exactly once")
+            self.bad(f"the chunks of tensor {fqn!r} do not cover its size {tuple(item.size)} exactly once"
+                     + (f" ({len(boxes)} chunks, not a grid)" if len(boxes) > MAX_IRREGULAR_CHUNKS else ""))
+
+
+MAX_IRREGULAR_CHUNKS = 4096
+"""Chunks of one tensor that do not form a grid (torch and megatron write grids) checked pair by pair at most."""
 
 
 def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two of the boxes (offsets, sizes) share an element (sorted by offsets: a sweep along the first
-    dimension stops at the first box that starts after the current one ends)."""
-    boxes = sorted(b for b in boxes if all(b[1]))  # an empty chunk holds nothing
+    """Whether two of the boxes (offsets, sizes) share an element, in O(n log n) for a grid (what torch and megatron
+    write: every dimension cut into abutting intervals, each box one cell); other layouts of up to
+    ``MAX_IRREGULAR_CHUNKS`` boxes pair by pair (a sweep along the first dimension), more refused as overlapping."""
+    boxes = [b for b in boxes if all(b[1])]  # an empty chunk holds nothing
+    if len(set(boxes)) < len(boxes):
+        return True  # the same cell twice (two chunks of a 0-d tensor included)
+    if _grid(boxes):
+        return False
+    if len(boxes) > MAX_IRREGULAR_CHUNKS:
+        return True
+    boxes.sort()
     for i, (off_a, size_a) in enumerate(boxes):
         for off_b, size_b in boxes[i + 1:]:
-            if not off_a:  # two chunks of a 0-d tensor
-                return True
             if off_b[0] >= off_a[0] + size_a[0]:
                 break
             if all(ob < oa + sa and oa < ob + sb for oa, sa, ob, sb in zip(off_a, size_a, off_b, size_b)):
                 return True
     return False
+
+
+def _grid(boxes: list[tuple[tuple, tuple]]) -> bool:
+    """Whether the distinct boxes are cells of one grid: in each dimension their intervals, sorted, abut without
+    overlapping (so two distinct cells share no element)."""
+    for dim in range(len(boxes[0][0]) if boxes else 0):
+        intervals = sorted({(off[dim], size[dim]) for off, size in boxes})
+        if any(start < prev_start + prev_size for (prev_start, prev_size), (start, _) in zip(intervals, intervals[1:])):
+            return False
+    return True
 
 
 def _check_byte_items(directory: Path, metadata: Metadata) -> None:
