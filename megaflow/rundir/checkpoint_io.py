@@ -44,9 +44,10 @@ def set_rng_state(state: dict) -> None:
 
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
          metrics_rows: list[dict], keep: int, shadows: dict | None = None, checksum: str = DEFAULT,
-         write_extra: Callable[[Path], None] | None = None) -> float:
+         write_extra: Callable[[Path], None] | None = None, algorithm: str | None = None) -> float:
     """Collective: write ``checkpoints/iter_<iteration>`` atomically (manifests last) and keep the newest ``keep``;
-    ``shadows`` go beside the model, ``write_extra(directory)`` (rank 0) adds other files. Returns the seconds."""
+    ``shadows`` go beside the model, ``write_extra(directory)`` (rank 0) adds other files; ``algorithm`` (its
+    ``algo.name``) is recorded for the resume's check. Returns the seconds."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
@@ -71,7 +72,8 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
             state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
                      "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
                                                          "pp": tconf.pipeline_model_parallel_size},
-                     "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
+                     "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()},
+                     **({"algorithm": algorithm} if algorithm else {})}
             _finish(stage, checkpoint_dir(run_dir, iteration).absolute(), state, write_extra, checksum)
     except BaseException as e:
         failure = _not_saved(e, run_dir, stage, iteration)

@@ -15,7 +15,7 @@ from pathlib import Path
 from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
 from megaflow.config.load import current_values
-from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
+from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, check_resume, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
@@ -229,7 +229,8 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool) -> tuple[int, P
     if last_it >= cfg.train.iterations:
         raise ValueError(f"--resume: {path} already finished (iteration {last_it} of "
                          f"train.iterations = {cfg.train.iterations}); raise train.iterations to continue it")
-    read_state(last_dir)  # its types and ranges, before anything starts
+    check_resume(read_state(last_dir), last_dir, algorithm=cfg.algo.name,  # before anything starts
+                 prompts_per_iter=cfg.rollout.prompts_per_iter)
     saved = path / CONFIG_FILE
     if saved.is_file():
         _check_same_run(cfg, saved)

@@ -109,10 +109,13 @@ class _Validator:
 
     def run(self, shapes: dict[str, tuple] | None) -> None:
         md = self.metadata
-        if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        if type(getattr(md, "state_dict_metadata", None)) is not dict or type(md.storage_data) is not dict:
             self.bad("state_dict_metadata and storage_data must be dicts")
         if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
             self.bad(f"storage_meta is a {type(md.storage_meta).__name__}")
+        if md.version is not None and type(md.version) is not str:
+            self.bad(f"version is a {type(md.version).__name__}")
+        self._planner_data(md.planner_data)
         for index, info in md.storage_data.items():
             self._storage(index, info)
         for fqn, item in md.state_dict_metadata.items():
@@ -130,6 +133,16 @@ class _Validator:
                 self.bad(f"holds no tensor {fqn!r}, which the model needs")
             if tuple(item.size) != tuple(shape):
                 self.bad(f"tensor {fqn!r} has shape {tuple(item.size)}, the model's is {tuple(shape)}")
+
+    def _planner_data(self, data: object) -> None:
+        """None, or what torch's planner writes: each item's name -> the path of keys it was flattened from."""
+        if data is None:
+            return
+        if type(data) is not dict:
+            self.bad(f"planner_data is a {type(data).__name__}, not a table of item names")
+        for name, path in data.items():
+            if type(name) is not str or type(path) is not tuple or not all(type(k) in (str, int) for k in path):
+                self.bad(f"planner_data maps {_short(name)} to {_short(path)}, not to a path of keys")
 
     def _storage(self, index: object, info: object) -> None:
         """One storage_data entry: its key, a relative path to a regular file inside the checkpoint, and an

@@ -104,6 +104,25 @@ def _state(**changes):
     return craft
 
 
+def _plain_pt(ckpt: Path, marker: Path) -> None:
+    """The model as one torch.save file (what a plain PyTorch training script writes) instead of a dist checkpoint;
+    megaflow_model.json kept. It holds a payload: torch.load without weights_only would run it."""
+    import torch
+    for f in (ckpt / "model").iterdir():
+        if f.name != "megaflow_model.json":
+            f.unlink()
+    torch.save({"weight": torch.zeros(2), "payload": RunsCode(marker)}, ckpt / "model" / "model.pt")
+
+
+def _numpy_rng(position):
+    def craft(ckpt: Path, marker: Path) -> None:
+        path = ckpt / "state.json"
+        state = json.loads(path.read_text())
+        state["rng"][0]["numpy"][2] = position
+        path.write_text(json.dumps(state))
+    return craft
+
+
 def _metadata(edit):
     def craft(ckpt: Path, marker: Path) -> None:
         _edit_metadata(ckpt, edit)
@@ -125,8 +144,21 @@ CRAFTS = {
     'size="abc"': (_metadata(lambda m: setattr(_first_tensor(m), "size", "abc")), "has size 'abc'"),
     "chunks=None": (_metadata(lambda m: setattr(_first_tensor(m), "chunks", None)), "has chunks None"),
     "truncated .distcp": (_truncate_distcp, "(truncated or altered)"),
+    "state_dict_metadata a list": (_metadata(lambda m: setattr(m, "state_dict_metadata", [1, 2])),
+                                   "state_dict_metadata and storage_data must be dicts"),
+    "state_dict_metadata missing": (_metadata(lambda m: delattr(m, "state_dict_metadata")),
+                                    "state_dict_metadata and storage_data must be dicts"),
+    "storage_data a string": (_metadata(lambda m: setattr(m, "storage_data", "abc")),
+                              "state_dict_metadata and storage_data must be dicts"),
+    "planner_data a list": (_metadata(lambda m: setattr(m, "planner_data", [1])), "planner_data is a list, not a"),
+    "version a dict": (_metadata(lambda m: setattr(m, "version", {})), "version is a dict"),
+    "a plain .pt, no .metadata": (_plain_pt, "checkpoint (.metadata not found)"),
     'state.json iteration="4"': (_state(iteration="4"), "iteration = '4': want an integer >= 1"),
     "state.json prompts_consumed=-3": (_state(prompts_consumed=-3), "prompts_consumed = -3: want an integer >= 0"),
+    "state.json numpy RNG position 10**30": (_numpy_rng(10**30), "as python, numpy and torch give them"),
+    "state.json numpy RNG position a string": (_numpy_rng("624"), "as python, numpy and torch give them"),
+    "state.json metrics row's reward a list": (_state(metrics=[{"iteration": 1, "reward/total": [1]}]),
+                                               "want a list of metrics rows"),
 }
 STATE_CRAFTS = tuple(name for name in CRAFTS if name.startswith("state.json"))
 

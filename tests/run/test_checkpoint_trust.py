@@ -2,8 +2,9 @@
 ``tools/convert_checkpoint.py to-diffusers`` and ``--resume`` (megaflow.rundir.checkpoint_io.load). Each crafted case of
 tests/run/crafted_checkpoints.py -- a ``__reduce__`` payload in ``model/.metadata``, absolute and ``../`` storage
 paths, an offset of 10**18, a length of 10**15, a byte item on /dev/zero of 2**36 bytes, ``size="abc"``,
-``chunks=None``, a truncated ``.distcp``, a state.json with ``iteration="4"`` or a negative ``prompts_consumed`` --
-is written over a copy of one real checkpoint and resealed with megaflow's own manifest writer; each reader must
+``chunks=None``, a truncated ``.distcp``, top-level fields of ``.metadata`` of the wrong type or missing, a plain
+``.pt`` instead of a dist checkpoint, a state.json with ``iteration="4"``, a negative ``prompts_consumed``, a numpy
+RNG position of 10**30 or a string, a metrics row whose reward is a list -- is written over a copy of one real checkpoint and resealed with megaflow's own manifest writer; each reader must
 refuse it with exit 2 (a ValueError for the resume), one line naming the problem, no traceback, nothing written,
 and the payload never runs. The same readers on the untouched checkpoint give the trainer's weights (reference:
 the trainer that saved it; tolerance 0).
