@@ -12,22 +12,11 @@ from pathlib import Path
 
 from megaflow.rundir.checkpoints import MODEL_DIR, find_checkpoint
 from megaflow.trainer.manifest import verify_manifest
+from megaflow.trainer.model_tensors import ADAPTER_SUFFIXES, diffusers_shapes  # noqa: F401 - re-exported (tools/)
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 INDEX_FILE = WEIGHTS_FILE + ".index.json"
-ADAPTER_SUFFIXES = (".lora.a", ".lora.b")  # megatron names of LoRA adapter tensors (megaflow.models.common.lora)
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
-
-
-def diffusers_shapes(family, diffusers_config: dict) -> dict[str, tuple]:
-    """Tensor shapes of ``family``'s diffusers class for this config (built on the meta device)."""
-    import diffusers
-    import torch
-
-    cls = getattr(diffusers, family.diffusers_class)
-    with torch.device("meta"):
-        model = cls.from_config(diffusers_config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:

@@ -152,15 +152,19 @@ def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = Fals
 
 def _checked_on_rank0(ckpt: Path, trust: bool) -> None:
     """Rank 0 checks ``ckpt``: its manifest (corruption), its state.json (types, ranges) and, unless ``trust``, its
-    model's DCP metadata (megaflow.trainer.dcp_metadata); the ValueError (one line) is raised on every rank."""
+    model's DCP metadata (megaflow.trainer.dcp_metadata), the model's tensors at their shapes among it; the
+    ValueError (one line) is raised on every rank."""
     error = [None]
     if rank() == 0:
         try:
             verify_manifest(ckpt, trust=trust)
             read_state(ckpt)
-            if not trust:
+            if not trust:  # the model's tensors at the shapes its family and config give them
+                from megaflow.trainer.checkpoint import META_FILE, read_meta
                 from megaflow.trainer.dcp_metadata import check_dcp_metadata
-                check_dcp_metadata(ckpt / MODEL_DIR)
+                from megaflow.trainer.model_tensors import model_shapes
+                shapes = model_shapes(read_meta(ckpt / MODEL_DIR), ckpt / MODEL_DIR / META_FILE)
+                check_dcp_metadata(ckpt / MODEL_DIR, shapes=shapes)
         except ValueError as e:
             error[0] = str(e)
     if dist.is_initialized():

@@ -280,11 +280,13 @@ _PATCH_LOCK = threading.RLock()
 @contextlib.contextmanager
 def reading(directory: str | Path, *, trust: bool = False, shapes: dict[str, tuple] | None = None):
     """Read the checkpoint ``directory`` with torch / megatron inside this block (the module's design notes): unless
-    ``trust``, it is checked first and torch's reads go through the checked metadata and ``weights_only``."""
+    ``trust``, it is checked first and torch's reads go through the checked metadata and ``weights_only``. Yields
+    the metadata: the checked one, or with ``trust`` torch's own read of it."""
     if trust:
-        yield
+        yield FileSystemReader(str(directory)).read_metadata()
         return
-    checked = {(Path(directory) / METADATA).resolve(): check_dcp_metadata(directory, shapes=shapes)}
+    first = check_dcp_metadata(directory, shapes=shapes)
+    checked = {(Path(directory) / METADATA).resolve(): first}
     original_read, original_load_bytes = FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes
 
     def read_checked(reader, *args, **kwargs) -> Metadata:
@@ -306,6 +308,6 @@ def reading(directory: str | Path, *, trust: bool = False, shapes: dict[str, tup
     with _PATCH_LOCK:
         FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = read_checked, load_bytes_weights_only
         try:
-            yield
+            yield first
         finally:
             FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = original_read, original_load_bytes

@@ -123,6 +123,30 @@ def _numpy_rng(position):
     return craft
 
 
+SPARSE = 2**28  # bytes a sparse file claims (256 MiB; the reads refuse it before allocating, whatever its size)
+
+
+def _sparse_tensor(name: str):
+    """``model/huge.distcp``, a sparse file of ``SPARSE`` bytes, holding float32 tensor ``name`` of SPARSE / 4
+    elements (a new one, or one of the model's resized)."""
+    def craft(ckpt: Path, marker: Path) -> None:
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+        with open(ckpt / "model" / "huge.distcp", "wb") as fh:
+            fh.truncate(SPARSE)
+        size = torch.Size([SPARSE // 4])
+
+        def edit(metadata):
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size)
+            metadata.state_dict_metadata[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
+                                                                       [chunk])
+            metadata.storage_data[MetadataIndex(name, chunk.offsets)] = _StorageInfo("huge.distcp", 0, SPARSE)
+        _edit_metadata(ckpt, edit)
+    return craft
+
+
 def _metadata(edit):
     def craft(ckpt: Path, marker: Path) -> None:
         _edit_metadata(ckpt, edit)
@@ -152,6 +176,10 @@ CRAFTS = {
                               "state_dict_metadata and storage_data must be dicts"),
     "planner_data a list": (_metadata(lambda m: setattr(m, "planner_data", [1])), "planner_data is a list, not a"),
     "version a dict": (_metadata(lambda m: setattr(m, "version", {})), "version is a dict"),
+    "an unknown tensor on a sparse file": (_sparse_tensor("huge.weight"),
+                                           "tensor 'huge.weight' of shape (67108864,), which a sd3 model of its "
+                                           "config does not have; not read"),
+    "a model tensor resized onto a sparse file": (_sparse_tensor("final_proj.bias"), "the model's is (64,)"),
     "a plain .pt, no .metadata": (_plain_pt, "checkpoint (.metadata not found)"),
     'state.json iteration="4"': (_state(iteration="4"), "iteration = '4': want an integer >= 1"),
     "state.json prompts_consumed=-3": (_state(prompts_consumed=-3), "prompts_consumed = -3: want an integer >= 0"),
@@ -161,6 +189,8 @@ CRAFTS = {
                                                "want a list of metrics rows"),
 }
 STATE_CRAFTS = tuple(name for name in CRAFTS if name.startswith("state.json"))
+# What only a one-process read of the whole model refuses (a resume reads the tensors its trainer has, by name).
+WHOLE_MODEL_CRAFTS = ("an unknown tensor on a sparse file",)
 
 
 def crafted_copy(run_dir: Path, dest: Path, name: str, marker: Path) -> Path:
