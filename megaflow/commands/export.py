@@ -154,16 +154,25 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     shard_bytes = parse_size(max_shard_size)
     if lora_only:
         _check_lora_run(run_dir)
-    it, ckpt = find_checkpoint(run_dir, iteration)
+    find_checkpoint(run_dir, iteration)  # none there: said before --out is looked at
     _check_out(out)
-    verify_manifest(ckpt, trust=trust_checkpoint)  # model/ included: the loads below need not check it again
-    read = dict(trust=trust_checkpoint, checked_manifest=True)
     lora, shadow = _run_settings(run_dir, ema)
+    read = dict(trust=trust_checkpoint, checked_manifest=True)  # the manifest, model/ included, checked first
+
+    def read_weights(ckpt: Path):
+        verify_manifest(ckpt, trust=trust_checkpoint)
+        if lora_only:
+            return checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read)
+        family, state = _checked_state(pipeline, ckpt, shadow, read)
+        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read) if lora is not None else None
+        return family, state, adapters
+
+    it, ckpt, weights = read_kept_checkpoint(run_dir, iteration, read_weights)
     pipeline_class = json.loads((pipeline / "model_index.json").read_text()).get("_class_name")
     result = {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
               "weights": shadow or "trained"}
     if lora_only:
-        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read)
+        adapters = weights
         length = prompt_length(pipeline)
         card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"],
                           base_model=base_model or pipeline.resolve().name, prompt_length=length)
@@ -174,10 +183,9 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
             if length is not None:
                 shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-        _write_into(out, write_lora)
+        _write_into(out, write_lora, tensor_bytes(adapters))
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
-    family, state = _checked_state(pipeline, ckpt, shadow, read)
-    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read) if lora is not None else None
+    family, state, adapters = weights
     files: list[Path] = []
 
     def write(tmp: Path) -> None:
@@ -188,7 +196,7 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         if prompt_length(pipeline) is not None:
             shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-    _write_into(out, write)
+    _write_into(out, write, pipeline_bytes(pipeline) + tensor_bytes(state) + tensor_bytes(adapters or {}))
     return {**result, "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
             "transformer_files": [p.name for p in files], "seconds": round(time.perf_counter() - started, 3)}
 
@@ -208,17 +216,68 @@ def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None, read: dict):
     return family, state
 
 
-def _write_into(out: Path, write) -> None:
-    """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty)."""
+def _write_into(out: Path, write, needed: int) -> None:
+    """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty). ``needed``:
+    the bytes it writes; fewer free, or a write that fills the disk, is one NoSpace line (megaflow.trainer.disk_full)
+    and nothing of it is left."""
+    from megaflow.trainer.disk_full import NoSpace, disk_full, tree_bytes
+
     out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < needed:
+        raise NoSpace(out, needed, free, out.parent, "; nothing written")
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         write(tmp)
         _check_out(out)  # still free (nothing appeared while we wrote)
         tmp.rename(out)  # onto an empty dir: replaced atomically
+    except BaseException as e:  # safetensors' and copytree's errors on a full disk are no ENOSPC OSError
+        full = None if isinstance(e, ValueError) else disk_full(e, out, needed, written=tree_bytes(tmp))
+        if full is None:
+            raise
+        raise NoSpace(out, needed, full.free, full.where, "; nothing of it is left") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tensor_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def pipeline_bytes(pipeline: Path) -> int:
+    """Bytes of what ``_copy_pipeline`` copies: the pipeline's files (links followed) but the transformer weights."""
+    total = 0
+    for f in pipeline.rglob("*"):
+        if f.is_file() and not (f.parent.resolve() == (pipeline / "transformer").resolve()
+                                and f.name.endswith(_WEIGHT_SUFFIXES)):
+            total += f.stat().st_size
+    return total
+
+
+ROTATIONS = 3  # times the latest checkpoint may be replaced while an export reads it
+
+
+def read_kept_checkpoint(run_dir: Path, iteration: int | None, read):
+    """(iteration, checkpoint dir, ``read(checkpoint dir)``) of checkpoint ``iteration`` (None = the latest). A
+    running run rotates checkpoints out (megaflow.rundir.checkpoints.remove_checkpoint: renamed away, then deleted);
+    a read that failed on one that is gone is retried on the new latest, or for a named ``iteration`` refused in one
+    line naming those kept. A failure of a checkpoint still there is raised as it is."""
+    from megaflow.rundir.checkpoints import list_checkpoints
+
+    for _ in range(ROTATIONS):
+        it, ckpt = find_checkpoint(run_dir, iteration)
+        try:
+            return it, ckpt, read(ckpt)
+        except (ValueError, OSError):
+            kept = list_checkpoints(run_dir)
+            if (it, ckpt) in kept:
+                raise
+        if iteration is not None:
+            raise ValueError(f"{ckpt}: removed while it was read (the run rotated it out, train.keep_checkpoints); "
+                             f"it keeps iterations {[i for i, _ in kept]}: pass one of them as --iteration")
+    raise ValueError(f"{run_dir}: its latest checkpoint was replaced {ROTATIONS} times while it was read; retry, "
+                     "or pass --iteration with one the run keeps")
 
 
 def _write_adapter(directory: Path, adapters: dict, lora, pipeline_class: str) -> None:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megaflow.checksum import DEFAULT
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.rundir import faults
-from megaflow.rundir.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
+from megaflow.rundir.checkpoints import (CHECKPOINTS, MODEL_DIR, REMOVING, STATE_FILE, checkpoint_dir, list_checkpoints,
+                                        read_state, remove_checkpoint)
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 
@@ -54,7 +55,7 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
     root = Path(run_dir).absolute() / CHECKPOINTS
     stage = root / f".staging-{iteration:06d}"
     if rank() == 0:
-        for stale in root.glob(".staging-*") if root.is_dir() else []:
+        for stale in [*root.glob(".staging-*"), *root.glob(f"{REMOVING}*")] if root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a writer that was killed
         stage.mkdir(parents=True)
     barrier()
@@ -82,7 +83,7 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         raise failure from None
     if rank() == 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)  # renamed away first: an export reading it sees it gone, not half-deleted
     barrier()
     return time.perf_counter() - t0
 
@@ -98,7 +99,7 @@ def _finish(stage: Path, final: Path, state: dict, write_extra, checksum: str) -
         os.fsync(fh.fileno())
     write_manifest(stage, checksum)  # lists state.json and model/MANIFEST.json (which lists the model's files)
     if final.exists():  # re-written after a resume from an older checkpoint
-        shutil.rmtree(final)
+        remove_checkpoint(final)
     os.rename(stage, final)
 
 

@@ -10,7 +10,10 @@ import ast
 import base64
 import binascii
 import json
+import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
@@ -34,6 +37,17 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
         if m and (d / STATE_FILE).is_file() and (d / MODEL_DIR).is_dir():
             found.append((int(m.group(1)), d))
     return sorted(found)
+
+
+REMOVING = ".removing-"  # a checkpoint being removed: renamed out of the iter_* names first
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove a checkpoint dir so that no reader sees it half-deleted: renamed (atomically) to a hidden name that
+    :func:`list_checkpoints` skips, then deleted; a writer killed meanwhile leaves only the hidden dir."""
+    hidden = path.parent / f"{REMOVING}{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def find_checkpoint(run_dir: str | Path, iteration: int | None = None) -> tuple[int, Path]:

@@ -10,6 +10,9 @@ refuse it with exit 2 (a ValueError for the resume), one line naming the problem
 and the payload never runs. The same readers on the untouched checkpoint give the trainer's weights (reference:
 the trainer that saved it; tolerance 0).
 
+An export while the run rotates the checkpoint out reads the new latest (or, for a named --iteration, says it was
+removed and which are kept); an export to a full disk is one NoSpace line, nothing left.
+
 A full disk during the next save (simulated: torch's writer fails as it does on a full disk, or a write of
 state.json raises ENOSPC) ends in one line naming the checkpoint and the bytes it needs, leaves no staging or
 temporary file, and the previous checkpoint still loads.
@@ -233,3 +236,81 @@ def test_the_cli_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
     assert _lines(capsys.readouterr().err, "megaflow:") == [
         f"megaflow: error: {tmp_path / 'out'}: not written, the disk is full: it needs about 5000 bytes (0.0 MiB), "
         f"12 are free on {tmp_path}"]
+
+
+def _rotating(run_dir: Path, monkeypatch, *, new_iteration: int):
+    """What a running run does while an export reads its latest checkpoint (megaflow.rundir.checkpoint_io.save):
+    at the export's first manifest check, a newer checkpoint appears (renamed in whole from a staging dir) and the
+    one being read is rotated out (megaflow.rundir.checkpoints.remove_checkpoint)."""
+    from megaflow.commands import export
+    from megaflow.rundir.checkpoints import checkpoint_dir, remove_checkpoint
+
+    real, calls = export.verify_manifest, []
+
+    def verify(ckpt, **kwargs):
+        if not calls:
+            stage = run_dir / "checkpoints" / ".staging-new"
+            shutil.copytree(ckpt, stage)
+            os.rename(stage, checkpoint_dir(run_dir, new_iteration))
+            remove_checkpoint(Path(ckpt))
+        calls.append(ckpt)
+        return real(ckpt, **kwargs)
+
+    monkeypatch.setattr(export, "verify_manifest", verify)
+    return calls
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_an_export_during_a_rotation_reads_a_kept_checkpoint_or_says_so(saved, tmp_path, monkeypatch, capsys, named):
+    """The latest checkpoint is rotated out while the export reads it: the export retries on the new latest (its
+    weights: the trainer's, tolerance 0) or, for a named --iteration, says in one line that it was removed and which
+    are kept; nothing half-written either way."""
+    from safetensors.torch import load_file
+
+    run_dir, _, weights = saved
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run", symlinks=True))
+    calls = _rotating(run_dir, monkeypatch, new_iteration=2)
+    argv = ["export", "--run", str(run_dir), "--out", str(tmp_path / "out"), "--no-ema", "--json"]
+    rc = cli.main(argv + (["--iteration", "1"] if named else []))
+    captured = capsys.readouterr()
+    if named:
+        assert rc == 2 and not (tmp_path / "out").exists()
+        assert _lines(captured.err, "megaflow:") == [
+            f"megaflow: error: {checkpoint_of(run_dir)}: removed while it was read (the run rotated it out, "
+            "train.keep_checkpoints); it keeps iterations [2]: pass one of them as --iteration"]
+        return
+    assert rc == 0 and json.loads(captured.out)["iteration"] == 2 and len(calls) == 2
+    exported = load_file(tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+@pytest.mark.parametrize("when", ["before writing", "while writing"])
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(saved, tmp_path, monkeypatch, capsys, when):
+    """Too little space for what the export writes (the pipeline and the weights): refused before writing; or the
+    disk fills while safetensors writes (its error is no OSError, as on a real full disk): one NoSpace line naming
+    --out and the bytes needed (at least the weights'), exit 1, no temp dir or --out left."""
+    from collections import namedtuple
+
+    import safetensors.torch
+
+    run_dir, _, weights = saved
+    usage = namedtuple("usage", "total used free")
+    frees = iter([10**12] if when == "while writing" else [])
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**12, 0, next(frees, 12)))
+
+    def fills_the_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(bytes(100))
+        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_the_disk)
+    out = tmp_path / "out"
+    rc = cli.main(["export", "--run", str(run_dir), "--out", str(out), "--no-ema"])
+    [line] = _lines(capsys.readouterr().err, "megaflow:")
+    assert rc == 1 and line.startswith(f"megaflow: error: {out}: not written, the disk is full: it needs about ")
+    needed = int(line.split("needs about ")[1].split()[0])
+    assert needed >= sum(v.numel() * v.element_size() for v in weights.values())
+    assert line.endswith(f"12 are free on {tmp_path}; " + ("nothing written" if when == "before writing"
+                                                           else "nothing of it is left"))
+    assert list(tmp_path.iterdir()) == []
