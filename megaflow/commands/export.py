@@ -183,7 +183,7 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
             if length is not None:
                 shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-        _write_into(out, write_lora, tensor_bytes(adapters))
+        write_into(out, write_lora, tensor_bytes(adapters))
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
     family, state, adapters = weights
     files: list[Path] = []
@@ -196,7 +196,7 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         if prompt_length(pipeline) is not None:
             shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-    _write_into(out, write, pipeline_bytes(pipeline) + tensor_bytes(state) + tensor_bytes(adapters or {}))
+    write_into(out, write, pipeline_bytes(pipeline) + tensor_bytes(state) + tensor_bytes(adapters or {}))
     return {**result, "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
             "transformer_files": [p.name for p in files], "seconds": round(time.perf_counter() - started, 3)}
 
@@ -216,7 +216,7 @@ def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None, read: dict):
     return family, state
 
 
-def _write_into(out: Path, write, needed: int) -> None:
+def write_into(out: Path, write, needed: int) -> None:
     """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty). ``needed``:
     the bytes it writes; fewer free, or a write that fills the disk, is one NoSpace line (megaflow.trainer.disk_full)
     and nothing of it is left."""

@@ -285,11 +285,13 @@ def test_an_export_during_a_rotation_reads_a_kept_checkpoint_or_says_so(saved, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
 
 
+@pytest.mark.parametrize("reader", ["export", "convert"])
 @pytest.mark.parametrize("when", ["before writing", "while writing"])
-def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(saved, tmp_path, monkeypatch, capsys, when):
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(saved, tmp_path, monkeypatch, capsys, when, reader):
     """Too little space for what the export writes (the pipeline and the weights): refused before writing; or the
     disk fills while safetensors writes (its error is no OSError, as on a real full disk): one NoSpace line naming
-    --out and the bytes needed (at least the weights'), exit 1, no temp dir or --out left."""
+    the output and the bytes needed (at least the weights'), no temp dir or output left; ``megaflow export`` and
+    ``to-diffusers`` alike."""
     from collections import namedtuple
 
     import safetensors.torch
@@ -306,9 +308,15 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(saved, tmp_path
 
     monkeypatch.setattr(safetensors.torch, "save_file", fills_the_disk)
     out = tmp_path / "out"
-    rc = cli.main(["export", "--run", str(run_dir), "--out", str(out), "--no-ema"])
-    [line] = _lines(capsys.readouterr().err, "megaflow:")
-    assert rc == 1 and line.startswith(f"megaflow: error: {out}: not written, the disk is full: it needs about ")
+    if reader == "export":
+        rc = cli.main(["export", "--run", str(run_dir), "--out", str(out), "--no-ema"])
+        [line] = _lines(capsys.readouterr().err, "megaflow: error: ")
+        assert rc == 1
+    else:
+        rc, [line] = _convert(checkpoint_of(run_dir) / "model", out, capsys)
+        assert rc == 2
+    prefix = "megaflow: error: " if reader == "export" else "error: "
+    assert line.startswith(f"{prefix}{out}: not written, the disk is full: it needs about "), line
     needed = int(line.split("needs about ")[1].split()[0])
     assert needed >= sum(v.numel() * v.element_size() for v in weights.values())
     assert line.endswith(f"12 are free on {tmp_path}; " + ("nothing written" if when == "before writing"
