@@ -34,6 +34,7 @@ ALLOWED = {
     "collections": {"OrderedDict"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath"},  # storage_meta.checkpoint_id
 }
+MAX_BYTE_ITEM = 64 << 20  # bytes of one non-tensor item, read whole into memory to be checked
 _PROPERTIES = {"dtype", "layout", "requires_grad", "memory_format", "pin_memory"}
 _short = reprlib.Repr(maxstring=60, maxother=60, maxlist=4, maxtuple=4, maxlevel=2).repr
 
@@ -122,7 +123,10 @@ class _Validator:
             if type(fqn) is not str:
                 self.bad(f"an item named {_short(fqn)}, not a string")
             if type(item) is BytesStorageMetadata:
-                self._stored(MetadataIndex(fqn), fqn)
+                length = self._stored(MetadataIndex(fqn), fqn).length
+                if length > MAX_BYTE_ITEM:
+                    self.bad(f"item {fqn!r} takes {length} bytes, more than the {MAX_BYTE_ITEM} megaflow allows one "
+                             "(its items are KB of optimizer and layer settings)")
             elif type(item) is TensorStorageMetadata:
                 self._tensor(fqn, item)
             else:

@@ -147,6 +147,14 @@ def _sparse_tensor(name: str):
     return craft
 
 
+def _sparse_byte_item(ckpt: Path, marker: Path) -> None:
+    """The first byte item moved onto ``model/huge.distcp``, a sparse file, claiming 2 * 64 MiB."""
+    with open(ckpt / "model" / "huge.distcp", "wb") as fh:
+        fh.truncate(2 * 64 << 20)
+    _edit_metadata(ckpt, lambda m: _restore(m, byte_item=True, relative_path="huge.distcp", offset=0,
+                                            length=2 * 64 << 20))
+
+
 def _metadata(edit):
     def craft(ckpt: Path, marker: Path) -> None:
         _edit_metadata(ckpt, edit)
@@ -180,6 +188,7 @@ CRAFTS = {
                                            "tensor 'huge.weight' of shape (67108864,), which a sd3 model of its "
                                            "config does not have; not read"),
     "a model tensor resized onto a sparse file": (_sparse_tensor("final_proj.bias"), "the model's is (64,)"),
+    "a byte item of 128 MiB on a sparse file": (_sparse_byte_item, "takes 134217728 bytes, more than the 67108864"),
     "a plain .pt, no .metadata": (_plain_pt, "checkpoint (.metadata not found)"),
     'state.json iteration="4"': (_state(iteration="4"), "iteration = '4': want an integer >= 1"),
     "state.json prompts_consumed=-3": (_state(prompts_consumed=-3), "prompts_consumed = -3: want an integer >= 0"),

@@ -4,7 +4,7 @@ tests/run/crafted_checkpoints.py -- a ``__reduce__`` payload in ``model/.metadat
 paths, an offset of 10**18, a length of 10**15, a byte item on /dev/zero of 2**36 bytes, ``size="abc"``,
 ``chunks=None``, a truncated ``.distcp``, top-level fields of ``.metadata`` of the wrong type or missing, a plain
 ``.pt`` instead of a dist checkpoint, a tensor the model does not have or one of its own resized, on a sparse file
-of 256 MiB (refused before anything is allocated), a state.json with ``iteration="4"``, a negative ``prompts_consumed``, a numpy
+of 256 MiB (refused before anything is allocated), a byte item of 128 MiB on one, a state.json with ``iteration="4"``, a negative ``prompts_consumed``, a numpy
 RNG position of 10**30 or a string, a metrics row whose reward is a list -- is written over a copy of one real checkpoint and resealed with megaflow's own manifest writer; each reader must
 refuse it with exit 2 (a ValueError for the resume), one line naming the problem, no traceback, nothing written,
 and the payload never runs. The same readers on the untouched checkpoint give the trainer's weights (reference:
