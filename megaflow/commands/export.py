@@ -145,7 +145,9 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = latest) to ``out``: the EMA when
     the run kept one and ``ema``, else the trained weights. ``lora_only``: the adapter file and a README.md model card.
     An SD3 export with a megaflow prompt length also gets ``encode_prompts.py``. Returns what was written. The
-    checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked."""
+    checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked.
+    One the run rotates out meanwhile is replaced by the new latest (:func:`read_kept_checkpoint`); a full disk is
+    one NoSpace line with nothing left (:func:`write_into`)."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
@@ -269,9 +271,9 @@ def read_kept_checkpoint(run_dir: Path, iteration: int | None, read):
         it, ckpt = find_checkpoint(run_dir, iteration)
         try:
             return it, ckpt, read(ckpt)
-        except (ValueError, OSError):
+        except BaseException as e:  # torch's CheckpointException (a file gone mid-read) is a BaseException
             kept = list_checkpoints(run_dir)
-            if (it, ckpt) in kept:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (it, ckpt) in kept:
                 raise
         if iteration is not None:
             raise ValueError(f"{ckpt}: removed while it was read (the run rotated it out, train.keep_checkpoints); "
