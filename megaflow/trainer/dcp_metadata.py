@@ -222,8 +222,10 @@ class _Validator:
             covered += numel
             boxes.append((tuple(chunk.offsets), tuple(chunk.sizes)))
         if covered != math.prod(item.size) or _overlap(boxes):
+            held = [b for b in boxes if all(b[1])]
+            irregular = len(held) > MAX_IRREGULAR_CHUNKS and len(set(held)) == len(held) and not _grid(held)
             self.bad(f"the chunks of tensor {fqn!r} do not cover its size {tuple(item.size)} exactly once"
-                     + (f" ({len(boxes)} chunks, not a grid)" if len(boxes) > MAX_IRREGULAR_CHUNKS else ""))
+                     + (f" (or {len(held)} chunks not in a grid: too many to compare)" if irregular else ""))
 
 
 MAX_IRREGULAR_CHUNKS = 4096

@@ -176,6 +176,8 @@ CRAFTS = {
     'size="abc"': (_metadata(lambda m: setattr(_first_tensor(m), "size", "abc")), "has size 'abc'"),
     "chunks=None": (_metadata(lambda m: setattr(_first_tensor(m), "chunks", None)), "has chunks None"),
     "truncated .distcp": (_truncate_distcp, "(truncated or altered)"),
+    ".metadata a dict": (lambda ckpt, marker: (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(
+        {"state_dict_metadata": {}, "storage_data": {}})), "holds a dict, not torch checkpoint metadata"),
     "state_dict_metadata a list": (_metadata(lambda m: setattr(m, "state_dict_metadata", [1, 2])),
                                    "state_dict_metadata and storage_data must be dicts"),
     "state_dict_metadata missing": (_metadata(lambda m: delattr(m, "state_dict_metadata")),

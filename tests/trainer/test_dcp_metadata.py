@@ -4,7 +4,8 @@ a crafted non-tensor item in a ``.distcp`` file in one line naming the item, and
 through the load path ``megaflow export`` and ``to-diffusers`` use, and even when the manifest is intact. Inside
 ``reading`` torch reads the metadata that was checked and loads byte items weights_only (a swap after the check
 runs nothing). The chunk-cover check is O(n log n) (10**5 chunks: seconds, not hours) and agrees with counting
-every element's chunks. Needs: CPU, 1 process (< 5 s; the 10**5-chunk test, slow: ~20 s, mostly pickling)."""
+every element's chunks (chunks out of a grid: pairwise up to MAX_IRREGULAR_CHUNKS, refused beyond). Needs: CPU, 1
+process (< 5 s; the 10**5-chunk test, slow: ~20 s, mostly pickling)."""
 from __future__ import annotations
 
 import io
@@ -199,3 +200,27 @@ def _cells(cuts):
     per_dim = [[(a, b - a) for a, b in zip(c, c[1:])] for c in cuts]
     for cell in itertools.product(*per_dim):
         yield tuple(o for o, _ in cell), tuple(s for _, s in cell)
+
+
+def _bricks(rows: int, width: int) -> list[tuple[tuple, tuple]]:
+    """A tiling of [rows, 2 * width] by bricks of 1 x 2, each odd row shifted by one (halves at its ends): exact,
+    but no grid (the column intervals overlap)."""
+    boxes = []
+    for r in range(rows):
+        if r % 2 == 0:
+            boxes += [((r, 2 * j), (1, 2)) for j in range(width)]
+        else:
+            ends = [((r, 0), (1, 1)), ((r, 2 * width - 1), (1, 1))]
+            boxes += ends + [((r, 2 * j + 1), (1, 2)) for j in range(width - 1)]
+    return boxes
+
+
+def test_chunks_not_in_a_grid_are_compared_pairwise_up_to_a_bound():
+    """A brick tiling is exact (the reference counts every element once) and passes when small; beyond
+    MAX_IRREGULAR_CHUNKS chunks out of a grid it is refused rather than compared pair by pair."""
+    from megaflow.trainer.dcp_metadata import MAX_IRREGULAR_CHUNKS, _grid, _overlap
+
+    small = _bricks(4, 6)
+    assert not _grid(small) and _covered_once((4, 12), small) and not _overlap(small)
+    large = _bricks(2, MAX_IRREGULAR_CHUNKS // 2 + 10)
+    assert len(large) > MAX_IRREGULAR_CHUNKS and _overlap(large)
