@@ -1,8 +1,9 @@
 """Run checkpoints: the layout of ``<run_dir>/checkpoints/iter_<n>/`` (``model/``: megatron dist checkpoint;
 ``state.json``). No heavy imports.
 
-Invariant: a checkpoint is written into ``.staging-<iteration>`` and renamed only once complete, so an ``iter_*``
-directory with a ``state.json`` is always whole; anything else is removed by the next writer.
+Invariant: a checkpoint is written into ``.staging-<iteration>`` and renamed only once complete, and renamed away
+(``.removing-*``) before it is deleted, so an ``iter_*`` directory with a ``state.json`` is always whole; anything
+else is removed by the next writer.
 """
 from __future__ import annotations
 
