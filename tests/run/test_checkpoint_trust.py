@@ -117,7 +117,8 @@ def test_a_save_starts_no_process_and_reads_back(saved, tmp_path):
 
     run_dir, trainer, weights = saved
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    checkpoint_io.save(trainer, tmp_path, 2, family="sd3", diffusers_config={}, prompts_consumed=0,
+    dconfig = json.loads((run_dir / "tiny-pipeline" / "transformer" / "config.json").read_text())
+    checkpoint_io.save(trainer, tmp_path, 2, family="sd3", diffusers_config=dconfig, prompts_consumed=0,
                metrics_rows=[{"iteration": 2}], keep=1)
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
     assert checkpoint_io.load(trainer, tmp_path / "checkpoints" / "iter_000002")["iteration"] == 2
