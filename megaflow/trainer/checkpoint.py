@@ -247,10 +247,6 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-SHADOW_NAMES = ("ema", "nft_old")
-"""The shadow weights a run may checkpoint beside its model (megaflow.rundir.checkpoint_io)."""
-
-
 def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: bool = False,
                          checked_manifest: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {global name: full tensor}) of a checkpoint's MODEL tensors in one process, without a model;
@@ -266,11 +262,11 @@ def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: 
     meta = read_meta(path)
     with reading(path, trust=trust) as metadata:
         expected = model_shapes(meta, path / META_FILE)
-        wanted = tensors_to_read(path, metadata, expected, meta["family"], SHADOW_NAMES, shadow)
+        wanted = tensors_to_read(path, metadata, expected, meta["family"], shadow)
         tensors = {k: torch.empty(tuple(item.size), dtype=item.properties.dtype) for k, item in wanted.items()}
         with _process_group_for_reading():
             dcp.load(tensors, checkpoint_id=str(path))
-    model = {k: v for k, v in tensors.items() if k.split(".", 1)[0] not in SHADOW_NAMES}
+    model = {k: v for k, v in tensors.items() if shadow is None or k.split(".", 1)[0] != shadow}
     if shadow is not None:
         overlay = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == shadow}
         if not overlay:

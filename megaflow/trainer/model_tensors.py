@@ -46,25 +46,28 @@ def model_shapes(meta: dict, where: Path) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in full.items()}
 
 
-def tensors_to_read(directory: Path, metadata, expected: dict[str, tuple], family: str, shadows: tuple[str, ...],
-                    shadow: str | None) -> dict:
+def tensors_to_read(directory: Path, metadata, expected: dict[str, tuple], family: str, shadow: str | None) -> dict:
     """Checkpoint key -> TensorStorageMetadata of the tensors to read: the model's and, with ``shadow``, that
-    shadow's (``<shadow>.<name>``); other shadows (``shadows``) and the optimizer's skipped. ValueError naming the
-    first tensor the model does not have or has at another shape, before anything is read."""
+    shadow's copies of them (``<shadow>.<name>``); the optimizer's and other shadows' copies (a model tensor under
+    another prefix: the EMA, theta_old, an algorithm's own) skipped. ValueError naming the first tensor that is
+    neither the model's at its shape nor such a copy, before anything is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     out = {}
     for key, item in metadata.state_dict_metadata.items():
         head, _, rest = key.partition(".")
-        if type(item) is not TensorStorageMetadata or head in SKIPPED or (head in shadows and head != shadow):
+        if type(item) is not TensorStorageMetadata or head in SKIPPED:
             continue
-        name = rest if head == shadow else key
         size = tuple(item.size)
-        if not _fits(name, size, expected):
+        name = rest if head == shadow else key
+        if _fits(name, size, expected):
+            out[key] = item
+        elif head != shadow and key not in expected and _fits(rest, size, expected):
+            continue  # another shadow's copy, not read
+        else:
             want = f"the model's is {expected[name]}" if name in expected else \
                 f"which a {family} model of its config does not have"
             raise ValueError(f"{directory / '.metadata'}: tensor {key!r} of shape {size[:8]}, {want}; not read")
-        out[key] = item
     return out
 
 
