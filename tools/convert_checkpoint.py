@@ -97,19 +97,18 @@ def to_megatron(src: Path, dst: Path, tp: int, pp: int) -> None:
 
 
 def to_diffusers(src: Path, dst: Path, *, trust: bool = False) -> None:
-    from megaflow.commands.export import checkpoint_transformer, save_transformer_weights
+    from megaflow.commands.export import checkpoint_transformer, save_transformer_weights, tensor_bytes, write_into
+    from megaflow.trainer.disk_full import NoSpace
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(dconfig, indent=2))
+        save_transformer_weights(tmp, state)
 
     try:
         _, dconfig, state = checkpoint_transformer(src, trust=trust)
-    except ValueError as e:
+        write_into(dst, write, tensor_bytes(state))  # a full disk: one line, nothing left (as megaflow export)
+    except (ValueError, NoSpace) as e:
         raise ConvertError(str(e)) from None
-    tmp = _new_tmp(dst)
-    try:
-        (tmp / "config.json").write_text(json.dumps(dconfig, indent=2))
-        save_transformer_weights(tmp, state)
-        tmp.rename(dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_layout(dconfig: dict, tp: int, pp: int, where: Path) -> None:

@@ -13,22 +13,11 @@ from pathlib import Path
 from megaflow.config.remote_code import refuse_remote_code
 from megaflow.rundir.checkpoints import MODEL_DIR, find_checkpoint
 from megaflow.trainer.manifest import verify_manifest
+from megaflow.trainer.model_tensors import ADAPTER_SUFFIXES, diffusers_shapes  # noqa: F401 - re-exported (tools/)
 
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
 INDEX_FILE = WEIGHTS_FILE + ".index.json"
-ADAPTER_SUFFIXES = (".lora.a", ".lora.b")  # megatron names of LoRA adapter tensors (megaflow.models.common.lora)
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
-
-
-def diffusers_shapes(family, diffusers_config: dict) -> dict[str, tuple]:
-    """Tensor shapes of ``family``'s diffusers class for this config (built on the meta device)."""
-    import diffusers
-    import torch
-
-    cls = getattr(diffusers, family.diffusers_class)
-    with torch.device("meta"):
-        model = cls.from_config(diffusers_config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def check_diffusers_state(state: dict, expected: dict[str, tuple]) -> None:
@@ -158,7 +147,9 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     the run kept one and ``ema``, else the trained weights. ``lora_only``: the adapter file and a README.md model card.
     An SD3 export with a megaflow prompt length also gets ``encode_prompts.py``. Returns what was written. The
     checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked. A
-    pipeline that names code (megaflow.config.remote_code) is refused unless ``trust_remote_code``."""
+    pipeline that names code (megaflow.config.remote_code) is refused unless ``trust_remote_code``. One the run
+    rotates out meanwhile is replaced by the new latest (:func:`read_kept_checkpoint`); a full disk is one NoSpace
+    line with nothing left (:func:`write_into`)."""
     started = time.perf_counter()
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
@@ -168,16 +159,25 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     shard_bytes = parse_size(max_shard_size)
     if lora_only:
         _check_lora_run(run_dir)
-    it, ckpt = find_checkpoint(run_dir, iteration)
+    find_checkpoint(run_dir, iteration)  # none there: said before --out is looked at
     _check_out(out)
-    verify_manifest(ckpt, trust=trust_checkpoint)  # model/ included: the loads below need not check it again
-    read = dict(trust=trust_checkpoint, checked_manifest=True)
     lora, shadow = _run_settings(run_dir, ema)
+    read = dict(trust=trust_checkpoint, checked_manifest=True)  # the manifest, model/ included, checked first
+
+    def read_weights(ckpt: Path):
+        verify_manifest(ckpt, trust=trust_checkpoint)
+        if lora_only:
+            return checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read)
+        family, state = _checked_state(pipeline, ckpt, shadow, read)
+        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read) if lora is not None else None
+        return family, state, adapters
+
+    it, ckpt, weights = read_kept_checkpoint(run_dir, iteration, read_weights)
     pipeline_class = json.loads((pipeline / "model_index.json").read_text()).get("_class_name")
     result = {"out": str(out), "iteration": it, "checkpoint": str(ckpt), "pipeline": str(pipeline),
               "weights": shadow or "trained"}
     if lora_only:
-        adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read)
+        adapters = weights
         length = prompt_length(pipeline)
         card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"],
                           base_model=base_model or pipeline.resolve().name, prompt_length=length)
@@ -188,10 +188,9 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
             if length is not None:
                 shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-        _write_into(out, write_lora)
+        write_into(out, write_lora, tensor_bytes(adapters))
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
-    family, state = _checked_state(pipeline, ckpt, shadow, read)
-    adapters = checkpoint_adapters(ckpt / MODEL_DIR, lora, shadow=shadow, **read) if lora is not None else None
+    family, state, adapters = weights
     files: list[Path] = []
 
     def write(tmp: Path) -> None:
@@ -202,7 +201,7 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         if prompt_length(pipeline) is not None:
             shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
-    _write_into(out, write)
+    write_into(out, write, pipeline_bytes(pipeline) + tensor_bytes(state) + tensor_bytes(adapters or {}))
     return {**result, "family": family.name, "tensors": len(state), "lora_tensors": len(adapters or {}),
             "transformer_files": [p.name for p in files], "seconds": round(time.perf_counter() - started, 3)}
 
@@ -222,17 +221,68 @@ def _checked_state(pipeline: Path, ckpt: Path, shadow: str | None, read: dict):
     return family, state
 
 
-def _write_into(out: Path, write) -> None:
-    """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty)."""
+def write_into(out: Path, write, needed: int) -> None:
+    """``write(tmp)`` into a temp dir beside ``out``, then renamed onto ``out`` (still free or empty). ``needed``:
+    the bytes it writes; fewer free, or a write that fills the disk, is one NoSpace line (megaflow.trainer.disk_full)
+    and nothing of it is left."""
+    from megaflow.trainer.disk_full import NoSpace, disk_full, tree_bytes
+
     out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < needed:
+        raise NoSpace(out, needed, free, out.parent, "; nothing written")
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         write(tmp)
         _check_out(out)  # still free (nothing appeared while we wrote)
         tmp.rename(out)  # onto an empty dir: replaced atomically
+    except BaseException as e:  # safetensors' and copytree's errors on a full disk are no ENOSPC OSError
+        full = None if isinstance(e, ValueError) else disk_full(e, out, needed, written=tree_bytes(tmp))
+        if full is None:
+            raise
+        raise NoSpace(out, needed, full.free, full.where, "; nothing of it is left") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tensor_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def pipeline_bytes(pipeline: Path) -> int:
+    """Bytes of what ``_copy_pipeline`` copies: the pipeline's files (links followed) but the transformer weights."""
+    total = 0
+    for f in pipeline.rglob("*"):
+        if f.is_file() and not (f.parent.resolve() == (pipeline / "transformer").resolve()
+                                and f.name.endswith(_WEIGHT_SUFFIXES)):
+            total += f.stat().st_size
+    return total
+
+
+ROTATIONS = 3  # times the latest checkpoint may be replaced while an export reads it
+
+
+def read_kept_checkpoint(run_dir: Path, iteration: int | None, read):
+    """(iteration, checkpoint dir, ``read(checkpoint dir)``) of checkpoint ``iteration`` (None = the latest). A
+    running run rotates checkpoints out (megaflow.rundir.checkpoints.remove_checkpoint: renamed away, then deleted);
+    a read that failed on one that is gone is retried on the new latest, or for a named ``iteration`` refused in one
+    line naming those kept. A failure of a checkpoint still there is raised as it is."""
+    from megaflow.rundir.checkpoints import list_checkpoints
+
+    for _ in range(ROTATIONS):
+        it, ckpt = find_checkpoint(run_dir, iteration)
+        try:
+            return it, ckpt, read(ckpt)
+        except BaseException as e:  # torch's CheckpointException (a file gone mid-read) is a BaseException
+            kept = list_checkpoints(run_dir)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (it, ckpt) in kept:
+                raise
+        if iteration is not None:
+            raise ValueError(f"{ckpt}: removed while it was read (the run rotated it out, train.keep_checkpoints); "
+                             f"it keeps iterations {[i for i, _ in kept]}: pass one of them as --iteration")
+    raise ValueError(f"{run_dir}: its latest checkpoint was replaced {ROTATIONS} times while it was read; retry, "
+                     "or pass --iteration with one the run keeps")
 
 
 def _write_adapter(directory: Path, adapters: dict, lora, pipeline_class: str) -> None:

@@ -204,7 +204,7 @@ def save(run: Run, state: LoopState) -> float:
                       diffusers_config=run.diffusers_config, prompts_consumed=run.prompts.consumed,
                       metrics_rows=state.history, keep=run.cfg.train.keep_checkpoints,
                       shadows=run_shadows(run.algorithm, run.ema), checksum=run.cfg.bridge.checksum,
-                      write_extra=None if ahead is None else lambda stage: write_batch(stage, ahead))
+                      algorithm=run.cfg.algo.name, write_extra=None if ahead is None else lambda stage: write_batch(stage, ahead))
 
 
 def sync_weights(trainer, sync, iteration: int = 0) -> dict:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megaflow.checksum import DEFAULT
 from megaflow.parallel.distributed import barrier, rank
 from megaflow.rundir import faults
-from megaflow.rundir.checkpoints import CHECKPOINTS, MODEL_DIR, STATE_FILE, checkpoint_dir, list_checkpoints, read_state
+from megaflow.rundir.checkpoints import (CHECKPOINTS, MODEL_DIR, REMOVING, STATE_FILE, checkpoint_dir, list_checkpoints,
+                                        read_state, remove_checkpoint)
 from megaflow.trainer.manifest import verify_manifest, write_manifest
 
 
@@ -44,16 +45,17 @@ def set_rng_state(state: dict) -> None:
 
 def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_config: dict, prompts_consumed: int,
          metrics_rows: list[dict], keep: int, shadows: dict | None = None, checksum: str = DEFAULT,
-         write_extra: Callable[[Path], None] | None = None) -> float:
+         write_extra: Callable[[Path], None] | None = None, algorithm: str | None = None) -> float:
     """Collective: write ``checkpoints/iter_<iteration>`` atomically (manifests last) and keep the newest ``keep``;
-    ``shadows`` go beside the model, ``write_extra(directory)`` (rank 0) adds other files. Returns the seconds."""
+    ``shadows`` go beside the model, ``write_extra(directory)`` (rank 0) adds other files; ``algorithm`` (its
+    ``algo.name``) is recorded for the resume's check. Returns the seconds."""
     from megaflow.trainer.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
     root = Path(run_dir).absolute() / CHECKPOINTS
     stage = root / f".staging-{iteration:06d}"
     if rank() == 0:
-        for stale in root.glob(".staging-*") if root.is_dir() else []:
+        for stale in [*root.glob(".staging-*"), *root.glob(f"{REMOVING}*")] if root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a writer that was killed
         stage.mkdir(parents=True)
     barrier()
@@ -71,7 +73,8 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
             state = {"iteration": iteration, "prompts_consumed": prompts_consumed, "rng": rngs,
                      "metrics": metrics_rows, "layout": {"tp": tconf.tensor_model_parallel_size,
                                                          "pp": tconf.pipeline_model_parallel_size},
-                     "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()}}
+                     "shadow_updates": {name: shadow.num_updates for name, shadow in (shadows or {}).items()},
+                     **({"algorithm": algorithm} if algorithm else {})}
             _finish(stage, checkpoint_dir(run_dir, iteration).absolute(), state, write_extra, checksum)
     except BaseException as e:
         failure = _not_saved(e, run_dir, stage, iteration)
@@ -80,7 +83,7 @@ def save(trainer, run_dir: Path, iteration: int, *, family: str, diffusers_confi
         raise failure from None
     if rank() == 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)  # renamed away first: an export reading it sees it gone, not half-deleted
     barrier()
     return time.perf_counter() - t0
 
@@ -96,7 +99,7 @@ def _finish(stage: Path, final: Path, state: dict, write_extra, checksum: str) -
         os.fsync(fh.fileno())
     write_manifest(stage, checksum)  # lists state.json and model/MANIFEST.json (which lists the model's files)
     if final.exists():  # re-written after a resume from an older checkpoint
-        shutil.rmtree(final)
+        remove_checkpoint(final)
     os.rename(stage, final)
 
 
@@ -150,15 +153,19 @@ def load(trainer, ckpt: Path, *, shadows: dict | None = None, trust: bool = Fals
 
 def _checked_on_rank0(ckpt: Path, trust: bool) -> None:
     """Rank 0 checks ``ckpt``: its manifest (corruption), its state.json (types, ranges) and, unless ``trust``, its
-    model's DCP metadata (megaflow.trainer.dcp_metadata); the ValueError (one line) is raised on every rank."""
+    model's DCP metadata (megaflow.trainer.dcp_metadata), the model's tensors at their shapes among it; the
+    ValueError (one line) is raised on every rank."""
     error = [None]
     if rank() == 0:
         try:
             verify_manifest(ckpt, trust=trust)
             read_state(ckpt)
-            if not trust:
+            if not trust:  # the model's tensors at the shapes its family and config give them
+                from megaflow.trainer.checkpoint import META_FILE, read_meta
                 from megaflow.trainer.dcp_metadata import check_dcp_metadata
-                check_dcp_metadata(ckpt / MODEL_DIR)
+                from megaflow.trainer.model_tensors import model_shapes
+                shapes = model_shapes(read_meta(ckpt / MODEL_DIR), ckpt / MODEL_DIR / META_FILE)
+                check_dcp_metadata(ckpt / MODEL_DIR, shapes=shapes)
         except ValueError as e:
             error[0] = str(e)
     if dist.is_initialized():

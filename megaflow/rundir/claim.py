@@ -16,7 +16,7 @@ from megaflow.config import MegaflowConfig, dump_config, run_dir_of
 from megaflow.config.files import CKPT_META
 from megaflow.config.load import MAX_CONFIG_BYTES, current_values
 from megaflow.config.resume_changes import Change, config_changes, refused_change
-from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, list_checkpoints, read_state
+from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, check_resume, list_checkpoints, read_state
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
@@ -232,7 +232,8 @@ def _resumable(path: Path, cfg: MegaflowConfig, *, resume: bool,
     if last_it >= cfg.train.iterations:
         raise ValueError(f"--resume: {path} already finished (iteration {last_it} of "
                          f"train.iterations = {cfg.train.iterations}); raise train.iterations to continue it")
-    read_state(last_dir)  # its types and ranges, before anything starts
+    check_resume(read_state(last_dir), last_dir, algorithm=cfg.algo.name,  # before anything starts
+                 prompts_per_iter=cfg.rollout.prompts_per_iter)
     saved = path / CONFIG_FILE
     if os.path.lexists(saved):  # a directory, a FIFO or a symlink loop there: one line, from read_toml
         changes = _check_same_run(cfg, saved, overrides)

@@ -83,10 +83,17 @@ def read_meta(path: str | Path) -> dict:
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{path} is not a megaflow checkpoint ({META_FILE} not found)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: unsupported format {meta.get('format')!r} (expected {FORMAT_VERSION})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{meta_path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: unsupported format {_format_of(meta)} (expected {FORMAT_VERSION})")
     return meta
+
+
+def _format_of(meta: object) -> str:
+    return repr(meta.get("format"))[:40] if isinstance(meta, dict) else f"(a {type(meta).__name__})"
 
 
 def publish(tmp: Path, dst: Path) -> None:
@@ -261,22 +268,26 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-SHADOW_NAMES = ("ema", "nft_old")
-"""The shadow weights a run may checkpoint beside its model (megaflow.rundir.checkpoint_io)."""
-
-
 def load_full_state_dict(path: str | Path, *, shadow: str | None = None, trust: bool = False,
                          checked_manifest: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {global name: full tensor}) of a checkpoint's MODEL tensors in one process, without a model;
-    ``shadow``: its tensors replace the model's (ValueError when absent). Checked as ``load_checkpoint`` does."""
+    ``shadow``: its tensors replace the model's (ValueError when absent). Checked as ``load_checkpoint`` does, and
+    only the tensors the model has, at its shapes, are allocated and read (megaflow.trainer.model_tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megaflow.trainer.model_tensors import model_shapes, tensors_to_read
+
+    path = Path(path)
     if not checked_manifest:
         verify_manifest(path, trust=trust)
     meta = read_meta(path)
-    with reading(path, trust=trust), _process_group_for_reading():
-        tensors = dist_checkpointing.load_plain_tensors(str(path))
-    # Skipped: the optimizer's tensors ("optimizer.<...>") and common state ("optimizer"), the shadows'.
-    skip = ("optimizer", *SHADOW_NAMES)
-    model = {k: v for k, v in tensors.items() if k.split(".", 1)[0] not in skip}
+    with reading(path, trust=trust) as metadata:
+        expected = model_shapes(meta, path / META_FILE)
+        wanted = tensors_to_read(path, metadata, expected, meta["family"], shadow)
+        tensors = {k: torch.empty(tuple(item.size), dtype=item.properties.dtype) for k, item in wanted.items()}
+        with _process_group_for_reading():
+            dcp.load(tensors, checkpoint_id=str(path))
+    model = {k: v for k, v in tensors.items() if shadow is None or k.split(".", 1)[0] != shadow}
     if shadow is not None:
         overlay = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == shadow}
         if not overlay:

@@ -34,6 +34,7 @@ ALLOWED = {
     "collections": {"OrderedDict"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath"},  # storage_meta.checkpoint_id
 }
+MAX_BYTE_ITEM = 64 << 20  # bytes of one non-tensor item, read whole into memory to be checked
 _PROPERTIES = {"dtype", "layout", "requires_grad", "memory_format", "pin_memory"}
 _short = reprlib.Repr(maxstring=60, maxother=60, maxlist=4, maxtuple=4, maxlevel=2).repr
 
@@ -109,17 +110,23 @@ class _Validator:
 
     def run(self, shapes: dict[str, tuple] | None) -> None:
         md = self.metadata
-        if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        if type(getattr(md, "state_dict_metadata", None)) is not dict or type(md.storage_data) is not dict:
             self.bad("state_dict_metadata and storage_data must be dicts")
         if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
             self.bad(f"storage_meta is a {type(md.storage_meta).__name__}")
+        if md.version is not None and type(md.version) is not str:
+            self.bad(f"version is a {type(md.version).__name__}")
+        self._planner_data(md.planner_data)
         for index, info in md.storage_data.items():
             self._storage(index, info)
         for fqn, item in md.state_dict_metadata.items():
             if type(fqn) is not str:
                 self.bad(f"an item named {_short(fqn)}, not a string")
             if type(item) is BytesStorageMetadata:
-                self._stored(MetadataIndex(fqn), fqn)
+                length = self._stored(MetadataIndex(fqn), fqn).length
+                if length > MAX_BYTE_ITEM:
+                    self.bad(f"item {fqn!r} takes {length} bytes, more than the {MAX_BYTE_ITEM} megaflow allows one "
+                             "(its items are KB of optimizer and layer settings)")
             elif type(item) is TensorStorageMetadata:
                 self._tensor(fqn, item)
             else:
@@ -130,6 +137,16 @@ class _Validator:
                 self.bad(f"holds no tensor {fqn!r}, which the model needs")
             if tuple(item.size) != tuple(shape):
                 self.bad(f"tensor {fqn!r} has shape {tuple(item.size)}, the model's is {tuple(shape)}")
+
+    def _planner_data(self, data: object) -> None:
+        """None, or what torch's planner writes: each item's name -> the path of keys it was flattened from."""
+        if data is None:
+            return
+        if type(data) is not dict:
+            self.bad(f"planner_data is a {type(data).__name__}, not a table of item names")
+        for name, path in data.items():
+            if type(name) is not str or type(path) is not tuple or not all(type(k) in (str, int) for k in path):
+                self.bad(f"planner_data maps {_short(name)} to {_short(path)}, not to a path of keys")
 
     def _storage(self, index: object, info: object) -> None:
         """One storage_data entry: its key, a relative path to a regular file inside the checkpoint, and an
@@ -205,22 +222,45 @@ class _Validator:
             covered += numel
             boxes.append((tuple(chunk.offsets), tuple(chunk.sizes)))
         if covered != math.prod(item.size) or _overlap(boxes):
-            self.bad(f"the chunks of tensor {fqn!r} do not cover its size {tuple(item.size)} exactly once")
+            held = [b for b in boxes if all(b[1])]
+            irregular = len(held) > MAX_IRREGULAR_CHUNKS and len(set(held)) == len(held) and not _grid(held)
+            self.bad(f"the chunks of tensor {fqn!r} do not cover its size {tuple(item.size)} exactly once"
+                     + (f" (or {len(held)} chunks not in a grid: too many to compare)" if irregular else ""))
+
+
+MAX_IRREGULAR_CHUNKS = 4096
+"""Chunks of one tensor that do not form a grid (torch and megatron write grids) checked pair by pair at most."""
 
 
 def _overlap(boxes: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two of the boxes (offsets, sizes) share an element (sorted by offsets: a sweep along the first
-    dimension stops at the first box that starts after the current one ends)."""
-    boxes = sorted(b for b in boxes if all(b[1]))  # an empty chunk holds nothing
+    """Whether two of the boxes (offsets, sizes) share an element, in O(n log n) for a grid (what torch and megatron
+    write: every dimension cut into abutting intervals, each box one cell); other layouts of up to
+    ``MAX_IRREGULAR_CHUNKS`` boxes pair by pair (a sweep along the first dimension), more refused as overlapping."""
+    boxes = [b for b in boxes if all(b[1])]  # an empty chunk holds nothing
+    if len(set(boxes)) < len(boxes):
+        return True  # the same cell twice (two chunks of a 0-d tensor included)
+    if _grid(boxes):
+        return False
+    if len(boxes) > MAX_IRREGULAR_CHUNKS:
+        return True
+    boxes.sort()
     for i, (off_a, size_a) in enumerate(boxes):
         for off_b, size_b in boxes[i + 1:]:
-            if not off_a:  # two chunks of a 0-d tensor
-                return True
             if off_b[0] >= off_a[0] + size_a[0]:
                 break
             if all(ob < oa + sa and oa < ob + sb for oa, sa, ob, sb in zip(off_a, size_a, off_b, size_b)):
                 return True
     return False
+
+
+def _grid(boxes: list[tuple[tuple, tuple]]) -> bool:
+    """Whether the distinct boxes are cells of one grid: in each dimension their intervals, sorted, abut without
+    overlapping (so two distinct cells share no element)."""
+    for dim in range(len(boxes[0][0]) if boxes else 0):
+        intervals = sorted({(off[dim], size[dim]) for off, size in boxes})
+        if any(start < prev_start + prev_size for (prev_start, prev_size), (start, _) in zip(intervals, intervals[1:])):
+            return False
+    return True
 
 
 def _check_byte_items(directory: Path, metadata: Metadata) -> None:
@@ -246,11 +286,13 @@ _PATCH_LOCK = threading.RLock()
 @contextlib.contextmanager
 def reading(directory: str | Path, *, trust: bool = False, shapes: dict[str, tuple] | None = None):
     """Read the checkpoint ``directory`` with torch / megatron inside this block (the module's design notes): unless
-    ``trust``, it is checked first and torch's reads go through the checked metadata and ``weights_only``."""
+    ``trust``, it is checked first and torch's reads go through the checked metadata and ``weights_only``. Yields
+    the metadata: the checked one, or with ``trust`` torch's own read of it."""
     if trust:
-        yield
+        yield FileSystemReader(str(directory)).read_metadata()
         return
-    checked = {(Path(directory) / METADATA).resolve(): check_dcp_metadata(directory, shapes=shapes)}
+    first = check_dcp_metadata(directory, shapes=shapes)
+    checked = {(Path(directory) / METADATA).resolve(): first}
     original_read, original_load_bytes = FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes
 
     def read_checked(reader, *args, **kwargs) -> Metadata:
@@ -272,6 +314,6 @@ def reading(directory: str | Path, *, trust: bool = False, shapes: dict[str, tup
     with _PATCH_LOCK:
         FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = read_checked, load_bytes_weights_only
         try:
-            yield
+            yield first
         finally:
             FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = original_read, original_load_bytes

@@ -4,9 +4,11 @@ broken input in a temp dir, and the one check every row passes (exit 2, one stde
 import)."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import zlib
@@ -309,11 +311,11 @@ def _elsewhere(runs: Path) -> None:
     _link(runs, "elsewhere")
 
 
-# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states cut short: only their
-# types are read).
-STATE = {"iteration": 2, "prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "torch": "",
-                                                         "numpy": ["MT19937", "", 0, 0, 0.0]}],
-         "metrics": [], "layout": {"tp": 1, "pp": 1}}
+# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states: python's as random gives
+# it, numpy's and torch's of the sizes they have, zero bytes).
+RNG = {"python": repr(random.Random(0).getstate()), "torch": base64.b64encode(bytes(5056)).decode(),
+       "numpy": ["MT19937", base64.b64encode(bytes(4 * 624)).decode(), 624, 0, 0.0]}
+STATE = {"iteration": 2, "prompts_consumed": 0, "rng": [RNG], "metrics": [], "layout": {"tp": 1, "pp": 1}}
 
 
 def _resume_state(**changes):
@@ -322,6 +324,22 @@ def _resume_state(**changes):
         _lost_config(runs)
         (runs / "r" / "checkpoints" / "iter_000002" / "state.json").write_text(json.dumps({**STATE, **changes}))
     return make
+
+
+def _resume_state_text(text: str):
+    """A run dir at iteration 2 (config lost) whose state.json is ``text``."""
+    def make(runs: Path) -> None:
+        _lost_config(runs)
+        (runs / "r" / "checkpoints" / "iter_000002" / "state.json").write_text(text)
+    return make
+
+
+def rng_with(**changes) -> list[dict]:
+    """``STATE``'s RNG states with ``changes`` (python: a change of its repr; numpy: {index: value})."""
+    numpy = list(RNG["numpy"])
+    for i, value in changes.pop("numpy", {}).items():
+        numpy[i] = value
+    return [{**RNG, "numpy": numpy, **changes}]
 
 
 def _png_text_chunk(megabytes: int) -> bytes:

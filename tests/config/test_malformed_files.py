@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
 from malformed_builders import (  # tests/config/malformed_builders.py
     DEEP_JSON, TRAIN, _A, _clip_dir, _elsewhere, _images, _link, _looped_images, _looped_reward_images,
-    _lost_config, _png_text_chunk, _read_only, _in_run_dir, _resume_state, _reward_images, _saved_config, _runs, _text_chunk_reward_images,
-    png_header, check_one_line_exit_2,
+    _lost_config, _png_text_chunk, _read_only, _in_run_dir, _resume_state, _resume_state_text, _reward_images,
+    _saved_config, _runs, _text_chunk_reward_images, png_header, check_one_line_exit_2, rng_with,
 )
 
 
@@ -56,6 +57,25 @@ CASES = {
                                                   "iteration = '4': want an integer >= 1"),
     "run dir: resume, negative prompts_consumed": (lambda t: _runs(t, _resume_state(prompts_consumed=-3), "--resume"),
                                                    "prompts_consumed = -3: want an integer >= 0"),
+    "run dir: resume, prompts_consumed 10**12": (lambda t: _runs(t, _resume_state(prompts_consumed=10**12), "--resume"),
+                                                 "prompts_consumed = 1000000000000, more than the 12 that 2 iter"),
+    "run dir: resume, an integer of 5000 digits": (
+        lambda t: _runs(t, _resume_state_text('{"iteration": 2, "prompts_consumed": 1' + "0" * 5000 + "}"), "--resume"),
+        "state.json: unreadable checkpoint state (ValueError: Exceeds the limit"),
+    "run dir: resume, an AWM checkpoint in a flowgrpo run": (lambda t: _runs(t, _resume_state(algorithm="awm"), "--resume"),
+                                                             "written by a 'awm' run; algo.name = 'flowgrpo' cannot"),
+    "run dir: resume, python RNG word 2**40": (
+        lambda t: _runs(t, _resume_state(rng=rng_with(python=repr((3, (2**40, *random.Random(0).getstate()[1][1:]), None)))), "--resume"),
+        "rng = [{'python': '(3, (1099511627776,"),
+    "run dir: resume, numpy RNG position 10**30": (
+        lambda t: _runs(t, _resume_state(rng=rng_with(numpy={2: 10**30})), "--resume"), "as python, numpy and torch give them"),
+    "run dir: resume, torch RNG state a number": (
+        lambda t: _runs(t, _resume_state(rng=rng_with(torch=7)), "--resume"), "rng = [{'python': "),
+    "run dir: resume, a metrics row's reward a string": (
+        lambda t: _runs(t, _resume_state(metrics=[{"iteration": 1, "reward/total": "high"}]), "--resume"),
+        "metrics = [{'iteration': 1, 'reward/total': 'high'}]: want a list of metrics rows"),
+    "run dir: resume, a metrics row a list": (
+        lambda t: _runs(t, _resume_state(metrics=[[1, 2]]), "--resume"), "metrics = [[1, 2]]: want a list"),
     "images: a symlink loop": (lambda t: _looped_images(t, manifest=False), "Too many levels of symbolic links"),
     "images: a symlink loop in the manifest": (lambda t: _looped_images(t, manifest=True),
                                                "line 1: image 'a_red_circle.png' cannot be opened"),

@@ -104,6 +104,57 @@ def _state(**changes):
     return craft
 
 
+def _plain_pt(ckpt: Path, marker: Path) -> None:
+    """The model as one torch.save file (what a plain PyTorch training script writes) instead of a dist checkpoint;
+    megaflow_model.json kept. It holds a payload: torch.load without weights_only would run it."""
+    import torch
+    for f in (ckpt / "model").iterdir():
+        if f.name != "megaflow_model.json":
+            f.unlink()
+    torch.save({"weight": torch.zeros(2), "payload": RunsCode(marker)}, ckpt / "model" / "model.pt")
+
+
+def _numpy_rng(position):
+    def craft(ckpt: Path, marker: Path) -> None:
+        path = ckpt / "state.json"
+        state = json.loads(path.read_text())
+        state["rng"][0]["numpy"][2] = position
+        path.write_text(json.dumps(state))
+    return craft
+
+
+SPARSE = 2**28  # bytes a sparse file claims (256 MiB; the reads refuse it before allocating, whatever its size)
+
+
+def _sparse_tensor(name: str):
+    """``model/huge.distcp``, a sparse file of ``SPARSE`` bytes, holding float32 tensor ``name`` of SPARSE / 4
+    elements (a new one, or one of the model's resized)."""
+    def craft(ckpt: Path, marker: Path) -> None:
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+        with open(ckpt / "model" / "huge.distcp", "wb") as fh:
+            fh.truncate(SPARSE)
+        size = torch.Size([SPARSE // 4])
+
+        def edit(metadata):
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size)
+            metadata.state_dict_metadata[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
+                                                                       [chunk])
+            metadata.storage_data[MetadataIndex(name, chunk.offsets)] = _StorageInfo("huge.distcp", 0, SPARSE)
+        _edit_metadata(ckpt, edit)
+    return craft
+
+
+def _sparse_byte_item(ckpt: Path, marker: Path) -> None:
+    """The first byte item moved onto ``model/huge.distcp``, a sparse file, claiming 2 * 64 MiB."""
+    with open(ckpt / "model" / "huge.distcp", "wb") as fh:
+        fh.truncate(2 * 64 << 20)
+    _edit_metadata(ckpt, lambda m: _restore(m, byte_item=True, relative_path="huge.distcp", offset=0,
+                                            length=2 * 64 << 20))
+
+
 def _metadata(edit):
     def craft(ckpt: Path, marker: Path) -> None:
         _edit_metadata(ckpt, edit)
@@ -125,10 +176,32 @@ CRAFTS = {
     'size="abc"': (_metadata(lambda m: setattr(_first_tensor(m), "size", "abc")), "has size 'abc'"),
     "chunks=None": (_metadata(lambda m: setattr(_first_tensor(m), "chunks", None)), "has chunks None"),
     "truncated .distcp": (_truncate_distcp, "(truncated or altered)"),
+    ".metadata a dict": (lambda ckpt, marker: (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(
+        {"state_dict_metadata": {}, "storage_data": {}})), "holds a dict, not torch checkpoint metadata"),
+    "state_dict_metadata a list": (_metadata(lambda m: setattr(m, "state_dict_metadata", [1, 2])),
+                                   "state_dict_metadata and storage_data must be dicts"),
+    "state_dict_metadata missing": (_metadata(lambda m: delattr(m, "state_dict_metadata")),
+                                    "state_dict_metadata and storage_data must be dicts"),
+    "storage_data a string": (_metadata(lambda m: setattr(m, "storage_data", "abc")),
+                              "state_dict_metadata and storage_data must be dicts"),
+    "planner_data a list": (_metadata(lambda m: setattr(m, "planner_data", [1])), "planner_data is a list, not a"),
+    "version a dict": (_metadata(lambda m: setattr(m, "version", {})), "version is a dict"),
+    "an unknown tensor on a sparse file": (_sparse_tensor("huge.weight"),
+                                           "tensor 'huge.weight' of shape (67108864,), which a sd3 model of its "
+                                           "config does not have; not read"),
+    "a model tensor resized onto a sparse file": (_sparse_tensor("final_proj.bias"), "the model's is (64,)"),
+    "a byte item of 128 MiB on a sparse file": (_sparse_byte_item, "takes 134217728 bytes, more than the 67108864"),
+    "a plain .pt, no .metadata": (_plain_pt, "checkpoint (.metadata not found)"),
     'state.json iteration="4"': (_state(iteration="4"), "iteration = '4': want an integer >= 1"),
     "state.json prompts_consumed=-3": (_state(prompts_consumed=-3), "prompts_consumed = -3: want an integer >= 0"),
+    "state.json numpy RNG position 10**30": (_numpy_rng(10**30), "as python, numpy and torch give them"),
+    "state.json numpy RNG position a string": (_numpy_rng("624"), "as python, numpy and torch give them"),
+    "state.json metrics row's reward a list": (_state(metrics=[{"iteration": 1, "reward/total": [1]}]),
+                                               "want a list of metrics rows"),
 }
 STATE_CRAFTS = tuple(name for name in CRAFTS if name.startswith("state.json"))
+# What only a one-process read of the whole model refuses (a resume reads the tensors its trainer has, by name).
+WHOLE_MODEL_CRAFTS = ("an unknown tensor on a sparse file",)
 
 
 def crafted_copy(run_dir: Path, dest: Path, name: str, marker: Path) -> Path:

@@ -2,11 +2,16 @@
 ``tools/convert_checkpoint.py to-diffusers`` and ``--resume`` (megaflow.rundir.checkpoint_io.load). Each crafted case of
 tests/run/crafted_checkpoints.py -- a ``__reduce__`` payload in ``model/.metadata``, absolute and ``../`` storage
 paths, an offset of 10**18, a length of 10**15, a byte item on /dev/zero of 2**36 bytes, ``size="abc"``,
-``chunks=None``, a truncated ``.distcp``, a state.json with ``iteration="4"`` or a negative ``prompts_consumed`` --
-is written over a copy of one real checkpoint and resealed with megaflow's own manifest writer; each reader must
+``chunks=None``, a truncated ``.distcp``, top-level fields of ``.metadata`` of the wrong type or missing, a plain
+``.pt`` instead of a dist checkpoint, a tensor the model does not have or one of its own resized, on a sparse file
+of 256 MiB (refused before anything is allocated), a byte item of 128 MiB on one, a state.json with ``iteration="4"``, a negative ``prompts_consumed``, a numpy
+RNG position of 10**30 or a string, a metrics row whose reward is a list -- is written over a copy of one real checkpoint and resealed with megaflow's own manifest writer; each reader must
 refuse it with exit 2 (a ValueError for the resume), one line naming the problem, no traceback, nothing written,
 and the payload never runs. The same readers on the untouched checkpoint give the trainer's weights (reference:
 the trainer that saved it; tolerance 0).
+
+An export while the run rotates the checkpoint out reads the new latest (or, for a named --iteration, says it was
+removed and which are kept); an export to a full disk is one NoSpace line, nothing left.
 
 A full disk during the next save (simulated: torch's writer fails as it does on a full disk, or a write of
 state.json raises ENOSPC) ends in one line naming the checkpoint and the bytes it needs, leaves no staging or
@@ -27,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crafted_checkpoints import CRAFTS, STATE_CRAFTS, checkpoint_of, crafted_copy, save_run_checkpoint
+from crafted_checkpoints import CRAFTS, STATE_CRAFTS, WHOLE_MODEL_CRAFTS, checkpoint_of, crafted_copy, save_run_checkpoint
 from megaflow import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,14 +117,16 @@ def test_a_save_starts_no_process_and_reads_back(saved, tmp_path):
 
     run_dir, trainer, weights = saved
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    checkpoint_io.save(trainer, tmp_path, 2, family="sd3", diffusers_config={}, prompts_consumed=0,
+    dconfig = json.loads((run_dir / "tiny-pipeline" / "transformer" / "config.json").read_text())
+    checkpoint_io.save(trainer, tmp_path, 2, family="sd3", diffusers_config=dconfig, prompts_consumed=0,
                metrics_rows=[{"iteration": 2}], keep=1)
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
     assert checkpoint_io.load(trainer, tmp_path / "checkpoints" / "iter_000002")["iteration"] == 2
 
 
 READERS = ("export", "convert", "resume")
-ROWS = [(name, reader) for name in CRAFTS for reader in READERS if reader == "resume" or name not in STATE_CRAFTS]
+ROWS = [(name, reader) for name in CRAFTS for reader in READERS
+        if (reader == "resume" or name not in STATE_CRAFTS) and (reader != "resume" or name not in WHOLE_MODEL_CRAFTS)]
 
 
 @pytest.mark.parametrize("name,reader", ROWS)
@@ -230,3 +237,89 @@ def test_the_cli_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):
     assert _lines(capsys.readouterr().err, "megaflow:") == [
         f"megaflow: error: {tmp_path / 'out'}: not written, the disk is full: it needs about 5000 bytes (0.0 MiB), "
         f"12 are free on {tmp_path}"]
+
+
+def _rotating(run_dir: Path, monkeypatch, *, new_iteration: int):
+    """What a running run does while an export reads its latest checkpoint (megaflow.rundir.checkpoint_io.save):
+    at the export's first manifest check, a newer checkpoint appears (renamed in whole from a staging dir) and the
+    one being read is rotated out (megaflow.rundir.checkpoints.remove_checkpoint)."""
+    from megaflow.commands import export
+    from megaflow.rundir.checkpoints import checkpoint_dir, remove_checkpoint
+
+    real, calls = export.verify_manifest, []
+
+    def verify(ckpt, **kwargs):
+        if not calls:
+            stage = run_dir / "checkpoints" / ".staging-new"
+            shutil.copytree(ckpt, stage)
+            os.rename(stage, checkpoint_dir(run_dir, new_iteration))
+            remove_checkpoint(Path(ckpt))
+        calls.append(ckpt)
+        return real(ckpt, **kwargs)
+
+    monkeypatch.setattr(export, "verify_manifest", verify)
+    return calls
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_an_export_during_a_rotation_reads_a_kept_checkpoint_or_says_so(saved, tmp_path, monkeypatch, capsys, named):
+    """The latest checkpoint is rotated out while the export reads it: the export retries on the new latest (its
+    weights: the trainer's, tolerance 0) or, for a named --iteration, says in one line that it was removed and which
+    are kept; nothing half-written either way."""
+    from safetensors.torch import load_file
+
+    run_dir, _, weights = saved
+    run_dir = Path(shutil.copytree(run_dir, tmp_path / "run", symlinks=True))
+    calls = _rotating(run_dir, monkeypatch, new_iteration=2)
+    argv = ["export", "--run", str(run_dir), "--out", str(tmp_path / "out"), "--no-ema", "--json"]
+    rc = cli.main(argv + (["--iteration", "1"] if named else []))
+    captured = capsys.readouterr()
+    if named:
+        assert rc == 2 and not (tmp_path / "out").exists()
+        assert _lines(captured.err, "megaflow:") == [
+            f"megaflow: error: {checkpoint_of(run_dir)}: removed while it was read (the run rotated it out, "
+            "train.keep_checkpoints); it keeps iterations [2]: pass one of them as --iteration"]
+        return
+    assert rc == 0 and json.loads(captured.out)["iteration"] == 2 and len(calls) == 2
+    exported = load_file(tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+@pytest.mark.parametrize("reader", ["export", "convert"])
+@pytest.mark.parametrize("when", ["before writing", "while writing"])
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(saved, tmp_path, monkeypatch, capsys, when, reader):
+    """Too little space for what the export writes (the pipeline and the weights): refused before writing; or the
+    disk fills while safetensors writes (its error is no OSError, as on a real full disk): one NoSpace line naming
+    the output and the bytes needed (at least the weights'), no temp dir or output left; ``megaflow export`` and
+    ``to-diffusers`` alike."""
+    from collections import namedtuple
+
+    import safetensors.torch
+
+    run_dir, _, weights = saved
+    usage = namedtuple("usage", "total used free")
+    frees = iter([10**12] if when == "while writing" else [])
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**12, 0, next(frees, 12)))
+
+    def fills_the_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(bytes(100))
+        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_the_disk)
+    out = tmp_path / "out"
+    if reader == "export":
+        rc = cli.main(["export", "--run", str(run_dir), "--out", str(out), "--no-ema"])
+        [line] = _lines(capsys.readouterr().err, "megaflow: error: ")
+        assert rc == 1
+    else:
+        rc, [line] = _convert(checkpoint_of(run_dir) / "model", out, capsys)
+        assert rc == 2
+    prefix = "megaflow: error: " if reader == "export" else "error: "
+    assert line.startswith(f"{prefix}{out}: not written, the disk is full: it needs about "), line
+    needed = int(line.split("needs about ")[1].split()[0])
+    assert needed >= sum(v.numel() * v.element_size() for v in weights.values())
+    assert line.endswith(f"12 are free on {tmp_path}; " + ("nothing written" if when == "before writing"
+                                                           else "nothing of it is left"))
+    assert list(tmp_path.iterdir()) == []

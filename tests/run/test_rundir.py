@@ -3,10 +3,12 @@ or locked) and rank 0's claim ``RunDir`` (under the lock) give the same verdict 
 Needs: CPU, 1 process, no torch (< 1 s)."""
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,11 @@ from megaflow.rundir.checkpoints import MODEL_DIR, STATE_FILE, checkpoint_dir
 from megaflow.rundir.claim import RunDir, check_run_dir
 
 
-# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states cut short: only their
-# types are read here).
-STATE = {"prompts_consumed": 0, "rng": [{"python": "(3, (1, 2), None)", "numpy": ["MT19937", "", 0, 0, 0.0],
-                                         "torch": ""}], "metrics": [], "layout": {"tp": 1, "pp": 1}}
+# A state.json as megaflow.rundir.checkpoint_io.save writes it (one rank's RNG states: python's as random gives
+# it, numpy's and torch's of the sizes they have, zero bytes).
+RNG = {"python": repr(random.Random(0).getstate()), "torch": base64.b64encode(bytes(5056)).decode(),
+       "numpy": ["MT19937", base64.b64encode(bytes(4 * 624)).decode(), 624, 0, 0.0]}
+STATE = {"prompts_consumed": 0, "rng": [RNG], "metrics": [], "layout": {"tp": 1, "pp": 1}}
 
 
 def _cfg(tmp_path, *overrides):
@@ -38,6 +41,11 @@ def _checkpoint(cfg, run_dir, iteration, *, config=True):
     (run_dir / "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(iteration + 1)))
     if config:
         save_config(cfg, run_dir)
+
+
+def _edit_state(run_dir: Path, iteration: int, **changes) -> None:
+    path = checkpoint_dir(run_dir, iteration) / STATE_FILE
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -74,6 +82,11 @@ def _verdicts(cfg, resume: bool) -> tuple[str, str]:
     ("resume, config lost, other family", "model.family = 'flux' differs from the checkpoint's 'sd3'"),
     ("resume, config lost, other tp", "parallel.tp = 2 differs from the checkpoint's 1"),
     ("resume, config saved with an old spelling", ""),
+    ("resume, an awm checkpoint in a flowgrpo run", "written by a 'awm' run; algo.name = 'flowgrpo' cannot"),
+    ("resume, a flowgrpo checkpoint", ""),
+    ("resume, a checkpoint that does not say its algorithm", ""),  # megaflow before it did: the config's
+    ("resume, every prompt 2 iterations and the batch ahead drew", ""),
+    ("resume, one prompt more", "prompts_consumed = 13, more than the 12 that 2 iterations"),
     ("output_dir a file", "run.output_dir = "),
     ("output_dir a dangling symlink", "a dangling symlink (to "),
     ("a dangling symlink", "r is a dangling symlink"),
@@ -101,6 +114,14 @@ def test_check_run_dir_and_the_claim_agree(tmp_path, case, needle):
         saved = run_dir / "config.toml"
         saved.write_text(saved.read_text().replace('mode = "shared_memory"', 'mode = "colocated"'))
         assert 'mode = "colocated"' in saved.read_text()
+    elif case in ("resume, an awm checkpoint in a flowgrpo run", "resume, a flowgrpo checkpoint",
+                  "resume, a checkpoint that does not say its algorithm"):
+        _checkpoint(cfg, run_dir, 2)
+        if "does not say" not in case:
+            _edit_state(run_dir, 2, algorithm=case.split()[2])
+    elif case in ("resume, every prompt 2 iterations and the batch ahead drew", "resume, one prompt more"):
+        _checkpoint(cfg, run_dir, 2)  # rollout.prompts_per_iter = 4
+        _edit_state(run_dir, 2, prompts_consumed=13 if "more" in case else 12)
     elif case.startswith("resume, config lost"):
         _checkpoint(cfg, run_dir, 2, config=False)
         cfg = _cfg(runs, "model.family=flux" if "family" in case else "parallel.tp=2")
