@@ -233,7 +233,7 @@ def _add_export_parser(sub) -> None:
     p_exp.add_argument("--lora-only", action="store_true", help="A LoRA run: write only "
                        "pytorch_lora_weights.safetensors and a README.md model card (base pipeline, rank, alpha, "
                        "targets); refused for a full-parameter run.")
-    p_exp.add_argument("--base-model", default=None, metavar="ID", help="With --lora-only: the base model's hub "
+    p_exp.add_argument("--base-model", default=None, metavar="ID", help="The base model's hub "
                        "id for the model card's base_model (e.g. stabilityai/stable-diffusion-3.5-medium; default: "
                        "the base pipeline directory's name).")
     p_exp.add_argument("--max-shard-size", default="5GB", help="Largest transformer weights file (e.g. 500MB, "

@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+from megaflow.commands.model_card import ENCODER_FILE, export_card
 from megaflow.config.remote_code import refuse_remote_code
 from megaflow.rundir.checkpoints import MODEL_DIR, find_checkpoint
 from megaflow.trainer.manifest import verify_manifest
@@ -131,8 +132,11 @@ def _check_out(out: Path) -> None:
 
 
 def _copy_pipeline(pipeline: Path, dst: Path) -> None:
-    """Copy the pipeline into ``dst`` without the transformer's weight files (config.json kept)."""
+    """Copy the pipeline into ``dst`` without the transformer's weight files (config.json kept) and the base's own
+    README.md / RECIPE.md."""
     def skip(directory: str, names: list[str]) -> list[str]:
+        if Path(directory).resolve() == pipeline.resolve():  # the base's own card and recipe: the export has its own
+            return [n for n in names if n in ("README.md", "RECIPE.md")]
         if Path(directory).resolve() != (pipeline / "transformer").resolve():
             return []
         return [n for n in names if n.endswith(_WEIGHT_SUFFIXES)]
@@ -144,7 +148,8 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
                lora_only: bool = False, max_shard_size: str | int = "5GB", trust_checkpoint: bool = False,
                base_model: str | None = None, trust_remote_code: bool = False) -> dict:
     """Write the run's pipeline with the weights of checkpoint ``iteration`` (None = latest) to ``out``: the EMA when
-    the run kept one and ``ema``, else the trained weights. ``lora_only``: the adapter file and a README.md model card.
+    the run kept one and ``ema``, else the trained weights, with a README.md model card (commands/model_card.py);
+    ``lora_only``: the adapter (diffusers' LoRA file and a PEFT adapter directory) and its card.
     An SD3 export with a megaflow prompt length also gets ``encode_prompts.py``. Returns what was written. The
     checkpoint is checked against its manifest first; ``trust_checkpoint`` reads one without a manifest unchecked. A
     pipeline that names code (megaflow.config.remote_code) is refused unless ``trust_remote_code``. One the run
@@ -179,12 +184,13 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
     if lora_only:
         adapters = weights
         length = prompt_length(pipeline)
-        card = model_card(pipeline, lora, adapters, iteration=it, weights=result["weights"],
-                          base_model=base_model or pipeline.resolve().name, prompt_length=length)
+        card = export_card(run_dir, base_model=base_model or pipeline.resolve().name, iteration=it,
+                           weights=result["weights"], adapters=adapters, lora=lora, prompt_length=length,
+                           lora_only=True)
 
         def write_lora(tmp: Path) -> None:
             _write_adapter(tmp, adapters, lora, pipeline_class)
-            (tmp / "README.md").write_text(card)
+            card.save(tmp / "README.md")
             if length is not None:
                 shutil.copyfile(_ENCODER_SOURCE, tmp / ENCODER_FILE)
 
@@ -192,9 +198,12 @@ def export_run(run_dir: str | Path, out: str | Path, iteration: int | None = Non
         return {**result, "lora_tensors": len(adapters), "seconds": round(time.perf_counter() - started, 3)}
     family, state, adapters = weights
     files: list[Path] = []
+    card = export_card(run_dir, base_model=base_model or pipeline.resolve().name, iteration=it,
+                       weights=result["weights"], adapters=adapters, lora=lora, prompt_length=prompt_length(pipeline))
 
     def write(tmp: Path) -> None:
         _copy_pipeline(pipeline, tmp)
+        card.save(tmp / "README.md")
         files.extend(save_transformer_weights(tmp / "transformer", state, max_shard_size=shard_bytes))
         if adapters is not None:
             _write_adapter(tmp, adapters, lora, pipeline_class)
@@ -297,32 +306,7 @@ def _check_lora_run(run_dir: Path) -> None:
                          "export the whole pipeline without --lora-only")
 
 
-ENCODER_FILE = "encode_prompts.py"  # an SD3 export's copy of megaflow/models/sd3/text.py (torch only)
 _ENCODER_SOURCE = Path(__file__).resolve().parents[1] / "models" / "sd3" / "text.py"
-
-
-def model_card(pipeline: Path, lora, adapters: dict, *, iteration: int, weights: str, base_model: str,
-               prompt_length: int | None) -> str:
-    """A short README.md for a LoRA export: ``base_model`` front matter (the hub's field; ``base_model`` is the
-    base pipeline's hub id, or its directory's name), rank / alpha / targets, how to load it and encode prompts."""
-    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapters})
-    encode = [] if prompt_length is None else [
-        "", f"megaflow's engine encodes prompts to {prompt_length} tokens for every text encoder (diffusers keeps CLIP "
-        f"at 77); `{ENCODER_FILE}` here (torch only, no megaflow) encodes them the same way:", "",
-        "```python", "import sys; sys.path.insert(0, THIS_DIR)", "from encode_prompts import encode_prompts",
-        f"embeds, pooled = encode_prompts(pipe, prompts, max_sequence_length={prompt_length})",
-        "images = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=1.0).images", "```"]
-    return "\n".join([
-        "---", f"base_model: {base_model}", "library_name: diffusers", "tags:", "- lora", "- megaflow", "---", "",
-        "# megaflow LoRA adapter", "",
-        f"- base pipeline: `{base_model}` (the directory `{pipeline.name}` of the training machine)",
-        f"- LoRA rank {lora.rank}, alpha {lora.alpha:g} (scale alpha / rank = {lora.alpha / lora.rank:g})",
-        f"- targets (megatron linears, both streams): {', '.join(lora.targets)}; {len(modules)} diffusers modules",
-        f"- checkpoint iteration {iteration}, {weights} weights", "",
-        "```python",
-        "pipe = DiffusionPipeline.from_pretrained(BASE_PIPELINE)",
-        'pipe.load_lora_weights(THIS_DIR, weight_name="pytorch_lora_weights.safetensors")',
-        "```", *encode, ""])
 
 
 def prompt_length(pipeline: Path) -> int | None:

@@ -8,7 +8,9 @@ import re
 
 from megaflow.data.shapes import PALETTE
 
-# ShapeEval's palette plus a few common names, RGB 0-255.
+# ShapeEval's palette plus a few common names, RGB 0-255. Not PIL.ImageColor: these are the values ShapeEval renders
+# and checks (PIL's CSS "orange" is (255, 165, 0), ShapeEval's below), and config/ reads this module before any
+# third-party import.
 COLOR_NAMES: dict[str, tuple[int, int, int]] = {
     **PALETTE,
     "white": (255, 255, 255), "black": (0, 0, 0), "gray": (128, 128, 128), "grey": (128, 128, 128),

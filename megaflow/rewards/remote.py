@@ -105,6 +105,9 @@ def _saying_while_waiting(name: str, url: str, deadline: float):
         done.set()
 
 
+# Hand-written on http.client, not httpx or requests (neither is a declared dependency: httpx only comes with
+# sglang): what such a client would add here is the retries with backoff, one deadline across them, an answer read in
+# chunks up to a size cap and a "still waiting" line, each tested in tests/rewards/test_remote.py.
 def post(url: str, body: bytes, *, content_type: str, timeout: float, retries: int, backoff: float,
          name: str, headers: dict | None = None, deadline: float = DEADLINE_S,
          max_answer_bytes: int = MAX_ANSWER_BYTES, say_progress: bool = True) -> bytes | None:
@@ -246,6 +249,8 @@ def chat_url(url: str) -> str:
     return url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/v1/chat/completions"
 
 
+# The OpenAI-compatible chat call is one POST through ``post`` (its deadline, retries and answer cap), not the
+# ``openai`` client: that is not a declared dependency and keeps retry and timeout rules of its own.
 class VlmJudge(Reward):
     """A VLM's answer to ``question`` about each image, scored by the judge rule (the module's design notes);
     ``concurrency`` requests in flight at most, each with ``RemoteReward``'s limits."""

@@ -204,6 +204,8 @@ def _check_name_lengths(path: Path, where: Path) -> None:
         raise ValueError(f"run dir {str(path)!r}: file name too long (the path is over {path_max} bytes)")
 
 
+# fcntl.flock, not filelock: the refusal names the holder's pid, which the holder writes into the lock file under
+# the lock (filelock neither writes nor reports a holder), and this module is read before any third-party import.
 def _take_lock(fh, path: Path, mode: int) -> None:
     """``flock`` the open lock file ``fh`` in ``mode`` without waiting; ValueError naming the holder's pid when
     another run holds it."""

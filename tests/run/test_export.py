@@ -56,6 +56,9 @@ def run(tmp_path_factory):
 def exported(run, tmp_path_factory):
     run_dir, _ = run
     out = tmp_path_factory.mktemp("export") / "pipeline"
+    (run_dir / "eval.jsonl").write_text('{"iteration": 0, "when": "before", "eval/reward_total": 0.25}\n'
+                                        '{"iteration": 3, "when": "after", "eval/reward_total": 0.5}\n'
+                                        '{"iteration": 9, "when": "after", "eval/reward_total": 0.9}\n')
     rc = cli.main(["export", "--run", str(run_dir), "--out", str(out), "--json"])
     assert rc == 0
     return out
@@ -77,10 +80,15 @@ def test_export_loads_in_diffusers_with_the_trained_weights(run, exported):
     moved = [k for k in weights if not torch.equal(before[k], weights[k])]
     assert len(moved) >= 0.9 * len(weights), sorted(set(weights) - set(moved))  # training moved the weights
 
-    # Every other file is the original's, byte for byte; the transformer has one new weights file.
+    # Every other file is the original's, byte for byte, but its own card (README.md) and recipe; the transformer
+    # has one new weights file; the card is the run's: base model, algorithm, the evaluations up to the checkpoint.
     weights_file = "transformer/diffusion_pytorch_model.safetensors"
-    assert _files(exported) == _files(original)
-    others = [f for f in _files(original) if f != weights_file]
+    assert set(_files(exported)) == (set(_files(original)) - {"README.md", "RECIPE.md"}) | {"README.md"}
+    others = [f for f in _files(original) if f not in (weights_file, "README.md", "RECIPE.md")]
+    card = (exported / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model: tiny-pipeline" in card and "library_name: diffusers" in card
+    assert "`flowgrpo`" in card and "checkpoint iteration 3 of" in card, card
+    assert "| 0 | 0.25 |" in card and "| 3 | 0.5 |" in card and "0.9" not in card, card  # not past iteration 3
     assert "model_index.json" in others and "transformer/config.json" in others
     _, mismatch, errors = filecmp.cmpfiles(original, exported, others, shallow=False)
     assert (mismatch, errors) == ([], [])

@@ -106,7 +106,8 @@ def test_lora_only_export(tmp_path, capsys):
     assert (rc, err) == (0, [])
     out = tmp_path / "lora"
     encoder = ["encode_prompts.py"] if (pipeline / "megaflow.json").is_file() else []  # an SD3 prompt length
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", *encoder, "pytorch_lora_weights.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", *encoder, "pytorch_lora_weights.safetensors",
+                                                            "adapter_config.json", "adapter_model.safetensors"])
     assert json.loads(printed)["lora_tensors"] > 0
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: tiny-pipeline\n") and str(tmp_path) not in card  # no machine path

@@ -83,3 +83,10 @@ def test_peft_adapter_in_train_resume_export_out(tmp_path):
     got = _diffusers_velocity(pipe.transformer, probe)
     assert (got - r["v_trained"]).abs().max() <= 1e-5
     assert (base - r["v_trained"]).abs().max() > 1e-3  # the adapter carries the training
+    # the same adapter as a PEFT directory: PeftModel on the exported base gives the trained velocity
+    from peft import PeftModel
+    peft_model = PeftModel.from_pretrained(SD3Transformer2DModel.from_pretrained(out / "transformer"), out)
+    assert (_diffusers_velocity(peft_model.get_base_model(), probe) - r["v_trained"]).abs().max() <= 1e-5
+    card = (out / "README.md").read_text()  # the export's own card, from the run (not the base pipeline's)
+    assert card.startswith("---\n") and "base_model: tiny-pipeline" in card and "flowgrpo" in card, card
+    assert "checkpoint iteration 3" in card and "LoRA rank" in card and "adapter_config.json" in card, card

@@ -1,6 +1,8 @@
 """LoRA adapters on disk as diffusers' ``save_lora_weights`` writes them (what ``load_lora_weights``
 loads): ``pytorch_lora_weights.safetensors``, keys ``transformer.<module>.lora_A/B.weight``, the PEFT
-config in the header under ``lora_adapter_metadata``.
+config in the header under ``lora_adapter_metadata``; beside it, the same adapter as a PEFT directory
+(``adapter_config.json`` + ``adapter_model.safetensors``, what ``PeftModel.from_pretrained`` loads onto the
+transformer).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 PREFIX = "transformer."
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
 
 
 def adapter_file(path: str | Path) -> Path:
@@ -52,4 +56,18 @@ def write_adapter(directory: str | Path, state: dict[str, torch.Tensor], *, rank
         str(directory), transformer_lora_layers={k: v.contiguous() for k, v in state.items()},
         transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha, "target_modules": modules,
                                            "rank_pattern": {}, "alpha_pattern": {}})  # diffusers reads both
+    write_peft_adapter(directory, state, rank=rank, alpha=alpha, modules=modules)
     return Path(directory) / WEIGHT_NAME
+
+
+def write_peft_adapter(directory: str | Path, state: dict[str, torch.Tensor], *, rank: int, alpha: float,
+                       modules: list[str]) -> Path:
+    """``state`` (PEFT names) as a PEFT adapter directory: ``LoraConfig.save_pretrained``'s adapter_config.json and
+    the weights under PEFT's saved names (``base_model.model.<module>.lora_A.weight``)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, init_lora_weights=False).save_pretrained(
+        str(directory))
+    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in state.items()}, str(Path(directory) / PEFT_WEIGHTS))
+    return Path(directory) / PEFT_WEIGHTS
