@@ -199,7 +199,7 @@ def build_wan(seed: int):
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
         text_dim=text_width, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=card("wan").tiny_positions,
     ).eval()
     return WanPipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),

@@ -56,7 +56,7 @@ def check_update(original, updater, named_tensors, *args, **kwargs) -> tuple[boo
 
     if get_world_group().world_size > 1:
         return False, "an update that carries digests needs a single-rank engine (use a separate check request)"
-    _current = check = _Check(*carried)
+    _current = check = _engine_names(updater, _Check(*carried))
     try:
         ok, message = original(updater, named_tensors, *args, **kwargs)
     finally:
@@ -64,6 +64,24 @@ def check_update(original, updater, named_tensors, *args, **kwargs) -> tuple[boo
     if not ok:
         return ok, message
     return _compare(updater, check, message)
+
+
+def _engine_names(updater, check: _Check) -> _Check:
+    """The check keyed by the engine's parameter names: a name the module does not hold goes through the module's
+    own ``param_names_mapping`` (SGLang's Wan DiT: diffusers' ``blocks.0.attn1.to_q`` is ``blocks.0.to_q``), as the
+    update maps it; parts of a fused parameter keep their names (checked by SGLang's checker)."""
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import _build_module_weight_name_mapper
+
+    module = updater.pipeline.get_module(check.module)
+    map_name = _build_module_weight_name_mapper(module) if module is not None else None
+    if map_name is None:
+        return check
+    held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
+    expected = {}
+    for name, digest in check.expected.items():
+        mapped, merge_index = (name, None) if name in held else map_name(name)
+        expected[mapped if merge_index is None and mapped in held else name] = digest
+    return _Check(check.module, expected)
 
 
 def _compare(updater, check: _Check, message: str) -> tuple[bool, str]:
