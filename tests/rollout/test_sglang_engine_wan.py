@@ -8,7 +8,7 @@ in fp32 (1e-5; control: another prompt's text is off by > 10x that, CPS's small 
 included); the text conditioning equals diffusers'
 WanPipeline.encode_prompt with SGLang's padding (512 tokens, zero rows past the prompt; 1e-5); a weight update by
 diffusers names (through megaflow's Wan weight map and back) is verified by digest, changes the samples, and
-restoring the weights brings the samples back bit-exactly.
+restoring the weights brings the samples back bit-exactly, and a separate check request by diffusers names passes.
 """
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ def test_trainer_log_probs_match_engine(rollouts, pipeline, tmp_path):
 def test_weight_update_by_diffusers_names_round_trips(engine, pipeline):
     from safetensors.torch import load_file
 
+    from megaflow.checksum import tensor_digest
     from megaflow.models.wan import from_diffusers, weight_map
 
     dcfg = json.loads((pipeline / "transformer" / "config.json").read_text())
@@ -144,6 +145,7 @@ def test_weight_update_by_diffusers_names_round_trips(engine, pipeline):
     assert engine.update_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in back.items()}.items()).ok
     changed = engine.generate(request)[0].latents
     assert engine.update_weights(back.items()).ok
+    assert engine.verify_weights({n: tensor_digest(t, engine.config.checksum) for n, t in back.items()})[0]
     after = engine.generate(request)[0].latents
     assert (changed[-1] - before[-1]).abs().max() > 1e-3
     assert torch.equal(after, before)

@@ -43,6 +43,7 @@ def register() -> None:
     plugin_hook(weight_checks.HASH_TARGET, HookType.REPLACE)(weight_checks.tensor_digest)
     plugin_hook(weight_checks.UPDATE_TARGET, HookType.AROUND)(weight_checks.check_update)
     plugin_hook(weight_checks.COPY_TARGET, HookType.AROUND)(weight_checks.hash_as_copied)
+    plugin_hook(weight_checks.VERIFY_TARGET, HookType.AROUND)(weight_checks.verify_engine_names)
     plugin_hook(ENDPOINT_TARGET, HookType.AROUND)(private_scheduler_endpoint)
     plugin_hook(RENDEZVOUS_TARGET, HookType.AROUND)(private_rendezvous)
     plugin_hook(ENCODER_CONFIG_TARGET, HookType.AROUND)(untrusted_encoder_config)
