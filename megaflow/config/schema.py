@@ -273,7 +273,7 @@ class EvalConfig:
                      "rewards and broken down by eval.group_by, or, with "
                      "data.prompts = 'shapes' and no test_prompts, ShapeEval's held-out prompts (eval.num, "
                      "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
-                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration; eval.jsonl's "
+                     "<run dir>/eval/iterNNNNN.png (a video run: .mp4; before = 00000, after = the last iteration; eval.jsonl's "
                      "'when' is before, iteration or after, its 'iteration' the number). 0 = off.", ge=0, le=MAX_ITERS)
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each; "
                    "with data.test_prompts (megaflow train's eval.every): its first eval.num prompts.",

@@ -1,6 +1,6 @@
 """A config's video rules, before anything starts: a video family samples ``rollout.num_frames`` frames and an image
 family none; the VAE takes k * temporal_compression + 1 frames; the latent frames and token rows / columns fit the
-rotary table; ``reward.frames`` names a mode or frame the clips have, and "video" only for rewards that take video.
+rotary table; a video run evaluates on data.test_prompts (not ShapeEval); ``reward.frames`` names a mode or frame the clips have, and "video" only for rewards that take video.
 Invariant: standard library only; what a family samples is its card (``frames``, ``temporal_compression``,
 ``axis_positions``)."""
 from __future__ import annotations
@@ -28,6 +28,9 @@ def check_frames(cfg: MegaflowConfig, *, files: bool = True) -> None:
         low = (n - 1) // step * step + 1
         raise ConfigError(f"rollout.num_frames = {n}: {family.title}'s VAE compresses {step} frames into one after "
                           f"the first, so it takes k * {step} + 1 frames ({low} or {low + step})")
+    if n and cfg.eval.every and not cfg.data.test_prompts:
+        raise ConfigError(f"eval.every = {cfg.eval.every} without data.test_prompts evaluates with ShapeEval, which "
+                          "scores images: set data.test_prompts for a video run (its clips are scored by the rewards)")
     _check_reward_frames(cfg, files=files)
 
 

@@ -185,6 +185,8 @@ CASES = {
                                     "scores images"),
     "reward frame beyond the clip": (lambda t: [*TRAIN, *WAN, "--set", 'reward.frames="5"'],
                                      "reward.frames = '5': the clips have 5 frames"),
+    "video run evaluated by ShapeEval": (lambda t: [*TRAIN, *WAN, "--set", "eval.every=1"],
+                                         "eval.every = 1 without data.test_prompts evaluates with ShapeEval"),
     "reward frames not a mode": (lambda t: [*SHOW, "--set", 'reward.frames="last"'], "reward.frames = 'last': must be one of"),
     "height beyond the tiny pipeline's position table": (lambda t: [*TRAIN, "--set", "rollout.height=512"],
                                                          "rollout.height = 512: larger than 256"),

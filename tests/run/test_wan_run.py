@@ -1,7 +1,8 @@
 """A tiny ``megaflow train`` of the Wan family on CPU (needs: engine; ~1-2 min): 5-frame clips sampled by the
 embedded SGLang engine from the tiny Wan pipeline built for the run, scored whole by a reward that takes video
 (``reward.frames = "video"``: it gets [B, F, 3, H, W] float32 in [0, 1], and writes down what it got), trained by
-FlowGRPO, the weights synced and verified; the samples are MP4s of 5 frames at rollout.fps."""
+FlowGRPO, the weights synced and verified, evaluated on test prompts before and after; the samples and the
+evaluation grids are MP4s of 5 frames at rollout.fps."""
 from __future__ import annotations
 
 import json
@@ -30,9 +31,10 @@ clip_brightness.takes_video = True
 
 def test_wan_trains_on_clips(tmp_path):
     (tmp_path / "video_reward.py").write_text(REWARD)
+    (tmp_path / "test_prompts.txt").write_text("a red circle\na blue square\n")
     cmd, env = train_with_reward(tmp_path, "wan", "video_reward:clip_brightness", [
         "model.family=wan", "rollout.num_frames=5", "rollout.fps=8", 'reward.frames="video"', "train.iterations=1",
-        "logging.sample_every=1"])
+        "logging.sample_every=1", "eval.every=1", f'data.test_prompts="{tmp_path / "test_prompts.txt"}"'])
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
@@ -42,5 +44,9 @@ def test_wan_trains_on_clips(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if r["iteration"] == 1 and "sync/verified" in r]
     assert row["sync/verified"] == 1.0 and row["sync/tensors"] > 0
-    reader = iio2.get_reader(run_dir / "samples" / "iter00001.mp4", format="FFMPEG")
-    assert reader.count_frames() == 5 and reader.get_meta_data()["fps"] == 8
+    for video in (run_dir / "samples" / "iter00001.mp4", run_dir / "eval" / "iter00000.mp4",
+                  run_dir / "eval" / "iter00001.mp4"):  # samples; the evaluation before and after training
+        reader = iio2.get_reader(video, format="FFMPEG")
+        assert reader.count_frames() == 5 and reader.get_meta_data()["fps"] == 8, video
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["when"] for e in evals] == ["before", "after"] and all(e["eval/reward_total"] > 0 for e in evals)
