@@ -86,6 +86,7 @@ def eval_requests(cfg: MegaflowConfig, prompts: list[str], metadata: list[dict])
     return [RolloutRequest(prompt=p, metadata=m, num_outputs=n, seed=e.seed * 100_003 + i,
                            seeds=[e.seed * 100_003 + i + k * SEED_STRIDE for k in range(n)] if n > 1 else None,
                            num_steps=e.num_steps or r.num_steps, height=r.height, width=r.width,
+                           num_frames=r.num_frames or None, fps=r.fps if r.num_frames else None,
                            guidance_scale=r.guidance_scale, do_cfg=do_cfg, sde_type="ode",
                            max_sequence_length=r.max_sequence_length or None, request_id=f"eval{i}")
             for i, (p, m) in enumerate(zip(prompts, metadata))]
@@ -108,17 +109,22 @@ def _reward_eval(cfg: MegaflowConfig, run_dir: Path) -> Evaluate:
         import torch
 
         from megaflow.report.metrics import save_image_grid
+        from megaflow.report.video import save_video_grid
         from megaflow.rewards.registry import build_multi_reward
         if not state:
             r = cfg.reward
-            state.update(reward=build_multi_reward(r.weights, kwargs=r.kwargs, timeout_s=r.timeout_s),
-                         cfg=settled(cfg, run_dir))
+            state.update(reward=build_multi_reward(r.weights, kwargs=r.kwargs, timeout_s=r.timeout_s,
+                                                   frames=r.frames), cfg=settled(cfg, run_dir))
         trajs = sampler.generate(eval_requests(state["cfg"], prompts, metadata))
         images = torch.stack([t.image for t in trajs]).float()
         figures, totals = score_figures(state["reward"], images, sample_prompts, sample_meta, cfg.eval.group_by)
         labels = [f"{t:.3f} {p}" for t, p in zip(totals, sample_prompts)]
-        save_image_grid(images, grid_path(run_dir, when, cfg.train.iterations),
-                        columns=GRID_COLUMNS if n == 1 else n, scale=2, labels=labels)
+        grid = dict(columns=GRID_COLUMNS if n == 1 else n, scale=2, labels=labels)
+        if images.dim() == 5:  # clips [N, F, 3, H, W]: an MP4 of grids beside where the PNG would be
+            save_video_grid(images, grid_path(run_dir, when, cfg.train.iterations).with_suffix(".mp4"),
+                            fps=cfg.rollout.fps, **grid)
+        else:
+            save_image_grid(images, grid_path(run_dir, when, cfg.train.iterations), **grid)
         row = record(run_dir, when, cfg.train.iterations, {**figures, "eval/num": len(prompts),
                                                             **({"eval/samples": len(totals)} if n > 1 else {})})
         total = figures["eval/reward_total"]

@@ -10,6 +10,7 @@ from typing import Any
 SEED_MAX = 2**32 - 1  # seeds reach torch.Generator.manual_seed as seed * 1_000_003 + ... (megaflow.seeds)
 MAX_STEPS = 1000  # denoising steps: the sigma grid and the per-step trajectories are built in memory
 MAX_SIDE = 8192  # image side in pixels
+MAX_FRAMES = 1024  # frames of a video rollout
 MAX_ITERS = 100_000_000  # iteration and optimizer-step counts
 
 

@@ -17,6 +17,7 @@ from megaflow.config.machine import cuda_available
 from megaflow.config.remote_code import refuse_custom_components, refuse_remote_code
 from megaflow.config.reward_check import REWARD_ARGS, SERVER_REWARDS, check_rewards  # noqa: F401 (re-exported)
 from megaflow.config.schema import MegaflowConfig
+from megaflow.config.video_check import check_frames, check_positions
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
 from megaflow.families import card
@@ -30,7 +31,7 @@ from megaflow.parallel.placement import launch_layout
 REWARD_NAMES = tuple(REWARD_ARGS)
 BUILTIN_SPECS = ("auto", "local", "te")
 COMMANDS = ("train", "demo", "show", "pretrain")
-DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3 and FLUX)
+DEFAULT_PIXEL_MULTIPLE = 16  # VAE factor 8 x patch 2: the tiny pipelines megaflow builds (SD3, FLUX, Wan)
 _ENGINE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -60,6 +61,7 @@ def _preflight(cfg: MegaflowConfig, command: str, files: bool) -> MegaflowConfig
     _check_data(cfg, files=files)
     check_rewards(cfg, probe=command in ("train", "demo"), files=files)
     _check_rollout(cfg)
+    check_frames(cfg, files=files)
     _check_bridge(cfg)
     _check_lora(cfg, files=files)
     if command == "train" and files:  # the demo writes to a fresh run dir
@@ -310,7 +312,7 @@ def _pixel_multiple(cfg: MegaflowConfig, configs: dict[str, dict]) -> tuple[int,
 def _check_model(cfg: MegaflowConfig) -> None:
     r, key = cfg.rollout, "model.pretrained"
     family = card(cfg.model.family)
-    multiple, where = DEFAULT_PIXEL_MULTIPLE, "the tiny pipeline built for the run"
+    multiple, where, tconf = DEFAULT_PIXEL_MULTIPLE, "the tiny pipeline built for the run", None
     largest = family.tiny_positions * DEFAULT_PIXEL_MULTIPLE if family.tiny_positions else None
     if cfg.model.pretrained:
         configs = check_pipeline(cfg.model.pretrained, key)
@@ -322,6 +324,7 @@ def _check_model(cfg: MegaflowConfig) -> None:
         layers = _positive_int(tconf, family.blocks_key) if family.blocks_key else None
         _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), layers, where)
         multiple, largest = _pixel_multiple(cfg, configs)
+    check_positions(cfg, tconf, where, multiple)
     for side in ("height", "width"):
         value = getattr(r, side)
         if value % multiple:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megaflow.config.algo_schema import AlgoConfig
-from megaflow.config.fields import MAX_ITERS, MAX_SIDE, MAX_STEPS, SEED_MAX, opt
+from megaflow.config.fields import MAX_FRAMES, MAX_ITERS, MAX_SIDE, MAX_STEPS, SEED_MAX, opt
 from megaflow.families import DEFAULT_FAMILY, family_names
 
 __all__ = ["AlgoConfig", "MAX_ITERS", "MAX_SIDE", "MAX_STEPS", "MegaflowConfig", "SEED_MAX", "opt"]
@@ -116,6 +116,10 @@ class RolloutConfig:
     num_steps: int = opt(10, "Denoising steps per rollout.", ge=1, le=MAX_STEPS)
     height: int = opt(64, "Image height in pixels.", ge=8, le=MAX_SIDE)
     width: int = opt(64, "Image width in pixels.", ge=8, le=MAX_SIDE)
+    num_frames: int = opt(0, "Frames of every video rollout (a video family, e.g. wan: its VAE takes 4k+1 frames, "
+                          "e.g. 81); 0: images (an image family).", ge=0, le=MAX_FRAMES)
+    fps: int = opt(16, "Frames per second of the video rollouts (the requests, their trajectories, the sample "
+                   "files); unused for images.", ge=1, le=240)
     guidance_scale: float = opt(1.0, "Guidance scale of every rollout request. SD3: classifier-free guidance, "
                                 "on when > 1.0 (two DiT branches). FLUX.1: the embedded guidance the DiT takes "
                                 "as an input (models with guidance_embeds), never CFG.", ge=1.0)
@@ -151,6 +155,10 @@ class RewardConfig:
     weights: dict = opt({"jpeg_compressibility": 1.0}, "Reward name (registry or 'pkg.mod:fn') -> weight.")
     kwargs: dict = opt({}, "Reward name -> constructor arguments, e.g. {color_target = {target = \"red\"}}.")
     num_workers: int = opt(1, "Threads of the async reward scorer.", ge=1, le=256)
+    frames: str = opt("mean", "How a video is scored: mean (every frame through the image rewards, the mean over "
+                      "frames), first (the first frame), a frame index (e.g. \"8\"), or video (whole clips "
+                      "[B, F, 3, H, W], for rewards that take video: a 'pkg.mod:fn' reward with takes_video = True). "
+                      "Unused for images.")
     timeout_s: float = opt(600.0, "Seconds one reward may take to score one batch (its per-sample retries "
                            "included); a reward still running then is masked for that batch, like one that "
                            "raised, and counted in reward/<label>_timeouts. Its call cannot be stopped: it is "
@@ -267,7 +275,7 @@ class EvalConfig:
                      "rewards and broken down by eval.group_by, or, with "
                      "data.prompts = 'shapes' and no test_prompts, ShapeEval's held-out prompts (eval.num, "
                      "eval.num_seen); figures appended to <run dir>/eval.jsonl, a captioned grid saved to "
-                     "<run dir>/eval/iterNNNNN.png (before = 00000, after = the last iteration; eval.jsonl's "
+                     "<run dir>/eval/iterNNNNN.png (a video run: .mp4; before = 00000, after = the last iteration; eval.jsonl's "
                      "'when' is before, iteration or after, its 'iteration' the number). 0 = off.", ge=0, le=MAX_ITERS)
     num: int = opt(300, "Held-out prompts (balanced over the held-out categories), one fixed-seed sample each; "
                    "with data.test_prompts (megaflow train's eval.every): its first eval.num prompts.",

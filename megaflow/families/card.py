@@ -33,7 +33,8 @@ class FamilyCard:
     position_table: bool
     """``pos_embed_max_size`` of the transformer bounds the image side (SD3's position table)."""
     tiny_positions: int | None
-    """``pos_embed_max_size`` of the tiny pipeline megaflow builds for a run without ``model.pretrained``."""
+    """Positions per side of the tiny pipeline megaflow builds for a run without ``model.pretrained`` (SD3's
+    ``pos_embed_max_size``; a video family's rotary table, per frame / row / column axis)."""
     blocks_key: str | None
     """The transformer config key counting every block (checked against the pipeline-parallel split before the
     run); None: the blocks are counted under several keys and the trainer checks the split."""
@@ -52,6 +53,17 @@ class FamilyCard:
     diffusers class's defaults for missing keys."""
     gpu_check_settings: tuple[str, ...]
     """``--set`` overrides of the family's train-step GPU check (``megaflow.testing.gpu.model``)."""
+    frames: bool = False
+    """True: the family samples videos (``rollout.num_frames`` > 0, latents [B, C, F, H, W]); False: images."""
+    temporal_compression: int = 1
+    """Frames per latent frame of the VAE beyond the first: it takes k * temporal_compression + 1 frames."""
+    axis_positions: tuple[str, int] | None = None
+    """A video family's rotary table: (the transformer config key of its positions per axis, the diffusers default),
+    bounding the latent frames and the token rows and columns; None: no such table."""
+
+    def latent_frames(self, num_frames: int) -> int:
+        """Latent frames of a ``num_frames`` clip (the VAE keeps the first frame and compresses the rest)."""
+        return (num_frames - 1) // self.temporal_compression + 1
 
     def cfg_copies(self, guidance_scale: float) -> int:
         """Copies of a sample the model runs on: 2 under classifier-free guidance, else 1."""

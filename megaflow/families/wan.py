@@ -27,7 +27,8 @@ def plan_dims(conf: dict) -> dict:
 CARD = FamilyCard(
     name="wan", title="Wan", package="megaflow.models.wan", diffusers_class="WanTransformer3DModel",
     sglang_model_id="Wan2.1-T2V-1.3B-Diffusers", text_encoders=1, embedded_guidance=False,
-    latent_pack=2, position_table=False, tiny_positions=None, blocks_key="num_layers",
+    latent_pack=2, position_table=False, tiny_positions=32, blocks_key="num_layers",
+    frames=True, temporal_compression=4, axis_positions=("rope_max_seq_len", 1024),
     builtin=("Wan 2.1 T2V 1.3B (built-in table)", dict(
         _class_name="WanTransformer3DModel", num_layers=30, attention_head_dim=128, num_attention_heads=12,
         ffn_dim=8960, text_dim=4096, freq_dim=256, in_channels=16, out_channels=16, patch_size=[1, 2, 2],

@@ -1,4 +1,4 @@
-"""Write a tiny, randomly initialised diffusers pipeline (SD3 or FLUX.1) to a directory, offline.
+"""Write a tiny, randomly initialised diffusers pipeline (SD3, FLUX.1 or Wan 2.1 T2V) to a directory, offline.
 
 Loads with diffusers and SGLang's native path on CPU; seeded and deterministic, a few MB, tokenizers
 built in memory. Design notes: docs/design/models.md.
@@ -165,7 +165,50 @@ def build_flux(seed: int):
     )
 
 
-BUILDERS = {"sd3": build_sd3, "flux": build_flux}
+def make_umt5_encoder(tokenizer, *, d_model: int, seed: int):
+    """A 2-layer UMT5 encoder (Wan's text encoder: per-layer relative position biases) for ``tokenizer``."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=2,
+        num_heads=2, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return UMT5EncoderModel(config).eval()
+
+
+def make_wan_vae(*, seed: int):
+    """A narrow AutoencoderKLWan with the published layout: 16 latent channels, spatial factor 8 (three
+    downsamples), temporal factor 4 (the last two downsample time too, so F frames -> (F - 1) / 4 + 1)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True]).eval()
+
+
+def build_wan(seed: int):
+    """Tiny WanPipeline (Wan 2.1 T2V layout): 2-block WanTransformer3DModel (2 heads x 16, patch (1, 2, 2)),
+    UMT5 (32 wide), AutoencoderKLWan (16 latent channels, 8x spatial, 4x temporal)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    text_width = 32
+    tok = make_t5_tokenizer()
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=text_width, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=card("wan").tiny_positions,
+    ).eval()
+    return WanPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=make_wan_vae(seed=seed + 1), text_encoder=make_umt5_encoder(tok, d_model=text_width, seed=seed + 2),
+        tokenizer=tok,
+    )
+
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "wan": build_wan}
 """The tiny pipeline of each family that has one: family name -> builder(seed)."""
 FAMILIES = tuple(BUILDERS)
 

@@ -17,6 +17,10 @@ class MetricsBackend(Protocol):
         """Log ``images`` (at most ``MAX_IMAGES`` HxWx3 uint8 arrays) under ``tag`` at ``step``, one caption
         each."""
 
+    def video(self, step: int, tag: str, frames, captions: list[str], *, fps: int) -> None:
+        """Log one video (uint8 frames [F, H, W, 3]: a grid of clips) under ``tag`` at ``step``, played at ``fps``,
+        with the captions of its clips in grid order."""
+
     def close(self) -> None:
         """Write out what is pending and end the backend's run."""
 

@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, the same to the backends; image grids.
+"""Metrics: one JSON line per iteration in <run_dir>/metrics.jsonl, the same to the backends; image grids (a video's
+in report/video.py).
 A resumed run first rewrites ``metrics.jsonl`` with its checkpoint's rows.
 """
 from __future__ import annotations
@@ -8,12 +9,15 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from megaflow.report.backends import MetricsBackend, numbers, to_uint8, uint8_images
+from megaflow.report.backends import MAX_IMAGES, MetricsBackend, numbers, to_uint8, uint8_images
+from megaflow.report.video import clip_grid, is_clip
+
+VIDEO_COLUMNS = 4  # clips a row in a backend's video of grids
 
 
 class Evaluation(NamedTuple):
     """What an evaluation hook (megaflow.commands.evaluation, the demo's) hands the reporter: its ``eval/*`` figures
-    and images ([3, H, W] tensors in [0, 1]) with one caption each (prompt and score)."""
+    and images ([3, H, W] tensors in [0, 1]; clips [F, 3, H, W]) with one caption each (prompt and score)."""
 
     figures: dict
     images: list
@@ -52,10 +56,16 @@ class MetricsLog:
             for b in self.backends:
                 b.scalars(step, values)
 
-    def log_images(self, step: int, tag: str, images, captions: list[str]) -> None:
+    def log_images(self, step: int, tag: str, images, captions: list[str], *, fps: int = 16) -> None:
         """The first ``backends.MAX_IMAGES`` of ``images`` (N [3, H, W] tensors in [0, 1]) with their captions
-        to every backend under ``tag`` at ``step``."""
+        to every backend under ``tag`` at ``step``; clips (N [F, 3, H, W]) go as one video of grids at ``fps``."""
         if not (self.enabled and self.backends):
+            return
+        if images and is_clip(images[0]):
+            first = list(images)[:MAX_IMAGES]
+            frames = clip_grid(first, columns=min(VIDEO_COLUMNS, len(first)))
+            for b in self.backends:
+                b.video(step, tag, frames, list(captions)[:len(first)], fps=fps)
             return
         arrays = to_uint8(images)
         for b in self.backends:
@@ -79,11 +89,22 @@ def write_metrics_rows(run_dir: Path, rows: list[dict]) -> None:
 
 
 def save_image_grid(images, path: Path, *, columns: int, scale: int = 1, labels: list[str] | None = None) -> Path:
-    """Save ``images`` ([N, 3, H, W] float in [0, 1]) as one PNG grid, ``columns`` per row (a group per row),
-    each image enlarged ``scale`` times (nearest neighbour) and laid out by ``torchvision.utils.make_grid``; with
-    ``labels`` each image gets its text in a white band under it, wrapped to the image's width."""
+    """Save ``images`` ([N, 3, H, W] float in [0, 1]) as one PNG grid (``grid_array``)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid_array(images, columns=columns, scale=scale, labels=labels)).save(path)
+    return path
+
+
+def grid_array(images, *, columns: int, scale: int = 1, labels: list[str] | None = None):
+    """``images`` ([N, 3, H, W] float in [0, 1]) as one uint8 [H', W', 3] grid, ``columns`` per row (a group per
+    row), each image enlarged ``scale`` times (nearest neighbour) and laid out by ``torchvision.utils.make_grid``;
+    with ``labels`` each image gets its text in a white band under it, wrapped to the image's width."""
     import textwrap
 
+    import numpy as np
     import torch
     from PIL import Image, ImageDraw
     from torchvision.utils import make_grid
@@ -102,7 +123,4 @@ def save_image_grid(images, path: Path, *, columns: int, scale: int = 1, labels:
         for i, lines in enumerate(wrapped):
             r, c = divmod(i, columns)
             draw.multiline_text((c * w + 2, r * (h + text_h) + h + 2), "\n".join(lines), fill=(0, 0, 0), spacing=1)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
-    return path
+    return np.asarray(image)

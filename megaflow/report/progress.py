@@ -26,6 +26,7 @@ class RunReporter:
         self.total, self.start = total_iterations, start_iteration
         self.log_every, self.sample_every = cfg.logging.log_every, cfg.logging.sample_every
         self.group_size = cfg.rollout.group_size
+        self.fps = cfg.rollout.fps  # of video samples
         self.reward_names = list(cfg.reward.weights)
         self.curves_path = self.run_dir / "curves.png"
         self.rows: list[dict] = []  # counted iterations (> start_iteration), for the curves
@@ -74,10 +75,16 @@ class RunReporter:
             import torch
 
             from megaflow.report.metrics import save_image_grid
+            from megaflow.report.video import is_clip, save_video_grid
             stacked = torch.stack(list(images))
-            save_image_grid(stacked, self.run_dir / "samples" / f"iter{it:05d}.png", columns=self.group_size,
-                            scale=2 if stacked.shape[-1] < 128 else 1, labels=captions)
-            self._metrics.log_images(it, "samples", list(images), captions or [""] * len(images))
+            scale = 2 if stacked.shape[-1] < 128 else 1
+            if is_clip(stacked[0]):  # videos: a short MP4 of grids, one grid per frame
+                save_video_grid(stacked, self.run_dir / "samples" / f"iter{it:05d}.mp4", columns=self.group_size,
+                                fps=self.fps, scale=scale, labels=captions)
+            else:
+                save_image_grid(stacked, self.run_dir / "samples" / f"iter{it:05d}.png", columns=self.group_size,
+                                scale=scale, labels=captions)
+            self._metrics.log_images(it, "samples", list(images), captions or [""] * len(images), fps=self.fps)
         if last:
             self._close_bar()
 
@@ -88,7 +95,7 @@ class RunReporter:
             return
         self._metrics.log(step, result.figures)
         if result.images:
-            self._metrics.log_images(step, "eval/images", result.images, result.captions)
+            self._metrics.log_images(step, "eval/images", result.images, result.captions, fps=self.fps)
         self.evals.append({"iteration": step, **result.figures})
         if self.rows:
             self.write_curves()

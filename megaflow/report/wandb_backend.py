@@ -40,6 +40,7 @@ class WandbBackend:
         except wb.errors.UsageError as e:
             raise ValueError(f"logging.wandb: {e} (or set WANDB_MODE=offline to log under the run dir)") from None
         (Path(run_dir) / WANDB_ID_FILE).write_text(f"{self.run.id}\n")
+        self.media_dir = Path(run_dir) / "wandb_media"
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log(dict(values), step=step)
@@ -47,6 +48,15 @@ class WandbBackend:
     def images(self, step: int, tag: str, images: list, captions: list[str]) -> None:
         import wandb as wb
         self.run.log({tag: [wb.Image(img, caption=c) for img, c in zip(images, captions)]}, step=step)
+
+    def video(self, step: int, tag: str, frames, captions: list[str], *, fps: int) -> None:
+        """An MP4 (written by ``report.video.write_video`` into the run dir's ``wandb_media``) as a ``wandb.Video``
+        captioned with its clips' captions."""
+        import wandb as wb
+
+        from megaflow.report.video import write_video
+        path = write_video(frames, self.media_dir / f"{tag.replace('/', '_')}-{step:06d}.mp4", fps=fps)
+        self.run.log({tag: wb.Video(str(path), caption=" | ".join(captions), format="mp4")}, step=step)
 
     def close(self) -> None:
         """Finish the run, then wait for wandb's service process to write and close the run's files

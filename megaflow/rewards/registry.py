@@ -8,10 +8,13 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
 from megaflow.config.dotted import resolve
 from megaflow.config.suggest import did_you_mean
 from megaflow.rewards.aesthetic import AestheticReward
 from megaflow.rewards.base import to_float
+from megaflow.rewards.frames import FrameReward, frame_mode, takes_video
 from megaflow.rewards.cifar import Cifar10Reward
 from megaflow.rewards.clip import ClipScore, PickScore
 from megaflow.rewards.color import ColorTarget
@@ -56,7 +59,7 @@ class RewardSpec:
     """Key in logs and ``RewardScores.components``; defaults to ``name``."""
 
 
-CUSTOM_IMAGES = "a float32 CPU tensor [B, 3, H, W] in [0, 1]"
+CUSTOM_IMAGES = "a float32 CPU tensor [B, 3, H, W] in [0, 1] (a reward that takes video: clips [B, F, 3, H, W])"
 
 
 class _CustomReward:
@@ -67,7 +70,8 @@ class _CustomReward:
         self.fn, self.name, self.kwargs = fn, name, kwargs
 
     def __call__(self, images, prompts, metadata=None):
-        images = to_float(images)
+        video = isinstance(images, torch.Tensor) and images.ndim == 5 and takes_video(self)
+        images = images.detach().to("cpu", torch.float32) if video else to_float(images)
         if self.kwargs is None:
             return self.fn(images, prompts, metadata)
         return self.fn(images, prompts, metadata, **self.kwargs)
@@ -118,10 +122,12 @@ def _coerce(spec: RewardSpec | Mapping) -> RewardSpec:
 
 
 def build_multi_reward(specs: Sequence[RewardSpec | Mapping] | Mapping[str, float],
-                       kwargs: Mapping[str, Mapping] | None = None, *, timeout_s: float = 0.0) -> MultiReward:
+                       kwargs: Mapping[str, Mapping] | None = None, *, timeout_s: float = 0.0,
+                       frames: str = "mean") -> MultiReward:
     """One ``MultiReward`` from either a list of specs (``RewardSpec`` or plain dicts from a TOML
     config), or the config's ``{name: weight}`` table with optional ``{name: kwargs}``; ``timeout_s``: each
-    component's time limit per batch (0 = none; see megaflow.rewards.scorer)."""
+    component's time limit per batch (0 = none; see megaflow.rewards.scorer); ``frames``: how each scores a video
+    (``reward.frames``, megaflow.rewards.frames)."""
     if isinstance(specs, Mapping):
         kwargs = dict(kwargs or {})
         stray = sorted(set(kwargs) - set(specs))
@@ -131,8 +137,10 @@ def build_multi_reward(specs: Sequence[RewardSpec | Mapping] | Mapping[str, floa
     elif kwargs:
         raise ValueError("reward kwargs go inside each spec when specs are a list")
     specs = [_coerce(s) for s in specs]
-    return MultiReward([(s.label or s.name, _weight(s), build_reward(s.name, **dict(s.kwargs))) for s in specs],
-                       timeout_s=timeout_s)
+    mode = frame_mode(frames)
+    return MultiReward([(s.label or s.name, _weight(s),
+                         FrameReward(build_reward(s.name, **dict(s.kwargs)), mode, label=s.label or s.name))
+                        for s in specs], timeout_s=timeout_s)
 
 
 def _weight(spec: RewardSpec) -> float:

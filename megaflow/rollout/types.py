@@ -37,6 +37,10 @@ class RolloutRequest:
     """Image height in pixels."""
     width: int = 64
     """Image width in pixels."""
+    num_frames: int | None = None
+    """Frames of a video (a video family's card says which counts its VAE takes); None: an image."""
+    fps: int | None = None
+    """Frames per second of a video (its samples' files); None: an image, or the engine's default."""
     sde_type: str = "sde"
     """Transition: 'sde' (FlowGRPO SDE), 'cps' (coefficient-preserving) or 'ode' (deterministic)."""
     noise_level: float = 0.7
@@ -67,6 +71,8 @@ class RolloutRequest:
             raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.num_frames is not None and self.num_frames < 1 or self.fps is not None and self.fps < 1:
+            raise ValueError(f"num_frames and fps must be >= 1 or None, got {self.num_frames}, {self.fps}")
         if self.sde_step_indices is not None:
             bad = [i for i in self.sde_step_indices if not 0 <= i < self.num_steps]
             if bad:
@@ -80,9 +86,10 @@ class RolloutRequest:
 
     def trajectory_fields(self) -> dict:
         """What every Trajectory of this request copies from it (the group id, the prompt, the sampling settings and
-        the image size); an engine adds the sampled tensors, the output index and seed, and its log-prob convention."""
+        the image size, and a video's frames); an engine adds the sampled tensors, the output index and seed, and its log-prob convention."""
         return dict(request_id=self.request_id, prompt=self.prompt, sde_type=self.sde_type, noise_level=self.noise_level,
-                    guidance_scale=self.guidance_scale, do_cfg=self.do_cfg, height=self.height, width=self.width)
+                    guidance_scale=self.guidance_scale, do_cfg=self.do_cfg, height=self.height, width=self.width,
+                    num_frames=self.num_frames, fps=self.fps)
 
     def output_seeds(self) -> list[int]:
         """The seed of every output, in order."""
@@ -102,7 +109,7 @@ class RolloutRequest:
 @dataclass(kw_only=True)
 class Trajectory:
     """One sample of one request. Shapes: T steps; a latent as the DiT consumes it ([C, h, w] for SD3,
-    packed [tokens, 4C] for FLUX)."""
+    packed [tokens, 4C] for FLUX, [C, f, h, w] for a video: its latent frames f on their own axis)."""
 
     request_id: str
     """The request (group) this sample belongs to."""
@@ -111,7 +118,7 @@ class Trajectory:
     prompt: str
     seed: int
     latents: torch.Tensor
-    """[T+1, C, h, w] float32: latents[0] = initial noise, latents[t+1] = sample after step t."""
+    """[T+1, *latent] float32 ([T+1, C, h, w]; a video [T+1, C, f, h, w]): latents[0] = initial noise, latents[t+1] = sample after step t."""
     sigmas: torch.Tensor
     """[T+1] float32: the (shifted) sigma grid, sigmas[T] == 0."""
     log_probs: torch.Tensor
@@ -131,11 +138,16 @@ class Trajectory:
     """Image height in pixels of the request that produced this sample (None when not recorded)."""
     width: int | None = None
     """Image width in pixels of the request that produced this sample (None when not recorded)."""
+    num_frames: int | None = None
+    """Frames of a video sample (``RolloutRequest.num_frames``); None: an image."""
+    fps: int | None = None
+    """Frames per second of a video sample (``RolloutRequest.fps``); None: an image or the engine's default."""
     model_outputs: torch.Tensor | None = None
-    """[T, C, h, w] float32 velocity used at each step (after CFG) when the request asked for it
+    """[T, *latent] float32 velocity used at each step (after CFG) when the request asked for it
     (``RolloutRequest.return_model_outputs``), else None."""
     image: torch.Tensor | None = None
-    """[3, H, W] float32 in [0, 1], or None when images were not requested."""
+    """[3, H, W] float32 in [0, 1] (a video: [F, 3, H, W], F = ``num_frames``), or None when images were not
+    requested."""
     engine_id: str = ""
     """Which engine produced this sample."""
     timings: dict[str, float] = field(default_factory=dict)

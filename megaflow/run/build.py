@@ -325,5 +325,6 @@ def build_scorer(cfg: MegaflowConfig):
     component bounded by ``reward.timeout_s``)."""
     from megaflow.rewards.registry import build_multi_reward
     from megaflow.rewards.scorer import AsyncScorer
-    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs, timeout_s=cfg.reward.timeout_s)
+    reward = build_multi_reward(cfg.reward.weights, kwargs=cfg.reward.kwargs, timeout_s=cfg.reward.timeout_s,
+                                frames=cfg.reward.frames)
     return AsyncScorer(reward, num_workers=cfg.reward.num_workers)

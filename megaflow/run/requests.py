@@ -37,6 +37,7 @@ def make_requests(cfg: MegaflowConfig, prompts, iteration: int) -> list[RolloutR
     items = [prompt_and_metadata(next(prompts)) for _ in range(r.prompts_per_iter)]
     return [RolloutRequest(prompt=text, metadata=meta, num_outputs=r.group_size, seed=base + g * r.group_size,
                            num_steps=r.num_steps, height=r.height, width=r.width,
+                           num_frames=r.num_frames or None, fps=r.fps if r.num_frames else None,
                            guidance_scale=r.guidance_scale, do_cfg=do_cfg,
                            sde_type=r.sde_type, noise_level=r.noise_level,
                            sde_step_indices=window, log_prob_no_const=r.log_prob_no_const,

@@ -21,6 +21,7 @@ from megaflow.config.preflight import cuda_available
 
 AWM = ["--set", "algo.name=awm", "--set", "rollout.sde_type=ode"]
 DGPO = ["--set", "algo.name=dgpo", "--set", "rollout.sde_type=ode"]
+WAN = ["--set", "model.family=wan", "--set", "rollout.num_frames=5"]
 
 
 CASES = {
@@ -175,6 +176,24 @@ CASES = {
     "unknown colour in reward kwargs": (lambda t: [*TRAIN, "--set",
                                                    'reward.kwargs={color_target = {target = "purpleish"}}'],
                                         "reward.kwargs.color_target.target: unknown colour 'purpleish'"),
+    "video config, image family": (lambda t: [*TRAIN, "--set", "rollout.num_frames=5"],
+                                   "rollout.num_frames = 5: model.family = 'sd3' samples images"),
+    "image config, video family": (lambda t: [*TRAIN, *WAN[:2]], "model.family = 'wan' samples videos: set rollout.num_frames"),
+    "frames the VAE cannot compress": (lambda t: [*TRAIN, *WAN[:2], "--set", "rollout.num_frames=6"],
+                                       "rollout.num_frames = 6: Wan's VAE compresses 4 frames into one after the first, "
+                                       "so it takes k * 4 + 1 frames (5 or 9)"),
+    "frames beyond the rotary table": (lambda t: [*TRAIN, *WAN[:2], "--set", "rollout.num_frames=201"],
+                                       "rollout.num_frames = 201: 51 latent frames, more than the 32 positions per axis"),
+    "clip side beyond the rotary table": (lambda t: [*TRAIN, *WAN, "--set", "rollout.height=576"],
+                                          "rollout.height = 576: 36 tokens, more than the 32 positions per axis"),
+    "image reward on whole clips": (lambda t: [*TRAIN, *WAN, "--set", 'reward.frames="video"'],
+                                    "reward.frames = 'video' hands whole clips to every reward, but 'color_target' "
+                                    "scores images"),
+    "reward frame beyond the clip": (lambda t: [*TRAIN, *WAN, "--set", 'reward.frames="5"'],
+                                     "reward.frames = '5': the clips have 5 frames"),
+    "video run evaluated by ShapeEval": (lambda t: [*TRAIN, *WAN, "--set", "eval.every=1"],
+                                         "eval.every = 1 without data.test_prompts evaluates with ShapeEval"),
+    "reward frames not a mode": (lambda t: [*SHOW, "--set", 'reward.frames="last"'], "reward.frames = 'last': must be one of"),
     "height beyond the tiny pipeline's position table": (lambda t: [*TRAIN, "--set", "rollout.height=512"],
                                                          "rollout.height = 512: larger than 256"),
     "tool: --tp 3 on 4 heads": (lambda t: [*_tool(t, "to-megatron", _transformer(t)), "--tp", "3"],

@@ -184,3 +184,25 @@ def test_sde_step_mask_and_effective_config():
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         TransitionConfig(**kwargs)
+
+
+def test_video_log_prob_reduces_over_the_frame_axis():
+    """A video step [B, C, F, H, W]: the log-prob is the Gaussian log-density averaged over every element, frames
+    included (independent: per-frame densities by hand, then the mean of the frames' means), and changing one frame
+    of one sample changes only that sample's log-prob."""
+    import math
+
+    from megaflow.flow.step import TransitionConfig, transition_log_prob, transition_mean_std
+
+    g = torch.Generator().manual_seed(3)
+    x, v, x_next = (torch.randn(2, 4, 3, 4, 6, generator=g) for _ in range(3))
+    config = TransitionConfig(kind="sde", noise_level=0.7)
+    lp = transition_log_prob(x, v, x_next, 0.8, 0.6, sigma_max=0.9, config=config).log_prob
+    mean, std, _ = transition_mean_std(x, v, 0.8, 0.6, sigma_max=0.9, config=config)
+    density = -((x_next - mean) ** 2) / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    per_frame = torch.stack([density[:, :, f].mean(dim=(1, 2, 3)) for f in range(3)], dim=1)  # [B, F]
+    torch.testing.assert_close(lp, per_frame.mean(dim=1), rtol=0, atol=1e-6)
+    moved = x_next.clone()
+    moved[1, :, 2] += 1.0
+    lp2 = transition_log_prob(x, v, moved, 0.8, 0.6, sigma_max=0.9, config=config).log_prob
+    assert lp2[0] == lp[0] and lp2[1] < lp[1]

@@ -57,8 +57,12 @@ def fake_wandb(monkeypatch):
     def teardown():
         calls.append(("teardown",))
 
+    class Video:
+        def __init__(self, data, caption=None, format=None):
+            self.data, self.caption, self.format = data, caption, format
+
     fake = types.ModuleType("wandb")
-    fake.init, fake.Image, fake.fail, fake.teardown = init, Image, False, teardown
+    fake.init, fake.Image, fake.Video, fake.fail, fake.teardown = init, Image, Video, False, teardown
     fake.errors = types.SimpleNamespace(UsageError=UsageError)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     fake.calls = calls
@@ -132,6 +136,22 @@ def test_reporter_logs_sample_images_with_captions(tmp_path, fake_wandb):
     assert [im.caption for im in imgs] == [f"prompt {k} | reward {k / 10:.3f}" for k in range(4)]
     assert imgs[3].data.shape == (4, 4, 3) and imgs[3].data.dtype.name == "uint8" and imgs[3].data[0, 0, 0] == 191
     assert (tmp_path / "samples" / "iter00002.png").is_file()
+
+
+def test_reporter_logs_video_samples_as_one_mp4(tmp_path, fake_wandb):
+    """Clips [F, 3, H, W] reach W&B as one wandb.Video: the MP4 of the grids (5 frames), every caption in order."""
+    import imageio.v2 as iio2
+
+    cfg = _cfg("logging.sample_every=1", "rollout.group_size=2", "rollout.fps=8")
+    reporter = RunReporter(tmp_path, cfg, enabled=True, verbose=False, total_iterations=1)
+    clips = torch.rand(2, 5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    reporter.iteration(1, {"reward/total": 0.1}, images=list(clips), captions=["a red cat", "a blue dog"])
+    reporter.close()
+    (video,) = [c[2]["samples"] for c in fake_wandb.calls if c[0] == "log" and "samples" in c[2]]
+    assert video.format == "mp4" and video.caption == "a red cat | a blue dog"
+    reader = iio2.get_reader(video.data, format="FFMPEG")
+    assert reader.count_frames() == 5 and reader.get_meta_data()["fps"] == 8
+    assert (tmp_path / "samples" / "iter00001.mp4").is_file()
 
 
 def test_reporter_logs_evaluations_at_their_step(tmp_path, fake_wandb):

@@ -33,3 +33,9 @@ def test_incompatible_requests_and_cfg_never_share_a_call():
 def test_merge_off_and_oversized_groups_run_alone():
     assert plan_calls([_group(0), _group(1)], max_outputs=64, merge=False) == [[0], [1]]
     assert plan_calls([_group(0, n=40), _group(1, n=40), _group(2, n=4)], max_outputs=32) == [[0], [1], [2]]
+
+
+def test_clips_of_other_lengths_never_share_a_call():
+    """A video's frame count is part of its signature: 5-frame clips merge, a 9-frame clip and an image do not."""
+    requests = [_group(0, n=2, num_frames=5), _group(1, n=2, num_frames=9), _group(2, n=2, num_frames=5), _group(3, n=2)]
+    assert plan_calls(requests, max_outputs=16) == [[0, 2], [1], [3]]

@@ -1,7 +1,7 @@
 """tools/make_tiny_pipeline.py (needs: CPU 1 proc, ~15 s): offline, seeded, small, loadable by diffusers.
 
-Loading by SGLang's native pipeline is covered by tests/rollout/test_sglang_engine.py (SD3) and
-tests/rollout/test_sglang_engine_flux.py (FLUX).
+Loading by SGLang's native pipeline is covered by tests/rollout/test_sglang_engine.py (SD3),
+tests/rollout/test_sglang_engine_flux.py (FLUX) and tests/rollout/test_sglang_engine_wan.py (Wan).
 """
 from __future__ import annotations
 
@@ -42,3 +42,25 @@ def test_tiny_pipeline_is_small_seeded_and_loads(tiny_pipeline_tool, tmp_path, f
 def test_unknown_family_is_rejected(tiny_pipeline_tool, tmp_path):
     with pytest.raises(ValueError, match="family"):
         tiny_pipeline_tool.make_tiny_pipeline("sdxl", tmp_path)
+
+
+def test_tiny_wan_pipeline_is_seeded_and_samples_a_clip(tiny_pipeline_tool, tmp_path):
+    """The tiny Wan 2.1 T2V pipeline loads in diffusers' WanPipeline and samples a 5-frame clip: frames on their own
+    axis, the VAE's 4x temporal / 8x spatial compression ((5 - 1) / 4 + 1 = 2 latent frames of 8 x 8)."""
+    from diffusers import WanPipeline
+
+    torch.set_num_threads(1)
+    a = tiny_pipeline_tool.make_tiny_pipeline("wan", tmp_path / "a", seed=1)
+    b = tiny_pipeline_tool.make_tiny_pipeline("wan", tmp_path / "b", seed=1)
+    assert _digest(a) == _digest(b)
+    assert sum(f.stat().st_size for f in a.rglob("*") if f.is_file()) < 5 * 2**20
+    pipe = WanPipeline.from_pretrained(a, torch_dtype=torch.float32)
+    other = tiny_pipeline_tool.build_wan(seed=2)
+    assert not torch.equal(next(pipe.transformer.parameters()), next(other.transformer.parameters()))
+    assert len(pipe.tokenizer) > 50 and pipe.tokenizer("a red cat").input_ids != pipe.tokenizer("a blue dog").input_ids
+    call = dict(prompt="a red cat", num_frames=5, height=64, width=64, num_inference_steps=2, guidance_scale=1.0)
+    latents = pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    assert latents.shape == (1, 16, 2, 8, 8)
+    video = pipe(**call, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    assert video.shape == (1, 5, 3, 64, 64) and torch.isfinite(video).all()
+    assert 0 <= video.min() and video.max() <= 1 and video.std() > 0

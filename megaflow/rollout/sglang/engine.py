@@ -51,7 +51,7 @@ class _Item:
 
 def _sampling_signature(r: RolloutRequest) -> tuple:
     """Requests with equal signatures can share one denoising batch."""
-    return (r.num_steps, r.height, r.width, r.sde_type, r.noise_level, r.log_prob_no_const,
+    return (r.num_steps, r.height, r.width, r.num_frames, r.sde_type, r.noise_level, r.log_prob_no_const,
             tuple(r.sde_step_indices) if r.sde_step_indices is not None else None, r.guidance_scale,
             r.max_sequence_length, r.return_model_outputs)
 

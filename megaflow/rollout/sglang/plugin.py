@@ -1,6 +1,6 @@
 """SGLang diffusion plugin (group ``sglang.multimodal_gen.plugins``): in each engine worker, freeze the heap
 once the scheduler is built, keep staging slots mapped, hash tensors for verification without copying them, run no
-text encoder code the server args do not trust.
+text encoder code the server args do not trust, run the CPU layers ``sgl_kernel`` lacks as torch (``cpu_ops``).
 Design notes: docs/design/rollout.md.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import gc
 import os
 
 from megaflow.config.remote_code import refuse_remote_code
-from megaflow.rollout.sglang import weight_checks
+from megaflow.rollout.sglang import cpu_ops, weight_checks
 
 ENV_VAR = "MEGAFLOW_SGLANG_GC_FREEZE"
 HOOK_TARGET = "sglang.multimodal_gen.runtime.managers.scheduler.Scheduler.__init__"
@@ -43,9 +43,12 @@ def register() -> None:
     plugin_hook(weight_checks.HASH_TARGET, HookType.REPLACE)(weight_checks.tensor_digest)
     plugin_hook(weight_checks.UPDATE_TARGET, HookType.AROUND)(weight_checks.check_update)
     plugin_hook(weight_checks.COPY_TARGET, HookType.AROUND)(weight_checks.hash_as_copied)
+    plugin_hook(weight_checks.VERIFY_TARGET, HookType.AROUND)(weight_checks.verify_engine_names)
     plugin_hook(ENDPOINT_TARGET, HookType.AROUND)(private_scheduler_endpoint)
     plugin_hook(RENDEZVOUS_TARGET, HookType.AROUND)(private_rendezvous)
     plugin_hook(ENCODER_CONFIG_TARGET, HookType.AROUND)(untrusted_encoder_config)
+    plugin_hook(cpu_ops.NORM_SCALE_SHIFT_TARGET, HookType.AROUND)(cpu_ops.norm_scale_shift_cpu)
+    plugin_hook(cpu_ops.RESIDUAL_NORM_SCALE_SHIFT_TARGET, HookType.AROUND)(cpu_ops.residual_norm_scale_shift_cpu)
 
 
 def own_sockets(scheduler_port: int, directory: str) -> None:

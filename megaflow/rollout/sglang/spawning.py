@@ -21,8 +21,47 @@ def spawn_settings(*, log_file: Path | None, device_index: int | None, num_threa
     ``EngineServer.start`` for the arguments."""
     with (_without_launcher_env(), _pinned_device(device_index), _worker_threads(num_threads),
           _env_var(weight_checks.CHECKSUM_VAR, checksum), _env_var(plugin.SOCKET_DIR_VAR, socket_dir),
-          _worker_output(log_file)):
+          _worker_output(log_file), _storage_pickling()):
         yield
+
+
+def load_storage(data: bytes):
+    """A tensor storage pickled while ``_storage_pickling`` was open, loaded weights-only."""
+    import io
+
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _reduce_storage(storage):
+    """Pickle a typed storage as torch does (``TypedStorage.__reduce__``), to be loaded by ``load_storage``."""
+    import io
+
+    import torch
+    data = io.BytesIO()
+    torch.save(storage, data, _use_new_zipfile_serialization=False)
+    return load_storage, (data.getvalue(),)
+
+
+@contextlib.contextmanager
+def _storage_pickling():
+    """Tensors handed to the workers (the server args: Wan's VAE config holds one) pickle with ``load_storage``, not
+    with whatever replaced ``torch.storage._load_from_bytes`` in this process: megatron-core installs its own when
+    imported (sglang's launch may import it), and a worker, where megatron is blocked (``megaflow._env``), could not
+    unpickle that. A ``copyreg`` entry takes precedence over ``TypedStorage.__reduce__``."""
+    import copyreg
+
+    import torch.storage
+
+    saved = copyreg.dispatch_table.get(torch.storage.TypedStorage)
+    copyreg.pickle(torch.storage.TypedStorage, _reduce_storage)
+    try:
+        yield
+    finally:
+        if saved is None:
+            copyreg.dispatch_table.pop(torch.storage.TypedStorage, None)
+        else:
+            copyreg.dispatch_table[torch.storage.TypedStorage] = saved
 
 
 # Set by torchrun / torch elastic for the TRAINER's process group. Engine workers inherit the

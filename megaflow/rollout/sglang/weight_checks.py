@@ -12,6 +12,7 @@ DIGESTS_KEY = "megaflow_expected_digests"
 """Module-payload key: {tensor name: digest} of the bucket's tensors, hashed by the sender."""
 UPDATE_TARGET = "sglang.multimodal_gen.runtime.post_training.weights_updater.WeightsUpdater.update_weights_from_tensor"
 COPY_TARGET = "sglang.multimodal_gen.runtime.post_training.weights_updater.load_weights_into_model"
+VERIFY_TARGET = "sglang.multimodal_gen.runtime.post_training.tensor_update_checker.TensorUpdateChecker.verify"
 
 
 @dataclass
@@ -56,7 +57,7 @@ def check_update(original, updater, named_tensors, *args, **kwargs) -> tuple[boo
 
     if get_world_group().world_size > 1:
         return False, "an update that carries digests needs a single-rank engine (use a separate check request)"
-    _current = check = _Check(*carried)
+    _current = check = _engine_names(updater, _Check(*carried))
     try:
         ok, message = original(updater, named_tensors, *args, **kwargs)
     finally:
@@ -64,6 +65,38 @@ def check_update(original, updater, named_tensors, *args, **kwargs) -> tuple[boo
     if not ok:
         return ok, message
     return _compare(updater, check, message)
+
+
+def _engine_names(updater, check: _Check) -> _Check:
+    """The check keyed by the engine's parameter names (``engine_names``)."""
+    module = updater.pipeline.get_module(check.module)
+    return _Check(check.module, engine_names(module, check.expected)) if module is not None else check
+
+
+def engine_names(module, named: dict[str, str]) -> dict[str, str]:
+    """``named`` keyed by ``module``'s own parameter names: a name the module does not hold goes through its
+    ``param_names_mapping`` (SGLang's Wan DiT: diffusers' ``blocks.0.attn1.to_q`` is ``blocks.0.to_q``), as an update
+    maps it; parts of a fused parameter keep their names."""
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import _build_module_weight_name_mapper
+
+    map_name = _build_module_weight_name_mapper(module)
+    if map_name is None:
+        return dict(named)
+    held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
+    out = {}
+    for name, value in named.items():
+        mapped, merge_index = (name, None) if name in held else map_name(name)
+        out[mapped if merge_index is None and mapped in held else name] = value
+    return out
+
+
+def verify_engine_names(original, checker, target_module, expected_named_tensors_sha256, *args, **kwargs):
+    """Around SGLang's ``TensorUpdateChecker.verify`` (a check request): the expected digests by the module's own
+    parameter names (``engine_names``), so a check by diffusers names finds the tensors an update by them loaded."""
+    module = checker.pipeline.get_module(target_module)
+    if module is not None:
+        expected_named_tensors_sha256 = engine_names(module, expected_named_tensors_sha256)
+    return original(checker, target_module, expected_named_tensors_sha256, *args, **kwargs)
 
 
 def _compare(updater, check: _Check, message: str) -> tuple[bool, str]:

@@ -41,6 +41,10 @@ def build_request(server_args, family: str, requests: list[RolloutRequest], *, l
         kwargs["negative_prompt"] = r0.negative_prompt
     if r0.max_sequence_length is not None:
         kwargs["max_sequence_length"] = r0.max_sequence_length
+    if r0.num_frames is not None:  # a video (else SGLang's image default); merged requests share it
+        kwargs.update(num_frames=r0.num_frames, adjust_frames=False)
+        if r0.fps is not None:
+            kwargs["fps"] = r0.fps
     sampling = SamplingParams.from_user_sampling_params_args(
         server_args.model_path, server_args=server_args, **kwargs)
     req = prepare_request(server_args=server_args, sampling_params=sampling)
@@ -95,6 +99,16 @@ def to_trajectories(requests: list[RolloutRequest], ob) -> list[Trajectory]:
                 **r.trajectory_fields(), index=j, seed=seed, latents=latents[b], sigmas=sigmas, log_probs=log_probs[b],
                 sde_mask=r.sde_mask(), log_prob_no_const=r.log_prob_no_const or r.sde_type == "ode", conditioning=cond,
                 model_outputs=model_outputs[b] if (r.return_model_outputs and model_outputs is not None) else None,
-                image=images[b].float() if (r.return_images and images is not None) else None))
+                image=_sample_image(images[b], r) if (r.return_images and images is not None) else None))
             b += 1
     return out
+
+
+def _sample_image(output: torch.Tensor, request: RolloutRequest) -> torch.Tensor:
+    """A sample's decoded output as megaflow's: an image [3, H, W]; a video [F, 3, H, W] (SGLang's [3, F, H, W])."""
+    if request.num_frames is None:
+        return output.float()
+    if output.dim() != 4 or output.shape[1] != request.num_frames:
+        raise EngineCallFailed(f"engine returned a video of shape {tuple(output.shape)}, expected "
+                               f"[3, {request.num_frames}, H, W]")
+    return output.float().movedim(0, 1).contiguous()
