@@ -37,8 +37,8 @@ def test_img_shapes_and_padded_text(height, width):
     latents = _packed_latents(height, width)
     trajs = [_traj(latents[0], height, width, 5, 0), _traj(latents[0], height, width, 3, 1)]
     cond = QWEN.batch_conditioning(CONFIG, trajs, False)
-    assert cond["img_shapes"] == (1, height // 8 // 2, width // 8 // 2)  # QwenImagePipeline.__call__
-    frames, rows, cols = cond["img_shapes"]
+    assert cond["img_shapes"].tolist() == [1, height // 8 // 2, width // 8 // 2]  # QwenImagePipeline.__call__
+    frames, rows, cols = cond["img_shapes"].tolist()
     assert frames * rows * cols == latents.shape[1]
     assert cond["encoder_hidden_states_mask"].tolist() == [[1] * 5, [1] * 3 + [0] * 2]
     assert torch.equal(cond["encoder_hidden_states"][1, :3], trajs[1].conditioning["encoder_hidden_states"])
@@ -52,6 +52,8 @@ def test_cfg_pads_both_branches_to_one_length_and_mistakes_are_named():
     cond = QWEN.batch_conditioning(CONFIG, trajs, True)
     assert cond["encoder_hidden_states"].shape == (4, 6, 24)  # [negative; positive]
     assert cond["encoder_hidden_states_mask"].sum(1).tolist() == [6, 1, 4, 2]
+    assert cond["cfg_renorm"].tolist() == [True, True]  # the sampler's true CFG renormalises (guided_velocity)
+    assert "cfg_renorm" not in QWEN.batch_conditioning(CONFIG, trajs, False)
     with pytest.raises(ValueError, match="image size"):
         QWEN.batch_conditioning(CONFIG, [_traj(latents[0], None, None, 3)], False)
     with pytest.raises(ValueError, match="fit no grid"):
