@@ -3,13 +3,13 @@
 sampling, the megatron trainer, the bridge; then the disaggregated placement, a kill -9 + resume and `megaflow export`.
 
 One run per algorithm (module fixture) is shared by the tests: FlowGRPO with the config's true CFG (4.0, SDE),
-DiffusionNFT, AWM (with LoRA adapters: only they sync) and DGPO (ODE, no CFG). Checks: every iteration trains and
-its sync verifies by checksum; FlowGRPO's recomputed log-probs equal the engine's (<= 1e-5); the same FlowGRPO run
-with the engine on its own rank (2 ranks, the distributed bridge) gives the same rewards and losses (1e-6 relative,
-the same computation on the same CPU); SIGKILLed right after iteration 2's update and resumed, it ends with the
-uninterrupted run's weights and rewards bit for bit (torch.equal); its export is a QwenImagePipeline that plain
-diffusers loads (its transformer = the checkpoint's weights through the family's weight map, bit for bit) and
-samples from.
+DiffusionNFT, AWM (with LoRA adapters: only they sync) and DGPO (through the disk bridge), the last three ODE
+without CFG. Checks: every iteration trains and its sync verifies by checksum; FlowGRPO's recomputed log-probs equal
+the engine's (<= 1e-5); the same FlowGRPO run with the engine on its own rank (2 ranks, the distributed bridge)
+gives the same rewards and losses (1e-6 relative, the same computation on the same CPU); SIGKILLed right after
+iteration 2's update and resumed, it ends with the uninterrupted run's weights and rewards bit for bit
+(torch.equal); its export is a QwenImagePipeline that plain diffusers loads (its transformer = the checkpoint's
+weights through the family's weight map, bit for bit) and samples from.
 Needs: CPU, real SGLang engines (one per run, ~20-50 s each), gloo (2 ranks once); slow.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ TINY = ("rollout.prompts_per_iter=2", "rollout.group_size=3", "rollout.num_steps
         "train.iterations=3", "train.save_every=1", "train.keep_checkpoints=3")
 ODE = ("rollout.sde_type=ode", "rollout.guidance_scale=1.0")
 SETTINGS = {"flowgrpo": (), "nft": ("algo.name=nft", *ODE),
-            "awm": ("algo.name=awm", *ODE, "lora.rank=4", "lora.alpha=8.0"), "dgpo": ("algo.name=dgpo", *ODE)}
+            "awm": ("algo.name=awm", *ODE, "lora.rank=4", "lora.alpha=8.0"),
+            "dgpo": ("algo.name=dgpo", *ODE, "bridge.mode=disk")}
 DISAGGREGATED = ("rollout.placement=disaggregated", "rollout.engine_ranks=1", "bridge.mode=distributed")
 COMPARED = ("reward/total", "train/loss", "train/approx_kl", "train/grad_norm", "train/logp_abs_diff_rollout")
 

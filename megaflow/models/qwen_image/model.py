@@ -123,9 +123,9 @@ class QwenImageTransformer(DiTModel):
 def batch_conditioning(config: QwenImageConfig, trajectories, cfg: bool) -> dict:
     """A trainer microbatch's conditioning keys from trajectories: the stacked Qwen2.5-VL hidden states and
     their mask (each trajectory's ``encoder_hidden_states`` padded to one length; [negative; positive] under
-    CFG) and ``img_shapes`` [3] from the image size (a tensor: a microbatch holds tensors); under CFG ``cfg_renorm`` [B] (the sampler's true CFG rescales each
-    token's guided velocity to the conditional one's norm: ``trainer.flowgrpo_batches.guided_velocity``). ValueError
-    names what does not fit."""
+    CFG) and ``img_shapes`` [3] from the image size (a tensor: a microbatch holds tensors); under CFG
+    ``cfg_renorm`` [B] (the sampler's true CFG rescales each token's guided velocity to the conditional one's norm:
+    ``trainer.flowgrpo_batches.guided_velocity``). ValueError names what does not fit."""
     size = (trajectories[0].height, trajectories[0].width)
     if None in size or any((x.height, x.width) != size for x in trajectories):
         raise ValueError("a Qwen-Image microbatch needs one known image size (height, width) for its RoPE; got "

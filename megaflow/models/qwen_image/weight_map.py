@@ -1,5 +1,6 @@
 """The single Qwen-Image name table: megatron <-> diffusers names, TP split kind, fused-QKV recipe, and the
-names of SGLang's native DiT (``engine_tensors``); nothing else spells Qwen-Image parameter names. Design notes: docs/design/models.md.
+names of SGLang's native DiT (``engine_tensors``); nothing else spells Qwen-Image parameter names.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
 
