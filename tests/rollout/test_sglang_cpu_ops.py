@@ -1,4 +1,7 @@
 """megaflow.rollout.sglang.cpu_ops: the torch fallbacks of SGLang's fused CPU norm-scale-shift layers equal the
+layers' formula written out independently here (per sample [B, h] or [B, 1, h], per token [B, N, h], per frame
+[B, F, 1, h] over frame-major tokens; gate 1 for a cross-attention), exactly in fp32; the fused op is called when
+sgl_kernel has it.
 Needs: CPU, 1 process, no engine (~1 s)."""
 from __future__ import annotations
 
