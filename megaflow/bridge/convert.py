@@ -10,7 +10,9 @@ import torch
 
 def engine_named_params(trainer) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's full weights under the engine's (diffusers) names, streamed (collective: every trainer
-    rank must iterate it)."""
+    rank must iterate it); a family whose engine fuses projections renames them (``ModelFamily.engine_tensors``)."""
     wm = trainer.family.weight_map
-    for name, tensor in trainer.iter_full_params():
-        yield from wm.megatron_to_diffusers(name, tensor, trainer.config)
+    named = (pair for name, tensor in trainer.iter_full_params()
+             for pair in wm.megatron_to_diffusers(name, tensor, trainer.config))
+    fuse = trainer.family.engine_tensors
+    yield from (named if fuse is None else fuse(named))

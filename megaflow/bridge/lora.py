@@ -16,7 +16,8 @@ def sync_stream(trainer) -> Iterator[tuple[str, torch.Tensor]]:
     """What a sync moves (collective over trainer ranks): the adapters of a LoRA trainer, else every weight
     under the engine's names."""
     if getattr(trainer, "lora", None) is not None:
-        return trainer.iter_full_adapters()
+        fuse = trainer.family.engine_tensors  # the engine's names of fused projections (ModelFamily.engine_tensors)
+        return trainer.iter_full_adapters() if fuse is None else fuse(trainer.iter_full_adapters())
     from megaflow.bridge.convert import engine_named_params
     return engine_named_params(trainer)
 

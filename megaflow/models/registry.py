@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 from megaflow.families import card, family_names
@@ -46,6 +47,10 @@ class ModelFamily:
     embedded_guidance: bool = False
     """True: a rollout's ``guidance_scale`` is a model input (FLUX.1-dev's guidance embedding) and never
     turns on classifier-free guidance; False: guidance_scale > 1 samples with CFG (two branches)."""
+    engine_tensors: Callable[[Iterable[tuple[str, Any]]], Iterator[tuple[str, Any]]] | None = None
+    """(diffusers-named full tensors, in the weight map's order) -> the same weights under the names of SGLang's
+    native DiT where it fuses projections (Qwen-Image's ``to_added_qkv``), so an update is loaded and checked by
+    name; None: the engine holds the diffusers names (the weight map module's ``engine_tensors``, if any)."""
 
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
@@ -56,7 +61,8 @@ class ModelFamily:
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
                    model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length,
-                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance, tiny=tiny)
+                   batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance, tiny=tiny,
+                   engine_tensors=getattr(weight_map, "engine_tensors", None))
 
 
 def get_family(name: str) -> ModelFamily:

@@ -1,4 +1,5 @@
-"""Write a tiny, randomly initialised diffusers pipeline (SD3, FLUX.1 or Wan 2.1 T2V) to a directory, offline.
+"""Write a tiny, randomly initialised diffusers pipeline (SD3, FLUX.1, Qwen-Image or Wan 2.1 T2V) to a directory,
+offline.
 
 Loads with diffusers and SGLang's native path on CPU; seeded and deterministic, a few MB, tokenizers
 built in memory. Design notes: docs/design/models.md.
@@ -208,7 +209,79 @@ def build_wan(seed: int):
     )
 
 
-BUILDERS = {"sd3": build_sd3, "flux": build_flux, "wan": build_wan}
+_QWEN_TEMPLATE_WORDS = tuple(
+    "system user assistant Describe image by detailing color shape size texture quantity text spatial "
+    "relationships objects background".split())
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def make_qwen_tokenizer(words: tuple[str, ...] = (*_WORDS, *_QWEN_TEMPLATE_WORDS)):
+    """Qwen2's byte-level BPE in miniature: every byte, merges spelling each word with and without its leading
+    space ('Ġ'), and the chat special tokens; the Qwen-Image prompt template's system prefix is 34 tokens, as
+    with the published tokenizer (both pipelines drop those 34)."""
+    from transformers import Qwen2Tokenizer
+
+    space = _bytes_to_unicode()[ord(" ")]
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    merges: list[tuple[str, str]] = []
+    for word in [w for word in words for w in (word, space + word)]:
+        symbols = _bpe(list(word), {m: r for r, m in enumerate(merges)})
+        while len(symbols) > 1:
+            merges.append((symbols[0], symbols[1]))
+            symbols = [symbols[0] + symbols[1]] + symbols[2:]
+            vocab.setdefault(symbols[0], len(vocab))
+    for special in _QWEN_SPECIALS:
+        vocab[special] = len(vocab)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None,
+                          additional_special_tokens=list(_QWEN_SPECIALS[1:]), model_max_length=32768)
+
+
+def make_qwen_vl_encoder(tokenizer, *, hidden: int, seed: int):
+    """A 2-layer Qwen2.5-VL (text 2 heads with multimodal RoPE sections, a 1-block vision tower) whose
+    special-token ids match ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    heads = 2
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=1,
+                         max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=pad, eos_token_id=eos,
+                         pad_token_id=pad, rope_parameters=dict(
+                             rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                           fullatt_block_indexes=[0]),
+        image_token_id=len(tokenizer) + 1, video_token_id=len(tokenizer) + 2,
+        vision_start_token_id=len(tokenizer) + 3, vision_end_token_id=len(tokenizer) + 4)
+    assert hidden // heads == 2 * (2 + 3 + 3)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_qwen_image(seed: int):
+    """Tiny QwenImagePipeline: 2 dual-stream blocks (hidden 32), a 2-layer Qwen2.5-VL (32 wide), a 3-level
+    AutoencoderKLQwenImage (spatial factor 8, 4 latent channels) and the published scheduler settings."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    width, z = 32, 4
+    tok = make_qwen_tokenizer()
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z, out_channels=z, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=width, axes_dims_rope=(4, 6, 6)).eval()
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0][:z], latents_std=[1.5, 2.0, 1.0, 2.5][:z]).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    return QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae,
+                             text_encoder=make_qwen_vl_encoder(tok, hidden=width, seed=seed + 2), tokenizer=tok)
+
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "qwen_image": build_qwen_image, "wan": build_wan}
 """The tiny pipeline of each family that has one: family name -> builder(seed)."""
 FAMILIES = tuple(BUILDERS)
 

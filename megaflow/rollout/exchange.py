@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megaflow.parallel.groups import as_group
 from megaflow.rollout.types import RewardScores, RolloutRequest, Trajectory
@@ -26,8 +27,8 @@ def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
         if isinstance(first, torch.Tensor):
             out[_TRAJ + f.name] = torch.stack([getattr(t, f.name) for t in trajs])
         elif isinstance(first, dict) and first and all(isinstance(v, torch.Tensor) for v in first.values()):
-            for key in first:
-                out[f"{_TRAJ}{f.name}.{key}"] = torch.stack([getattr(t, f.name)[key] for t in trajs])
+            for key, value in _stacked([getattr(t, f.name) for t in trajs]).items():
+                out[f"{_TRAJ}{f.name}.{key}"] = value
     out["time.sample_s"] = torch.tensor([sample_seconds], dtype=torch.float64)
     if scores is None:
         return out
@@ -38,6 +39,30 @@ def pack_share(trajs: Sequence[Trajectory], scores: RewardScores | None,
     out["reward.weights"] = torch.tensor([scores.weights[label] for label in labels], dtype=torch.float64)
     out["reward.timeouts"] = torch.tensor([scores.timeouts.get(label, 0) for label in labels], dtype=torch.int64)
     out.update({_INFO + key: torch.tensor([value], dtype=torch.float64) for key, value in scores.info.items()})
+    return out
+
+
+def _stacked(dicts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each key's tensors stacked over the samples. A key whose tensors differ in length (the first axis: prompt
+    embeddings of different token counts, Qwen-Image's) or whose ``<key>_mask`` only some samples carry is
+    zero-padded to the longest, with ``<key>_mask`` [B, L] (True: a real row; a sample's own mask kept)."""
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    out = {}
+    for key in keys:
+        if key.endswith("_mask") and key.removesuffix("_mask") in keys:
+            continue  # stacked with its tensor
+        tensors, masks = [d[key] for d in dicts], [d.get(f"{key}_mask") for d in dicts]
+        same = all(t.shape == tensors[0].shape for t in tensors)
+        if same and (all(m is None for m in masks) or all(m is not None for m in masks)):
+            out[key] = torch.stack(tensors)
+            if masks[0] is not None:
+                out[f"{key}_mask"] = torch.stack(masks)
+            continue
+        longest = max(t.shape[0] for t in tensors)
+        out[key] = torch.stack([F.pad(t, (0, 0) * (t.dim() - 1) + (0, longest - t.shape[0])) for t in tensors])
+        out[f"{key}_mask"] = torch.stack([
+            F.pad((torch.ones(t.shape[0], dtype=torch.bool) if m is None else m.bool()), (0, longest - t.shape[0]))
+            for t, m in zip(tensors, masks)])
     return out
 
 

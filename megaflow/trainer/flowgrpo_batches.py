@@ -99,9 +99,14 @@ def policy_input(mb: dict) -> torch.Tensor:
 
 
 def guided_velocity(velocity: torch.Tensor, mb: dict) -> torch.Tensor:
-    """The velocity the sampler stepped with: the DiT output, or v_u + g·(v_c − v_u) under CFG."""
+    """The velocity the sampler stepped with: the DiT output, or v_u + g·(v_c − v_u) under CFG; with the
+    family's ``cfg_renorm`` key (Qwen-Image's true CFG) each token's guided velocity is scaled back to the norm of
+    its conditional one (over the last axis, the packed channels)."""
     if "guidance_scale" not in mb:
         return velocity
     uncond, cond = velocity.chunk(2)
     g = mb["guidance_scale"].to(velocity.dtype).view(-1, *([1] * (velocity.dim() - 1)))
-    return uncond + g * (cond - uncond)
+    guided = uncond + g * (cond - uncond)
+    if "cfg_renorm" in mb:
+        guided = guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return guided

@@ -37,8 +37,8 @@ def test_img_shapes_and_padded_text(height, width):
     latents = _packed_latents(height, width)
     trajs = [_traj(latents[0], height, width, 5, 0), _traj(latents[0], height, width, 3, 1)]
     cond = QWEN.batch_conditioning(CONFIG, trajs, False)
-    assert cond["img_shapes"] == (1, height // 8 // 2, width // 8 // 2)  # QwenImagePipeline.__call__
-    frames, rows, cols = cond["img_shapes"]
+    assert cond["img_shapes"].tolist() == [1, height // 8 // 2, width // 8 // 2]  # QwenImagePipeline.__call__
+    frames, rows, cols = cond["img_shapes"].tolist()
     assert frames * rows * cols == latents.shape[1]
     assert cond["encoder_hidden_states_mask"].tolist() == [[1] * 5, [1] * 3 + [0] * 2]
     assert torch.equal(cond["encoder_hidden_states"][1, :3], trajs[1].conditioning["encoder_hidden_states"])
@@ -52,7 +52,28 @@ def test_cfg_pads_both_branches_to_one_length_and_mistakes_are_named():
     cond = QWEN.batch_conditioning(CONFIG, trajs, True)
     assert cond["encoder_hidden_states"].shape == (4, 6, 24)  # [negative; positive]
     assert cond["encoder_hidden_states_mask"].sum(1).tolist() == [6, 1, 4, 2]
+    assert cond["cfg_renorm"].tolist() == [True, True]  # the sampler's true CFG renormalises (guided_velocity)
+    assert "cfg_renorm" not in QWEN.batch_conditioning(CONFIG, trajs, False)
     with pytest.raises(ValueError, match="image size"):
         QWEN.batch_conditioning(CONFIG, [_traj(latents[0], None, None, 3)], False)
     with pytest.raises(ValueError, match="fit no grid"):
         QWEN.batch_conditioning(CONFIG, [_traj(latents[0, :3], 32, 32, 3)], False)
+
+
+def test_a_host_share_pads_text_of_different_lengths_with_a_mask():
+    """Prompts of different token counts travel in one share (megaflow.rollout.exchange): zero-padded to the longest
+    with ``encoder_hidden_states_mask`` (a sample's own mask kept), and the trainer's microbatch built from the
+    received samples equals the one built from the sent samples."""
+    from megaflow.rollout.exchange import pack_share, unpack_share
+    from megaflow.rollout.types import RolloutRequest
+
+    latents = _packed_latents(32, 32)
+    sent = [_traj(latents[0], 32, 32, n, i) for i, n in enumerate((5, 3, 4))]
+    sent[2].conditioning["encoder_hidden_states_mask"] = torch.tensor([True, True, True, False])
+    request = RolloutRequest(prompt="p", num_outputs=3, seed=0, num_steps=2, height=32, width=32)
+    got, _ = unpack_share(pack_share(sent, None, 0.0), [request], host=0)
+    assert [x.conditioning["encoder_hidden_states_mask"].tolist() for x in got] == [
+        [True] * 5, [True] * 3 + [False] * 2, [True] * 3 + [False] * 2]
+    assert torch.equal(got[1].conditioning["encoder_hidden_states"][:3], sent[1].conditioning["encoder_hidden_states"])
+    want, have = (QWEN.batch_conditioning(CONFIG, trajs, False) for trajs in (sent, got))
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want)

@@ -1,6 +1,7 @@
 """megaflow.rollout.sglang.cpu_ops: the torch fallbacks of SGLang's fused CPU norm-scale-shift layers equal the
-layers' formula written out independently here (per sample [B, 1, h], per token [B, N, h], per frame [B, F, 1, h] over
-frame-major tokens; gate 1 for a cross-attention), exactly in fp32; the fused op is called when sgl_kernel has it.
+layers' formula written out independently here (per sample [B, h] or [B, 1, h], per token [B, N, h], per frame
+[B, F, 1, h] over frame-major tokens; gate 1 for a cross-attention), exactly in fp32; the fused op is called when
+sgl_kernel has it.
 Needs: CPU, 1 process, no engine (~1 s)."""
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ def _per_frame(t: torch.Tensor) -> torch.Tensor:
     return t.expand(B, F, T, H).reshape(B, F * T, H)
 
 
-@pytest.mark.parametrize("shape", [(B, 1, H), (B, F * T, H), (B, F, 1, H)])
+@pytest.mark.parametrize("shape", [(B, H), (B, 1, H), (B, F * T, H), (B, F, 1, H)])  # [B, h]: Qwen-Image's norm_out
 def test_norm_scale_shift_is_the_layers_formula(monkeypatch, shape):
     monkeypatch.setattr(cpu_ops, "has_kernel", lambda name: False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, F * T, H, generator=g)
     scale, shift = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     module = _module()
-    wide = (lambda t: _per_frame(t)) if len(shape) == 4 else (lambda t: t)
+    wide = {4: _per_frame, 3: lambda t: t, 2: lambda t: t.unsqueeze(1)}[len(shape)]
     want = module.norm(x) * (1 + wide(scale)) + wide(shift)
     got = cpu_ops.norm_scale_shift_cpu(None, module, x, shift, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

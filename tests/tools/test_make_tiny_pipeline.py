@@ -1,7 +1,8 @@
 """tools/make_tiny_pipeline.py (needs: CPU 1 proc, ~15 s): offline, seeded, small, loadable by diffusers.
 
 Loading by SGLang's native pipeline is covered by tests/rollout/test_sglang_engine.py (SD3),
-tests/rollout/test_sglang_engine_flux.py (FLUX) and tests/rollout/test_sglang_engine_wan.py (Wan).
+tests/rollout/test_sglang_engine_flux.py (FLUX), tests/rollout/test_sglang_engine_wan.py (Wan) and
+tests/rollout/test_sglang_engine_qwen_image.py (Qwen-Image).
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ def _digest(directory) -> dict[str, str]:
             for f in sorted(directory.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_tiny_pipeline_is_small_seeded_and_loads(tiny_pipeline_tool, tmp_path, family):
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+@pytest.mark.parametrize("family,pipeline_class", [("sd3", "StableDiffusion3Pipeline"), ("flux", "FluxPipeline"),
+                                                   ("qwen_image", "QwenImagePipeline")])
+def test_tiny_pipeline_is_small_seeded_and_loads(tiny_pipeline_tool, tmp_path, family, pipeline_class):
+    from diffusers import DiffusionPipeline
 
     torch.set_num_threads(1)
     a = tiny_pipeline_tool.make_tiny_pipeline(family, tmp_path / "a", seed=1)
@@ -26,16 +28,17 @@ def test_tiny_pipeline_is_small_seeded_and_loads(tiny_pipeline_tool, tmp_path, f
     assert _digest(a) == _digest(b)  # same seed, same bytes
     assert sum(f.stat().st_size for f in a.rglob("*") if f.is_file()) < 5 * 2**20
 
-    cls = StableDiffusion3Pipeline if family == "sd3" else FluxPipeline
-    pipe = cls.from_pretrained(a, torch_dtype=torch.float32)
-    other = tiny_pipeline_tool.build_sd3(seed=2) if family == "sd3" else tiny_pipeline_tool.build_flux(seed=2)
+    pipe = DiffusionPipeline.from_pretrained(a, torch_dtype=torch.float32)  # plain diffusers picks the class
+    assert type(pipe).__name__ == pipeline_class
+    other = tiny_pipeline_tool.BUILDERS[family](seed=2)
     assert not torch.equal(next(pipe.transformer.parameters()), next(other.transformer.parameters()))
     tokenizers = [getattr(pipe, n) for n in ("tokenizer", "tokenizer_2", "tokenizer_3") if hasattr(pipe, n)]
     for tok in tokenizers:  # an empty tokenizer (len 2-3) would silently encode every prompt the same
         assert len(tok) > 50
         assert tok("a red cat").input_ids != tok("a blue dog").input_ids
+    cfg = dict(true_cfg_scale=4.0, negative_prompt="blue") if pipeline_class == "QwenImagePipeline" else {}
     images = pipe("a red cat", num_inference_steps=2, height=64, width=64, output_type="pt",
-                  generator=torch.Generator().manual_seed(0)).images
+                  generator=torch.Generator().manual_seed(0), **cfg).images
     assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()
 
 

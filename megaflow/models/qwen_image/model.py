@@ -123,7 +123,9 @@ class QwenImageTransformer(DiTModel):
 def batch_conditioning(config: QwenImageConfig, trajectories, cfg: bool) -> dict:
     """A trainer microbatch's conditioning keys from trajectories: the stacked Qwen2.5-VL hidden states and
     their mask (each trajectory's ``encoder_hidden_states`` padded to one length; [negative; positive] under
-    CFG) and ``img_shapes`` from the image size. ValueError names what does not fit."""
+    CFG) and ``img_shapes`` [3] from the image size (a tensor: a microbatch holds tensors); under CFG
+    ``cfg_renorm`` [B] (the sampler's true CFG rescales each token's guided velocity to the conditional one's norm:
+    ``trainer.flowgrpo_batches.guided_velocity``). ValueError names what does not fit."""
     size = (trajectories[0].height, trajectories[0].width)
     if None in size or any((x.height, x.width) != size for x in trajectories):
         raise ValueError("a Qwen-Image microbatch needs one known image size (height, width) for its RoPE; got "
@@ -132,7 +134,9 @@ def batch_conditioning(config: QwenImageConfig, trajectories, cfg: bool) -> dict
     longest = max(x.conditioning[k].shape[0] for x in trajectories for k in keys if k in x.conditioning)
     padded = [_padded_text(x, longest) for x in trajectories]
     out = stack_conditioning(padded, ("encoder_hidden_states", "encoder_hidden_states_mask"), cfg)
-    out["img_shapes"] = (1, *packed_grid(trajectories[0].latents.shape[-2], *size))
+    out["img_shapes"] = torch.tensor((1, *packed_grid(trajectories[0].latents.shape[-2], *size)))
+    if cfg:
+        out["cfg_renorm"] = torch.ones(len(trajectories), dtype=torch.bool)
     return out
 
 

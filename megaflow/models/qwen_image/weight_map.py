@@ -1,7 +1,13 @@
-"""The single Qwen-Image name table: megatron <-> diffusers names, TP split kind, fused-QKV recipe;
-nothing else spells Qwen-Image parameter names. Design notes: docs/design/models.md.
+"""The single Qwen-Image name table: megatron <-> diffusers names, TP split kind, fused-QKV recipe, and the
+names of SGLang's native DiT (``engine_tensors``); nothing else spells Qwen-Image parameter names.
+Design notes: docs/design/models.md.
 """
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
 
 from megaflow.models.common.weight_map import (  # noqa: F401  (re-exported: part of this module's API)
     ADALN_ATTENTION_ROWS,
@@ -57,3 +63,29 @@ WEIGHTS = WeightMap("Qwen-Image", param_maps, recipes={"qkv": QKV})
 split_dim, to_megatron_full = WEIGHTS.split_dim, WEIGHTS.to_megatron_full
 to_megatron, select_local = WEIGHTS.to_megatron, WEIGHTS.select_local
 megatron_to_diffusers, to_diffusers = WEIGHTS.megatron_to_diffusers, WEIGHTS.to_diffusers
+
+
+_ADDED_QKV = re.compile(r"^(transformer_blocks\.\d+\.attn)\.add_([qkv])_proj\.(weight|bias|lora_[AB]\.weight)$")
+
+
+def engine_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Diffusers-named tensors as SGLang's Qwen-Image DiT holds them: each block's text projections
+    ``add_{q,k,v}_proj`` are its one ``to_added_qkv`` (weights and biases: q, k, v concatenated on the output axis,
+    as SGLang packs them when it loads the pipeline; LoRA adapters: the three ``lora_A`` / ``lora_B`` stacked on a
+    new first axis, as its LoRA layer holds per-section adapters of equal shape); every other tensor unchanged, in
+    order. ValueError when a block's q, k or v is missing at the end."""
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        match = _ADDED_QKV.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        key = (match.group(1), match.group(3))
+        parts = pending.setdefault(key, {})
+        parts[match.group(2)] = tensor.detach().clone()  # the stream's tensor may be reused by the next one
+        if len(parts) == 3:
+            del pending[key]
+            join = torch.stack if key[1].startswith("lora_") else torch.cat
+            yield f"{key[0]}.to_added_qkv.{key[1]}", join([parts["q"], parts["k"], parts["v"]])
+    if pending:
+        raise ValueError(f"Qwen-Image engine tensors: {sorted(pending)[0]} lacks some of add_q/k/v_proj")

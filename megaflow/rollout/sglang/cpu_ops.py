@@ -21,8 +21,15 @@ def has_kernel(name: str) -> bool:
     return True
 
 
+def _per_sample(factor):
+    """A per-sample factor [B, h] (Qwen-Image's final norm) as [B, 1, h]; any other shape as it is."""
+    return factor[:, None] if factor.dim() == 2 else factor
+
+
 def _per_frame(x, factor):
-    """``x`` [B, N, h] times ``factor``: [B, 1 or N, h], or per frame [B, F, 1, h] (N = F x tokens per frame)."""
+    """``x`` [B, N, h] times ``factor``: [B, h], [B, 1 or N, h], or per frame [B, F, 1, h] (N = F x tokens per
+    frame)."""
+    factor = _per_sample(factor)
     if factor.dim() == 4:
         return (x.unflatten(1, (factor.shape[1], x.shape[1] // factor.shape[1])) * factor).flatten(1, 2)
     return x * factor
@@ -31,6 +38,7 @@ def _per_frame(x, factor):
 def _modulate(normalized, shift, scale):
     """normalized * (1 + scale) + shift, the scale and shift per sample, token or frame."""
     plus = normalized + _per_frame(normalized, scale)
+    shift = _per_sample(shift)
     if shift.dim() == 4:
         return (plus.unflatten(1, (shift.shape[1], plus.shape[1] // shift.shape[1])) + shift).flatten(1, 2)
     return plus + shift

@@ -56,9 +56,12 @@ def build_request(server_args, family: str, requests: list[RolloutRequest], *, l
 
 
 def _rows(kwargs: dict | None, batch: int, index: int, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Sample ``index``'s slice of batched DiT kwargs (dim 0 == batch, or 1 = shared by all samples)."""
+    """Sample ``index``'s slice of batched DiT kwargs (dim 0 == batch, or 1 = shared by all samples); a list of
+    one tensor (the per-encoder prompt embeddings of a one-encoder pipeline, Qwen-Image's) counts as that tensor."""
     out = {}
     for name, value in (kwargs or {}).items():
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
         if not isinstance(value, torch.Tensor):
             continue
         if value.dim() >= 1 and value.shape[0] == batch:
@@ -105,9 +108,10 @@ def to_trajectories(requests: list[RolloutRequest], ob) -> list[Trajectory]:
 
 
 def _sample_image(output: torch.Tensor, request: RolloutRequest) -> torch.Tensor:
-    """A sample's decoded output as megaflow's: an image [3, H, W]; a video [F, 3, H, W] (SGLang's [3, F, H, W])."""
+    """A sample's decoded output as megaflow's: an image [3, H, W] (a one-frame axis [3, 1, H, W] dropped: Qwen-Image's
+    VAE decodes frames); a video [F, 3, H, W] (SGLang's [3, F, H, W])."""
     if request.num_frames is None:
-        return output.float()
+        return (output[:, 0] if output.dim() == 4 and output.shape[1] == 1 else output).float()
     if output.dim() != 4 or output.shape[1] != request.num_frames:
         raise EngineCallFailed(f"engine returned a video of shape {tuple(output.shape)}, expected "
                                f"[3, {request.num_frames}, H, W]")
