@@ -28,6 +28,8 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megaflow.report import tensorboard_backend
+
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,11 +125,14 @@ def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(sessions):
     got = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
     assert got == expected_series(rows, evals, cast=lambda v: float(np.float32(v)))
     images = acc.Tags()["images"]
-    assert sorted(images) == sorted([f"samples/{k:02d}" for k in range(6)] + [f"eval/images/{k:02d}" for k in range(3)])
-    assert [e.step for e in acc.Images("samples/05")] == [1, 2] and [e.step for e in acc.Images("eval/images/02")] == [0, 1, 2]
+    assert sorted(images) == ["eval/images", "samples"]  # one grid image per call (report/tensorboard_backend.py)
+    assert [e.step for e in acc.Images("samples")] == [1, 2] and [e.step for e in acc.Images("eval/images")] == [0, 1, 2]
     grid = np.asarray(Image.open(run / "samples" / "iter00002.png"))  # 2 groups of 3, one per row, 32x32 images
     cell = grid.shape[0] // 2  # each image drawn twice its size (nearest), its caption under it
-    last = np.asarray(Image.open(io.BytesIO(acc.Images("samples/05")[-1].encoded_image_string)))
+    tb = np.asarray(Image.open(io.BytesIO(acc.Images("samples")[-1].encoded_image_string)))
+    pad, cols = tensorboard_backend.GRID_PADDING, tensorboard_backend.GRID_COLUMNS
+    row, col = divmod(5, cols)  # the last sample, as the captions number it
+    last = tb[pad + row * (32 + pad):pad + row * (32 + pad) + 32, pad + col * (32 + pad):pad + col * (32 + pad) + 32]
     assert np.array_equal(last, grid[cell:cell + 64:2, 128:192:2])
     (eval_text,) = [t for t in acc.Tensors("eval/images/captions/text_summary") if t.step == 0]
     assert [line.split(": ", 1)[1].rsplit(" | reward ", 1)[0]
@@ -158,8 +163,8 @@ def test_train_logs_rows_evals_and_images_to_tensorboard_and_wandb(sessions):
     got = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
     assert got == expected_series(rows[:2] + resumed_rows[2:], evals,  # evals: the last row of a step
                                   cast=lambda v: float(np.float32(v)))
-    assert [e.step for e in acc.Images("samples/00")] == [1, 2, 3]
-    assert [e.step for e in acc.Images("eval/images/00")] == [0, 1, 2, 3]
+    assert [e.step for e in acc.Images("samples")] == [1, 2, 3]
+    assert [e.step for e in acc.Images("eval/images")] == [0, 1, 2, 3]
     resumed = [d for d in (run / "wandb").glob("offline-run-*") if d.name != offline.name]
     assert [step for step, _ in wandb_history(resumed[0])] == [2, 3]
 
