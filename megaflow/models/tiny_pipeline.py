@@ -93,13 +93,18 @@ def make_clip_encoder(tokenizer, *, hidden: int, seed: int, with_projection: boo
 def make_t5_encoder(tokenizer, *, d_model: int, seed: int):
     from transformers import T5Config, T5EncoderModel
 
-    config = T5Config(
+    return _t5_like_encoder(T5Config, T5EncoderModel, tokenizer, d_model=d_model, seed=seed)
+
+
+def _t5_like_encoder(config_cls, model_cls, tokenizer, *, d_model: int, seed: int):
+    """A 2-layer, 2-head encoder of the T5 kind (T5, UMT5) for ``tokenizer``, seeded."""
+    config = config_cls(
         vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=2,
         num_heads=2, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
     )
     torch.manual_seed(seed)
-    return T5EncoderModel(config).eval()
+    return model_cls(config).eval()
 
 
 def make_vae(*, latent_channels: int, seed: int, shift_factor: float, scaling_factor: float):
@@ -170,13 +175,7 @@ def make_umt5_encoder(tokenizer, *, d_model: int, seed: int):
     """A 2-layer UMT5 encoder (Wan's text encoder: per-layer relative position biases) for ``tokenizer``."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    config = UMT5Config(
-        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=2,
-        num_heads=2, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return UMT5EncoderModel(config).eval()
+    return _t5_like_encoder(UMT5Config, UMT5EncoderModel, tokenizer, d_model=d_model, seed=seed)
 
 
 def make_wan_vae(*, seed: int):
