@@ -20,7 +20,7 @@ from megaflow.config.schema import MegaflowConfig
 from megaflow.config.video_check import check_frames, check_positions
 from megaflow.data.prompts import MAX_PROMPT_CHARS, is_table_source, prompt_pool, read_jsonl_prompts
 from megaflow.data.shapes import CATEGORIES
-from megaflow.families import card
+from megaflow.families import card, family_names
 from megaflow.flow.window import check_sde_window
 from megaflow.parallel.dims import ParallelDims
 from megaflow.parallel.placement import launch_layout
@@ -161,9 +161,15 @@ def _check_layout(cfg: MegaflowConfig, heads: int | None, layers: int | None, wh
 
 
 def _check_pretrain(cfg: MegaflowConfig) -> None:
-    p = cfg.pretrain
+    p, fam = cfg.pretrain, card(cfg.model.family)
+    if not fam.shapes_pipeline:
+        able = ", ".join(n for n in family_names() if card(n).shapes_pipeline)
+        raise ConfigError(f"model.family = {fam.name!r}: megaflow pretrain builds the ShapeEval pipeline of {able} only")
     if p.init_from:
         tconf = check_pipeline(p.init_from, "pretrain.init_from")["transformer"]
+        if tconf.get("_class_name") != fam.diffusers_class:
+            raise ConfigError(f"pretrain.init_from: {p.init_from} holds a {tconf.get('_class_name')}, not "
+                              f"model.family = {fam.name!r}'s {fam.diffusers_class}")
         _check_layout(cfg, _positive_int(tconf, "num_attention_heads"), _positive_int(tconf, "num_layers"), p.init_from)
     else:
         _check_layout(cfg, p.num_heads, p.num_layers, "the pretrained DiT (pretrain.num_heads / num_layers)")

@@ -302,10 +302,10 @@ class PretrainConfig:
                          "text/VAE phases are skipped and the DiT size fields are taken from it); empty = from scratch.")
     resolution: int = opt(32, "Image side in pixels (latents are resolution/2 with the trained VAE).",
                           choices=(32, 64))
-    num_layers: int = opt(5, "DiT (SD3 MMDiT) blocks.", ge=1, le=256)
+    num_layers: int = opt(5, "DiT blocks (model.family's transformer).", ge=1, le=256)
     num_heads: int = opt(4, "DiT attention heads.", ge=1, le=256)
     head_dim: int = opt(32, "DiT attention head width (hidden = num_heads * head_dim).", ge=8, le=1024)
-    text_steps: int = opt(300, "Optimizer steps of the CLIP scene-parsing objective (megaflow.pretrain.text).",
+    text_steps: int = opt(300, "Optimizer steps of the text encoders' scene-parsing objective (megaflow.pretrain.text).",
                           ge=0, le=MAX_ITERS)
     vae_steps: int = opt(500, "Optimizer steps of the VAE autoencoder training.", ge=1, le=MAX_ITERS)
     num_images: int = opt(40000, "Ground-truth renders pre-encoded once (the training pool).", ge=64, le=1_000_000)

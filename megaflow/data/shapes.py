@@ -247,3 +247,11 @@ def sample_scenes(split: str, num: int, *, seed: int = 0, split_seed: int = 0,
 def sample_prompts(split: str, num: int, **kwargs) -> list[str]:
     """Prompt texts of :func:`sample_scenes` (same arguments)."""
     return [s.prompt for s in sample_scenes(split, num, **kwargs)]
+
+
+def shapes_vocabulary() -> tuple[str, ...]:
+    """Every word of the ShapeEval grammar (one token each in the ShapeEval pipelines' tokenizers)."""
+    words = ["a", "an", "one", "two", "three", "four", "and", *PALETTE, *SHAPES, *(s + "s" for s in SHAPES)]
+    for rel in RELATIONS:
+        words += rel.split()
+    return tuple(dict.fromkeys(words))

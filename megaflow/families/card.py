@@ -53,6 +53,8 @@ class FamilyCard:
     diffusers class's defaults for missing keys."""
     gpu_check_settings: tuple[str, ...]
     """``--set`` overrides of the family's train-step GPU check (``megaflow.testing.gpu.model``)."""
+    shapes_pipeline: bool = False
+    """True: ``megaflow pretrain`` builds the family's ShapeEval pipeline (``ModelFamily.shapes``)."""
     frames: bool = False
     """True: the family samples videos (``rollout.num_frames`` > 0, latents [B, C, F, H, W]); False: images."""
     temporal_compression: int = 1

@@ -29,6 +29,7 @@ CARD = FamilyCard(
     encoder_params=8_290_000_000, vae_params=127_000_000,
     default_text_tokens=512, fixed_text_tokens=0,  # the pipeline's max_sequence_length
     plan_dims=plan_dims,
+    shapes_pipeline=True,
     gpu_check_settings=("model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0", "rollout.height=512",
                         "rollout.width=512", "rollout.guidance_scale=4.0", "parallel.tp=1"),
 )

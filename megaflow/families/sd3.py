@@ -28,6 +28,7 @@ CARD = FamilyCard(
     encoder_params=123_650_304 + 694_659_840 + 4_762_310_656, vae_params=83_653_863,
     default_text_tokens=77 + 256, fixed_text_tokens=77,  # CLIP 77 + T5 256 (SD3 pipelines)
     plan_dims=plan_dims,
+    shapes_pipeline=True,
     gpu_check_settings=("model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0", "rollout.height=512",
                         "rollout.width=512", "rollout.guidance_scale=1.0", "parallel.tp=1"),
 )

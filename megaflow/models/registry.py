@@ -47,6 +47,9 @@ class ModelFamily:
     embedded_guidance: bool = False
     """True: a rollout's ``guidance_scale`` is a model input (FLUX.1-dev's guidance embedding) and never
     turns on classifier-free guidance; False: guidance_scale > 1 samples with CFG (two branches)."""
+    shapes: ModuleType | None = None
+    """Module building the family's ShapeEval pipeline for ``megaflow pretrain`` (the contract:
+    ``megaflow.pretrain.kit``); None: the family cannot be pretrained on ShapeEval."""
     engine_tensors: Callable[[Iterable[tuple[str, Any]]], Iterator[tuple[str, Any]]] | None = None
     """(diffusers-named full tensors, in the weight map's order) -> the same weights under the names of SGLang's
     native DiT where it fuses projections (Qwen-Image's ``to_added_qkv``), so an update is loaded and checked by
@@ -55,13 +58,15 @@ class ModelFamily:
     @classmethod
     def from_modules(cls, name: str, diffusers_class: str, *, config: ModuleType, model: ModuleType,
                      weight_map: ModuleType, layer_spec: Callable[..., Any], model_class: type,
-                     embedded_guidance: bool = False, tiny: ModuleType | None = None) -> ModelFamily:
+                     embedded_guidance: bool = False, tiny: ModuleType | None = None,
+                     shapes: ModuleType | None = None) -> ModelFamily:
         """The family of a package laid out like ``megaflow.models.sd3`` (``config`` and ``model`` modules)."""
         return cls(name=name, diffusers_class=diffusers_class, config_from_diffusers=config.from_diffusers,
                    config_to_diffusers=config.to_diffusers, layer_spec=layer_spec, model_class=model_class,
                    weight_map=weight_map, pipeline_seq_length=model.pipeline_seq_length,
                    model_inputs=model.model_inputs, microbatch_seq_length=model.microbatch_seq_length,
                    batch_conditioning=model.batch_conditioning, embedded_guidance=embedded_guidance, tiny=tiny,
+                   shapes=shapes,
                    engine_tensors=getattr(weight_map, "engine_tensors", None))
 
 

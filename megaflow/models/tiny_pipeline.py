@@ -208,13 +208,13 @@ def build_wan(seed: int):
     )
 
 
-_QWEN_TEMPLATE_WORDS = tuple(
+QWEN_TEMPLATE_WORDS = tuple(
     "system user assistant Describe image by detailing color shape size texture quantity text spatial "
     "relationships objects background".split())
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def make_qwen_tokenizer(words: tuple[str, ...] = (*_WORDS, *_QWEN_TEMPLATE_WORDS)):
+def make_qwen_tokenizer(words: tuple[str, ...] = (*_WORDS, *QWEN_TEMPLATE_WORDS)):
     """Qwen2's byte-level BPE in miniature: every byte, merges spelling each word with and without its leading
     space ('Ġ'), and the chat special tokens; the Qwen-Image prompt template's system prefix is 34 tokens, as
     with the published tokenizer (both pipelines drop those 34)."""
@@ -235,16 +235,16 @@ def make_qwen_tokenizer(words: tuple[str, ...] = (*_WORDS, *_QWEN_TEMPLATE_WORDS
                           additional_special_tokens=list(_QWEN_SPECIALS[1:]), model_max_length=32768)
 
 
-def make_qwen_vl_encoder(tokenizer, *, hidden: int, seed: int):
-    """A 2-layer Qwen2.5-VL (text 2 heads with multimodal RoPE sections, a 1-block vision tower) whose
-    special-token ids match ``tokenizer``."""
+def make_qwen_vl_encoder(tokenizer, *, hidden: int, seed: int, num_layers: int = 2):
+    """A ``num_layers``-layer Qwen2.5-VL (text heads of 16 with multimodal RoPE sections, a 1-block vision tower)
+    whose special-token ids match ``tokenizer``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    heads = 2
+    heads = hidden // 16
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=1,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=1,
                          max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=pad, eos_token_id=eos,
                          pad_token_id=pad, rope_parameters=dict(
                              rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])),

@@ -24,70 +24,64 @@ def _log(msg: str) -> None:
         print(f"[pretrain] {msg}", flush=True)
 
 
-def load_parts(path: Path, *, trust_remote_code: bool = False):
+def load_parts(kit, path: Path, *, trust_remote_code: bool = False):
     """(text components, VAE, transformer config, transformer state dict, history) of a saved pipeline; one naming
     code is refused unless ``trust_remote_code``."""
-    from diffusers import StableDiffusion3Pipeline
-
     from megaflow.config.remote_code import refuse_remote_code
     from megaflow.models.pipeline_meta import read_meta
     if not (Path(path) / "model_index.json").is_file():
         raise ValueError(f"pretrain.init_from: {path} is not a diffusers pipeline directory")
     refuse_remote_code(path, "pretrain.init_from", trust=trust_remote_code)
-    pipe = StableDiffusion3Pipeline.from_pretrained(path)
-    text = (pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
-    tcfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
-    return text, pipe.vae, tcfg, pipe.transformer.state_dict(), read_meta(path).get("pretrain", {})
+    return (*kit.load_parts(Path(path)), read_meta(path).get("pretrain", {}))
 
 
-def build_parts(cfg: MegaflowConfig, run_dir: Path):
+def build_parts(cfg: MegaflowConfig, kit):
     """Phases 1-2 (seeded, identical on every rank): trained text encoders and VAE."""
-    from megaflow.pretrain.pipeline import text_components
-    from megaflow.pretrain.text import switch_off_t5, train_text_encoder
-    from megaflow.pretrain.vae import make_shapes_vae, train_vae
+    from megaflow.pretrain.text import train_text_encoder
+    from megaflow.pretrain.vae import train_vae
 
     p, seed = cfg.pretrain, cfg.run.seed
     split = split_prompts(seed=0)
     train = [s.prompt for c in CATEGORIES for s in split.train[c]]
     held = [s.prompt for c in HELD_OUT_CATEGORIES for s in split.eval[c]][::2]
-    text = text_components(seed=seed)
+    text = kit.text_components(seed=seed)
     stats = {}
-    for k, (tok, enc) in enumerate(((text[0], text[3]), (text[1], text[4]))):
+    for k, (tok, enc) in enumerate(kit.trained_encoders(text)):
         t0 = time.perf_counter()
-        st = train_text_encoder(enc, tok, train, steps=p.text_steps, seed=seed + k, eval_prompts=held)
-        stats[f"clip{k + 1}"] = {**st, "seconds": time.perf_counter() - t0}
+        st = train_text_encoder(kit, enc, tok, train, steps=p.text_steps, seed=seed + k, eval_prompts=held)
+        stats[f"text{k + 1}"] = {**st, "seconds": time.perf_counter() - t0}
         _log(f"text encoder {k + 1}: {st} in {time.perf_counter() - t0:.0f}s")
-    switch_off_t5(text[5])
+    kit.finish_text(text)
     t0 = time.perf_counter()
-    vae = make_shapes_vae(seed=seed + 1)
-    stats["vae"] = {**train_vae(vae, train, resolution=p.resolution, steps=p.vae_steps, seed=seed, log=_log),
+    vae = kit.make_vae(seed=seed + 1)
+    stats["vae"] = {**train_vae(kit, vae, train, resolution=p.resolution, steps=p.vae_steps, seed=seed, log=_log),
                     "seconds": time.perf_counter() - t0}
     _log(f"vae: {stats['vae']}")
     return text, vae, stats
 
 
-def build_pool(cfg: MegaflowConfig, pipe, vae) -> dict:
-    """The training pool: ``num_images`` renders of TRAIN prompts (balanced over categories) as
-    normalised latents, and every pool prompt's conditioning (prompt embeds, pooled) plus the empty
-    prompt's (for prompt dropout)."""
+def build_pool(cfg: MegaflowConfig, kit, pipe, vae) -> dict:
+    """The training pool: ``num_images`` renders of TRAIN prompts (balanced over categories) as normalised
+    latents, and every pool prompt's conditioning (the family's model inputs) plus the empty prompt's (for prompt
+    dropout)."""
     from megaflow.shapeeval.render import render_prompts
-    from megaflow.pretrain.pipeline import encode_prompts
-    from megaflow.pretrain.vae import encode
+    from megaflow.pretrain.vae import to_pixels
 
     p = cfg.pretrain
     prompts = sample_prompts("train", p.num_images, seed=cfg.run.seed)
     uniq = sorted(set(prompts))
     index = {q: i for i, q in enumerate(uniq)}
-    embeds, pooled = encode_prompts(pipe, uniq + [""])
     latents = []
     for i in range(0, len(prompts), 512):
         imgs = render_prompts(prompts[i:i + 512], resolution=p.resolution, seed=cfg.run.seed * 7919 + i)
-        latents.append(encode(vae, imgs))
+        latents.append(kit.encode(vae, to_pixels(imgs)))
     return {"latents": torch.cat(latents), "prompt_index": torch.tensor([index[q] for q in prompts]),
-            "embeds": embeds, "pooled": pooled, "empty": len(uniq)}
+            "conditioning": kit.conditioning(pipe, uniq + [""]), "shared": kit.constant_inputs(p.resolution),
+            "empty": len(uniq)}
 
 
 def _batch(pool: dict, gen: torch.Generator, batch: int, dropout: float) -> dict:
+    """One batch of the pool: the rectified-flow pair at logit-normal sigmas and each sample's conditioning."""
     from megaflow.trainer.runner import rectified_flow_microbatch
     idx = torch.randint(len(pool["latents"]), (batch,), generator=gen)
     cond = pool["prompt_index"][idx]
@@ -95,7 +89,7 @@ def _batch(pool: dict, gen: torch.Generator, batch: int, dropout: float) -> dict
     x0 = pool["latents"][idx]
     noise = torch.randn(x0.shape, generator=gen)
     sigma = torch.sigmoid(torch.randn(batch, generator=gen))  # logit-normal(0, 1), as SD3
-    return rectified_flow_microbatch(x0, noise, sigma, pool["embeds"][cond], pool["pooled"][cond])
+    return rectified_flow_microbatch(x0, noise, sigma, **{k: v[cond] for k, v in pool["conditioning"].items()})
 
 
 class EMA:
@@ -120,21 +114,22 @@ class EMA:
 
 
 @torch.no_grad()
-def sample_latents(trainer, embeds, pooled, *, shape, num_steps: int, seed: int, shift: float = 3.0) -> torch.Tensor:
-    """Deterministic Euler (ODE) sampling with the trainer's own forward (on its device; the noise is drawn
-    on the CPU); under pipeline parallelism the last stage's velocity is broadcast to every stage, so every
-    rank returns the same latents (on the CPU)."""
+def sample_latents(trainer, conditioning: dict, shared: dict, *, shape, sigmas: torch.Tensor,
+                   seed: int) -> torch.Tensor:
+    """Deterministic Euler (ODE) sampling over ``sigmas`` with the trainer's own forward (on its device; the noise
+    is drawn on the CPU); under pipeline parallelism the last stage's velocity is broadcast to every stage, so
+    every rank returns the same latents (on the CPU)."""
     from megatron.core import parallel_state as ps
 
-    from megaflow.flow.schedule import sd3_sigmas
     from megaflow.parallel.distributed import current_device
     device = current_device()
-    sigmas = sd3_sigmas(num_steps, shift=shift).to(device)
-    embeds, pooled = embeds.to(device), pooled.to(device)
+    sigmas = sigmas.to(device)
+    conditioning = {k: v.to(device) for k, v in conditioning.items()}
+    shared = {k: v.to(device) for k, v in shared.items()}
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
     pp = ps.get_pipeline_model_parallel_world_size()
-    for i in range(num_steps):
-        v = trainer.velocity(x, sigmas[i].expand(shape[0]), embeds, pooled)
+    for i in range(len(sigmas) - 1):
+        v = trainer.velocity(x, sigmas[i].expand(shape[0]), shared=shared, **conditioning)
         if pp > 1:
             v = v if v is not None else torch.empty_like(x)
             src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
@@ -143,20 +138,18 @@ def sample_latents(trainer, embeds, pooled, *, shape, num_steps: int, seed: int,
     return x.cpu()
 
 
-def evaluate(cfg: MegaflowConfig, trainer, pipe, vae, *, seed: int = 0) -> dict:
+def evaluate(cfg: MegaflowConfig, kit, trainer, pipe, vae, *, seed: int = 0) -> dict:
     """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples (the prompt set and
     scoring of ``megaflow.shapeeval.evaluate``; the sampler is the trainer's own forward)."""
     from megaflow.shapeeval.evaluate import eval_prompts, score
-    from megaflow.pretrain.pipeline import encode_prompts
-    from megaflow.pretrain.vae import decode
 
     p = cfg.pretrain
     held, seen = eval_prompts(p.eval_prompts, max(2, p.eval_prompts // 5), seed)
-    embeds, pooled = encode_prompts(pipe, held + seen)
-    size = p.resolution // 2
-    lat = sample_latents(trainer, embeds, pooled, shape=(len(held) + len(seen), 4, size, size),
-                         num_steps=p.sample_steps, seed=seed)
-    images = decode(vae, lat)
+    shape = kit.latent_shape(len(held) + len(seen), p.resolution)
+    sigmas = kit.sample_sigmas(pipe, p.sample_steps, p.resolution)
+    lat = sample_latents(trainer, kit.conditioning(pipe, held + seen), kit.constant_inputs(p.resolution),
+                         shape=shape, sigmas=sigmas, seed=seed)
+    images = kit.decode(vae, lat)
     return {**score(images[:len(held)], held), "seen": score(images[len(held):], seen)}
 
 
@@ -164,7 +157,7 @@ def run(cfg: MegaflowConfig) -> dict:
     """Pretrain the pipeline of ``cfg`` (``pretrain.*``): the last evaluation row ({} on ranks other than 0)."""
     from megaflow.parallel.dims import ParallelDims
     from megaflow.parallel.distributed import current_device, init_distributed
-    from megaflow.pretrain.pipeline import assemble
+    from megaflow.pretrain.kit import family_kit
     from megaflow.trainer.settings import scheduled_lr, set_lr
 
     torch.set_num_threads(cfg.run.num_threads)
@@ -174,12 +167,13 @@ def run(cfg: MegaflowConfig) -> dict:
     if dist.get_rank() == 0:
         save_config(cfg, run_dir)
     t_start = time.perf_counter()
-    parts = _pipeline_parts(cfg, run_dir)
-    pipe = assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
+    kit = family_kit(cfg.model.family)
+    parts = _pipeline_parts(cfg, kit)
+    pipe = kit.assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
                     transformer_state=parts.transformer_state, seed=cfg.run.seed)
     device = current_device()  # the DiT trains here; the VAE encodes the pool and decodes samples here too
     vae_on_device = copy.deepcopy(parts.vae).to(device) if device.type != "cpu" else parts.vae
-    pool = build_pool(cfg, pipe, vae_on_device)
+    pool = build_pool(cfg, kit, pipe, vae_on_device)
     _log(f"pool: {len(pool['latents'])} renders of {pool['empty']} prompts ({time.perf_counter() - t_start:.0f}s so far)")
     trainer = _dit_trainer(cfg, pipe, run_dir)
     ema = EMA([q for m in trainer.chunks for q in m.parameters()], p.ema_decay)
@@ -187,11 +181,12 @@ def run(cfg: MegaflowConfig) -> dict:
     if p.batch_size % dp:
         raise ValueError(f"pretrain.batch_size = {p.batch_size} must be divisible by the data-parallel size {dp}")
     gen = torch.Generator().manual_seed(cfg.run.seed)
-    recorder = _Recorder(cfg, run_dir, parts, trainer, ema, pipe, vae_on_device)
+    recorder = _Recorder(cfg, kit, run_dir, parts, trainer, ema, pipe, vae_on_device)
     step = 0
     while step < p.max_steps and (time.perf_counter() - recorder.t_dit) < p.minutes * 60:
         mb = _batch(pool, gen, p.batch_size, p.prompt_dropout)
-        mb = {k: v.chunk(dp)[dp_rank].to(device) for k, v in mb.items()}
+        mb = {**{k: v.chunk(dp)[dp_rank].to(device) for k, v in mb.items() if v is not None},
+              **{k: v.to(device) for k, v in pool["shared"].items()}}
         set_lr(trainer.optimizer, scheduled_lr(p.lr, step, warmup=p.warmup_steps, total=p.max_steps,
                                               schedule=p.lr_schedule))
         out = trainer.train_step([mb])
@@ -218,22 +213,20 @@ class _Parts:
     stats: dict
 
 
-def _pipeline_parts(cfg: MegaflowConfig, run_dir: Path) -> _Parts:
-    """``pretrain.init_from``'s parts (its resolution must match), else text encoders and VAE trained now and a
-    fresh transformer config."""
-    from megaflow.pretrain.pipeline import transformer_config
-
+def _pipeline_parts(cfg: MegaflowConfig, kit) -> _Parts:
+    """``pretrain.init_from``'s parts (its resolution must match where the DiT fixes one), else text encoders and
+    VAE trained now and a fresh transformer config."""
     p = cfg.pretrain
     if p.init_from:
-        text, vae, tcfg, init_state, previous = load_parts(Path(p.init_from),
+        text, vae, tcfg, init_state, previous = load_parts(kit, Path(p.init_from),
                                                            trust_remote_code=cfg.model.trust_remote_code)
-        if tcfg["sample_size"] * 2 != p.resolution:
-            raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} "
-                             f"({tcfg['sample_size'] * 2} px)")
+        saved = kit.resolution_of(tcfg)
+        if saved is not None and saved != p.resolution:
+            raise ValueError(f"pretrain.resolution = {p.resolution} does not match {p.init_from} ({saved} px)")
         return _Parts(text, vae, tcfg, init_state, {"init_from": p.init_from, "previous": previous})
-    text, vae, stats = build_parts(cfg, run_dir)
-    tcfg = transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
-                              head_dim=p.head_dim)
+    text, vae, stats = build_parts(cfg, kit)
+    tcfg = kit.transformer_config(resolution=p.resolution, num_layers=p.num_layers, num_heads=p.num_heads,
+                                  head_dim=p.head_dim)
     return _Parts(text, vae, tcfg, None, stats)
 
 
@@ -249,8 +242,9 @@ def _dit_trainer(cfg: MegaflowConfig, pipe, run_dir: Path):
         pipe.transformer.save_pretrained(tdir, safe_serialization=True)
     if dist.get_world_size() > 1:
         dist.barrier()
-    mcfg = get_family("sd3").config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
-    trainer = Trainer(mcfg, family="sd3", spec=cfg.model.spec,
+    family = cfg.model.family
+    mcfg = get_family(family).config_from_diffusers(tdir / "config.json", **transformer_kwargs(cfg))
+    trainer = Trainer(mcfg, family=family, spec=cfg.model.spec,
                      optimizer_config=adam_config(lr=p.lr, weight_decay=p.weight_decay, grad_clip=1.0))
     trainer.load_diffusers_state_dict(pipe.transformer.state_dict())
     return trainer
@@ -260,10 +254,10 @@ class _Recorder:
     """Every evaluation of the DiT's EMA: a row in <run dir>/pretrain.jsonl and the pipeline saved with the EMA
     weights (rank 0; every rank takes part in gathering and evaluating)."""
 
-    def __init__(self, cfg: MegaflowConfig, run_dir: Path, parts: _Parts, trainer, ema, pipe, vae_on_device):
+    def __init__(self, cfg: MegaflowConfig, kit, run_dir: Path, parts: _Parts, trainer, ema, pipe, vae_on_device):
         from megaflow.models.registry import get_family
-        self.cfg, self.run_dir, self.parts, self.trainer, self.ema = cfg, run_dir, parts, trainer, ema
-        self.pipe, self.vae_on_device, self.family = pipe, vae_on_device, get_family("sd3")
+        self.cfg, self.kit, self.run_dir, self.parts, self.trainer, self.ema = cfg, kit, run_dir, parts, trainer, ema
+        self.pipe, self.vae_on_device, self.family = pipe, vae_on_device, get_family(cfg.model.family)
         self.history: list[dict] = []
         self.losses: list[float] = []
         self.t_dit = time.perf_counter()
@@ -274,7 +268,7 @@ class _Recorder:
         state = {n: t.to("cpu", copy=True)  # a copy: replicated tensors are views of the live weights
                  for name, tensor in trainer.iter_full_params()
                  for n, t in self.family.weight_map.megatron_to_diffusers(name, tensor, trainer.config)}
-        result = evaluate(self.cfg, trainer, self.pipe, self.vae_on_device)
+        result = evaluate(self.cfg, self.kit, trainer, self.pipe, self.vae_on_device)
         self.ema.swap()
         if dist.get_rank() != 0:
             return
@@ -292,14 +286,13 @@ class _Recorder:
 
     def _save(self, state: dict, step: int) -> None:
         from megaflow.models.pipeline_meta import META_FILE
-        from megaflow.pretrain.pipeline import TEXT_LEN, assemble, save_pipeline
-        cfg, parts = self.cfg, self.parts
-        meta = {"max_sequence_length": TEXT_LEN, "pretrain": {
-            "config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step, "history": self.history,
-            "parts": parts.stats}}
-        save_pipeline(assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
-                               transformer_state=state, seed=cfg.run.seed),
-                      self.run_dir / "pipeline", extra_files={META_FILE: json.dumps(meta, indent=2)})
+        from megaflow.pretrain.kit import meta_text, save_pipeline
+        cfg, parts, kit = self.cfg, self.parts, self.kit
+        record = {"config": dataclasses.asdict(cfg.pretrain), "seed": cfg.run.seed, "step": step,
+                  "history": self.history, "parts": parts.stats}
+        pipe = kit.assemble(text=parts.text, vae=parts.vae, transformer_config=parts.transformer_config,
+                            transformer_state=state, seed=cfg.run.seed)
+        save_pipeline(kit, pipe, self.run_dir / "pipeline", extra_files={META_FILE: meta_text(kit, record)})
 
 
 def _dp() -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""Text encoders that understand ShapeEval prompts: whole-word tokenizers and two CLIP stand-ins pretrained on
-the grammar, then frozen. Design notes: docs/design/pretrain.md.
+"""Text encoders that understand ShapeEval prompts: a family's encoders (whole-word tokenizers) trained on the
+grammar's scene-parsing objective, then frozen; the family's kit says where each word sits and which states the
+pipeline reads. Design notes: docs/design/pretrain.md.
 """
 from __future__ import annotations
 
@@ -12,14 +13,6 @@ from megaflow.data.shapes import MAX_COUNT, PALETTE, RELATIONS, SHAPES, Scene, p
 
 COLORS = (None, *PALETTE)
 RELATION_CLASSES = ("none", "and", *RELATIONS)
-
-
-def shapes_vocabulary() -> tuple[str, ...]:
-    """Every word of the ShapeEval grammar (one token each in the pipeline's tokenizers)."""
-    words = ["a", "an", "one", "two", "three", "four", "and", *PALETTE, *SHAPES, *(s + "s" for s in SHAPES)]
-    for rel in RELATIONS:
-        words += rel.split()
-    return tuple(dict.fromkeys(words))
 
 
 def _group_labels(g) -> list[int]:
@@ -42,27 +35,17 @@ POOLED_HEADS = (("shape0", len(SHAPES)), ("color0", len(COLORS)), ("count0", MAX
                 ("relation", len(RELATION_CLASSES)))
 
 
-def noun_positions(tokenizer, prompt: str) -> list[int]:
-    """Token indices of the group nouns (each word is one token after the start token)."""
-    words = prompt.split()
-    ids = tokenizer(prompt)["input_ids"]
-    if len(ids) != len(words) + 2:
-        raise ValueError(f"tokenizer does not map every word of {prompt!r} to one token")
+def noun_positions(kit, tokenizer, prompt: str) -> list[int]:
+    """Token indices of the group nouns of ``prompt`` (the family's ``word_positions``)."""
     nouns = {*SHAPES, *(s + "s" for s in SHAPES)}
-    return [i + 1 for i, w in enumerate(words) if w in nouns]
+    positions = kit.word_positions(tokenizer, prompt)
+    return [positions[i] for i, w in enumerate(prompt.split()) if w in nouns]
 
 
-def _encode(tokenizer, prompts: list[str]) -> dict:
-    return tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                     truncation=True, return_tensors="pt")
-
-
-def _forward(encoder, tokenizer, heads, prompts: list[str], labels: list[dict], positions: list[list[int]]):
+def _forward(kit, encoder, tokenizer, heads, prompts: list[str], labels: list[dict], positions: list[list[int]]):
     """(loss, per-noun all-heads-correct [M], per-prompt pooled all-heads-correct [N])."""
     noun_heads, pooled_heads = heads
-    tok = _encode(tokenizer, prompts)
-    out = encoder(input_ids=tok["input_ids"], output_hidden_states=True)
-    per_token = out.hidden_states[-2]
+    per_token, pooled = kit.text_features(encoder, tokenizer, prompts)
     rows, cols, noun_y = [], [], []
     for r, (pos, lab) in enumerate(zip(positions, labels)):
         for p, y in zip(pos, lab["nouns"]):
@@ -71,7 +54,7 @@ def _forward(encoder, tokenizer, heads, prompts: list[str], labels: list[dict], 
     noun_y = torch.tensor(noun_y)
     pooled_y = torch.tensor([lab["pooled"] for lab in labels])
     noun_logits = [h(noun_h) for h in noun_heads]
-    pooled_logits = [h(out.text_embeds) for h in pooled_heads]
+    pooled_logits = [h(pooled) for h in pooled_heads]
     loss = sum(F.cross_entropy(lg, noun_y[:, k]) for k, lg in enumerate(noun_logits))
     loss = loss + sum(F.cross_entropy(lg, pooled_y[:, k]) for k, lg in enumerate(pooled_logits))
     noun_ok = torch.stack([lg.argmax(-1) == noun_y[:, k] for k, lg in enumerate(noun_logits)]).all(0)
@@ -79,42 +62,38 @@ def _forward(encoder, tokenizer, heads, prompts: list[str], labels: list[dict], 
     return loss, noun_ok, pooled_ok
 
 
-def train_text_encoder(encoder, tokenizer, prompts: list[str], *, steps: int = 400, batch: int = 128,
+def train_text_encoder(kit, encoder, tokenizer, prompts: list[str], *, steps: int = 400, batch: int = 128,
                        lr: float = 3e-3, seed: int = 0, eval_prompts: list[str] | None = None) -> dict:
-    """Train ``encoder`` (CLIPTextModelWithProjection) in place on the scene-parsing objective (AdamW,
-    seeded minibatches of ``prompts``); returns the final loss and parse accuracies (every head right)
-    on ``prompts`` and, if given, on ``eval_prompts`` (``eval_noun_acc``, ``eval_pooled_acc``)."""
-    hidden, proj = encoder.config.hidden_size, encoder.config.projection_dim
+    """Train ``encoder`` in place on the scene-parsing objective (AdamW, seeded minibatches of ``prompts``; the
+    states read as the family's ``kit.text_features`` says); returns the final loss and parse accuracies (every
+    head right) on ``prompts`` and, if given, on ``eval_prompts`` (``eval_noun_acc``, ``eval_pooled_acc``)."""
+    with torch.no_grad():
+        per_token, pooled = kit.text_features(encoder, tokenizer, prompts[:1])
+    hidden, proj = per_token.shape[-1], pooled.shape[-1]
     torch.manual_seed(seed)
     heads = (torch.nn.ModuleList(torch.nn.Linear(hidden, n) for _, n in NOUN_HEADS),
              torch.nn.ModuleList(torch.nn.Linear(proj, n) for _, n in POOLED_HEADS))
     params = list(encoder.parameters()) + list(heads[0].parameters()) + list(heads[1].parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     labels = [scene_labels(parse_prompt(p)) for p in prompts]
-    positions = [noun_positions(tokenizer, p) for p in prompts]
+    positions = [noun_positions(kit, tokenizer, p) for p in prompts]
     rng = random.Random(seed)
     encoder.train()
     for _ in range(steps):
         idx = rng.sample(range(len(prompts)), min(batch, len(prompts)))
-        loss, _, _ = _forward(encoder, tokenizer, heads, [prompts[i] for i in idx], [labels[i] for i in idx],
+        loss, _, _ = _forward(kit, encoder, tokenizer, heads, [prompts[i] for i in idx], [labels[i] for i in idx],
                               [positions[i] for i in idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
     encoder.eval()
     with torch.no_grad():
-        loss, noun_ok, pooled_ok = _forward(encoder, tokenizer, heads, prompts, labels, positions)
+        loss, noun_ok, pooled_ok = _forward(kit, encoder, tokenizer, heads, prompts, labels, positions)
         stats = {"loss": float(loss), "noun_acc": float(noun_ok.float().mean()),
                  "pooled_acc": float(pooled_ok.float().mean())}
         if eval_prompts:
             ev_labels = [scene_labels(parse_prompt(p)) for p in eval_prompts]
-            ev_pos = [noun_positions(tokenizer, p) for p in eval_prompts]
-            _, noun_ok, pooled_ok = _forward(encoder, tokenizer, heads, eval_prompts, ev_labels, ev_pos)
+            ev_pos = [noun_positions(kit, tokenizer, p) for p in eval_prompts]
+            _, noun_ok, pooled_ok = _forward(kit, encoder, tokenizer, heads, eval_prompts, ev_labels, ev_pos)
             stats.update(eval_noun_acc=float(noun_ok.float().mean()), eval_pooled_acc=float(pooled_ok.float().mean()))
     return stats
-
-
-def switch_off_t5(encoder) -> None:
-    """Make a T5EncoderModel return zeros (final RMSNorm scale 0), as SD3 does with T5 dropped."""
-    with torch.no_grad():
-        encoder.encoder.final_layer_norm.weight.zero_()

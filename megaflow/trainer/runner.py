@@ -41,12 +41,14 @@ def adam_config(*, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
     )
 
 
-def rectified_flow_microbatch(x0, noise, sigma, encoder_hidden_states, pooled_projections) -> dict:
-    """SFT microbatch: x_t = (1 - sigma) x0 + sigma noise, target velocity v = noise - x0."""
+def rectified_flow_microbatch(x0, noise, sigma, encoder_hidden_states=None, pooled_projections=None,
+                              **conditioning) -> dict:
+    """SFT microbatch: x_t = (1 - sigma) x0 + sigma noise, target velocity v = noise - x0; ``conditioning``: the
+    family's other model inputs (e.g. Qwen-Image's text mask and image grid)."""
     s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
     return {
         "latents": (1 - s) * x0 + s * noise, "sigma": sigma, "target": noise - x0,
-        "encoder_hidden_states": encoder_hidden_states, "pooled_projections": pooled_projections,
+        "encoder_hidden_states": encoder_hidden_states, "pooled_projections": pooled_projections, **conditioning,
     }
 
 
@@ -114,17 +116,21 @@ class ModelRunner:
                 micro_batch_size=first["latents"].shape[0], forward_only=forward_only,
             )
 
-    def velocity(self, latents, sigma, encoder_hidden_states, pooled_projections) -> torch.Tensor | None:
-        """Per-timestep forward v(x_t, sigma | conditioning): the velocity [B, C, H, W] on the last
-        pipeline stage, None on other stages. The batch runs as one microbatch, or as PP equal
+    def velocity(self, latents, sigma, encoder_hidden_states, pooled_projections=None, *,
+                 shared: dict | None = None, **conditioning) -> torch.Tensor | None:
+        """Per-timestep forward v(x_t, sigma | conditioning): the velocity (the latents' layout) on the last
+        pipeline stage, None on other stages. ``conditioning``: the family's other batched inputs; ``shared``:
+        inputs every sample shares (not split). The batch runs as one microbatch, or as PP equal
         microbatches under interleaved (VPP) pipelining, which needs at least PP of them."""
         num = 1
         if self.config.virtual_pipeline_model_parallel_size is not None:
             num = self.config.pipeline_model_parallel_size
             if latents.shape[0] % num:
                 raise ValueError(f"batch {latents.shape[0]} must be divisible by pp={num} with virtual pipelining")
-        parts = zip(*(t.chunk(num) for t in (latents, sigma, encoder_hidden_states, pooled_projections)))
-        mbs = [dict(zip(("latents", "sigma", "encoder_hidden_states", "pooled_projections"), p)) for p in parts]
+        batched = dict(latents=latents, sigma=sigma, encoder_hidden_states=encoder_hidden_states,
+                       pooled_projections=pooled_projections, **conditioning)
+        parts = {k: (v.chunk(num) if v is not None else [None] * num) for k, v in batched.items()}
+        mbs = [{**{k: v[i] for k, v in parts.items()}, **(shared or {})} for i in range(num)]
         out = self.forward_backward(mbs, None, forward_only=True)
         return torch.cat(out) if out else None
 

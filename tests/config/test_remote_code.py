@@ -172,9 +172,10 @@ def test_the_diffusers_samplers_refuse(tmp_path):
 
 def test_pretrain_and_export_refuse(tmp_path):
     from megaflow.commands.export import export_run
+    from megaflow.models.sd3 import shapes as kit
     from megaflow.pretrain.loop import load_parts
     pipe = _remote(tmp_path, "pipeline")
-    _refused(tmp_path, lambda: load_parts(pipe), f"pretrain.init_from: {pipe}/model_index.json: custom pipeline")
+    _refused(tmp_path, lambda: load_parts(kit, pipe), f"pretrain.init_from: {pipe}/model_index.json: custom pipeline")
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
     (run / "config.toml").write_text(f'[model]\npretrained = "{pipe}"\n')

@@ -43,14 +43,14 @@ def test_pretrain_writes_history_and_a_loadable_pipeline(pretrained):
 def test_engine_conditioning_latents_and_decode_match(pretrained):
     from diffusers import StableDiffusion3Pipeline
 
-    from megaflow.pretrain.pipeline import TEXT_LEN, encode_prompts
-    from megaflow.pretrain.vae import decode
+    from megaflow.models.sd3.shapes import TEXT_LEN, conditioning, decode
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from megaflow.rollout.types import RolloutRequest
     pipe_dir = pretrained[0] / "pipeline"
     pipe = StableDiffusion3Pipeline.from_pretrained(pipe_dir)
     prompt = "two red circles left of a blue square"
-    embeds, pooled = encode_prompts(pipe, [prompt])
+    cond = conditioning(pipe, [prompt])
+    embeds, pooled = cond["encoder_hidden_states"], cond["pooled_projections"]
     torch.set_num_threads(1)
     engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipe_dir)))
     try:

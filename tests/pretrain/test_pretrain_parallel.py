@@ -42,7 +42,7 @@ def test_pretrain_on_two_ranks_equals_one(reference, layout, tmp_path):
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
-    from megaflow.pretrain.pipeline import transformer_config
+    from megaflow.models.sd3.shapes import transformer_config
     one = reference
     two = load_file(str(next(_pretrain(tmp_path, "two", 2, layout).glob("*.safetensors"))))
     torch.manual_seed(0)  # the init ``assemble`` draws (run.seed 0)

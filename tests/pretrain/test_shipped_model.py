@@ -15,7 +15,8 @@ import torch
 
 from megaflow.shapeeval.render import render_prompts
 from megaflow.shapeeval.evaluate import eval_prompts, score
-from megaflow.pretrain.vae import decode, encode
+from megaflow.models.sd3.shapes import decode, encode
+from megaflow.pretrain.vae import to_pixels
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "shapeeval-sd3"
 
@@ -26,7 +27,7 @@ def test_shipped_pipeline_loads_and_its_vae_round_trips_held_out_ground_truth():
     assert json.loads((ASSET / "megaflow.json").read_text())["max_sequence_length"] == 12
     held, _ = eval_prompts(300, 0, seed=0)
     images = render_prompts(held, resolution=32, seed=11)
-    recon = decode(pipe.vae, encode(pipe.vae, images))
+    recon = decode(pipe.vae, encode(pipe.vae, to_pixels(images)))
     assert score(recon, held)["accuracy"] >= 0.98
     gt = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
     assert score(gt, held)["accuracy"] == 1.0
