@@ -56,8 +56,9 @@ def _npy(path: Path) -> np.ndarray:
 
 def _gif(path: Path, num_frames: int | None) -> np.ndarray:
     """A GIF's frames, each repeated as its duration says: Pillow merges equal consecutive frames into one longer
-    one, so a frame lasting k base durations is k frames (the base: the clip's length over ``num_frames``, else
-    the durations' greatest common divisor)."""
+    one, so a frame lasting k base durations is k frames. The base: the clip's length over ``num_frames`` when
+    that many frames are expected and every duration is a whole number of it, else the durations' greatest common
+    divisor."""
     from PIL import ImageSequence
 
     frames, durations = [], []
@@ -65,9 +66,14 @@ def _gif(path: Path, num_frames: int | None) -> np.ndarray:
         for frame in ImageSequence.Iterator(im):
             frames.append(load_rgb(frame))
             durations.append(max(1, int(frame.info.get("duration", 0) or 1)))
-    base = sum(durations) / num_frames if num_frames else math.gcd(*durations)
-    repeats = [max(1, round(d / base)) for d in durations]
-    return np.stack([f for f, k in zip(frames, repeats) for _ in range(k)])
+            if len(frames) > MAX_FRAMES:
+                break
+    base = float(math.gcd(*durations))
+    if num_frames and len(frames) < num_frames:
+        even = sum(durations) / num_frames
+        if all(abs(d / even - round(d / even)) < 0.25 for d in durations):
+            base = even
+    return np.stack([f for f, d in zip(frames, durations) for _ in range(max(1, round(d / base)))])
 
 
 def load_rgb(frame) -> np.ndarray:
@@ -94,8 +100,9 @@ def _read(path: Path, num_frames: int | None) -> np.ndarray:
     if suffix == ".gif":
         return _gif(path, num_frames)
     if suffix == ".mp4":
-        import imageio.v3 as iio
-        return np.asarray(iio.imread(path, index=None, plugin="pyav"), dtype=np.uint8)[..., :3]
+        import imageio.v2 as iio2  # the writer's plugin (report/video.py): imageio's ffmpeg
+        frames = iio2.mimread(path, format="FFMPEG", memtest=False)
+        return np.stack([np.asarray(f, dtype=np.uint8)[..., :3] for f in frames[:MAX_FRAMES + 1]])
     raise ValueError(f"not a clip (want {', '.join(VIDEO_SUFFIXES)} or a folder of PNG frames)")
 
 

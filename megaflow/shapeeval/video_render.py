@@ -12,13 +12,11 @@ import numpy as np
 
 from megaflow.data.shapes import BACKGROUND, PALETTE, Scene
 from megaflow.data.video_shapes import DIRECTIONS, VideoScene, parse_video_prompt
+from megaflow.shapeeval import CLIP_CORRUPTIONS
 from megaflow.shapeeval.render import PlacedObject, place_objects, render_objects
 
-CLIP_CORRUPTIONS: tuple[str, ...] = ("reverse", "color", "drop", "replace", "static")
-"""reverse: the clip played backwards; color: one group in another colour; drop: a frame dropped (the rest moves
-up, the last frame repeats); replace: a frame replaced by an empty one; static: the first frame held throughout."""
 TRAVEL = 0.25  # the whole motion, as a fraction of the side, when frames allow (at least 1 px a frame)
-MAX_TRAVEL = 0.375  # more frames than fit this at 1 px a frame are refused
+MAX_TRAVEL = 0.35  # more frames than fit this at 1 px a frame are refused
 _MAX_LAYOUTS = 200
 
 
