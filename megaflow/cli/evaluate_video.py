@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 from megaflow.cli.common import add_trust_remote_code_arg, print_json
+from megaflow.config.video_check import FRAME_WORDS
 from megaflow.shapeeval import CLIP_CORRUPTIONS, SAMPLERS
-
-_FRAME_WORDS = ("mean", "first", "video")  # rewards.frames.FRAME_MODES (tests keep them equal)
 
 
 def _rewards(args: argparse.Namespace) -> dict[str, dict]:
@@ -19,10 +18,10 @@ def _rewards(args: argparse.Namespace) -> dict[str, dict]:
     if args.kwargs is not None and len(args.reward) != 1:
         raise ValueError("--kwargs goes with exactly one --reward")
     mode = args.reward_frames
-    if mode not in _FRAME_WORDS and not mode.isdigit():
-        raise ValueError(f"--reward-frames {mode!r}: one of {', '.join(_FRAME_WORDS)} or a frame index (\"2\")")
+    if mode not in FRAME_WORDS and not mode.isdigit():
+        raise ValueError(f"--reward-frames {mode!r}: one of {', '.join(FRAME_WORDS)} or a frame index (\"2\")")
     if mode.isdigit() and args.frames is not None and int(mode) >= args.frames:
-        raise ValueError(f"--reward-frames {mode}: the clips have {args.frames} frames (indices 0 .. {args.frames - 1})")
+        raise ValueError(f"--reward-frames {mode}: the clips have {args.frames} frames (0 .. {args.frames - 1})")
     return {name: check_reward_args(name, args.kwargs) for name in dict.fromkeys(args.reward)}
 
 
@@ -92,13 +91,14 @@ def _score_clips(args: argparse.Namespace, rewards: dict[str, dict]) -> dict:
     from megaflow.shapeeval.video_score import evaluate_clips
     result, clips, prompts = evaluate_clips(args.clips, num_frames=args.frames)
     if rewards:
-        from megaflow.shapeeval.video_evaluate import clips_float, frame_rewards
+        from megaflow.rewards.frames import score_per_frame
+        from megaflow.shapeeval.video_evaluate import clips_float
         by_shape: dict[tuple, list[int]] = {}
         for i, c in enumerate(clips):
             by_shape.setdefault(c.shape, []).append(i)
         scored: dict[str, list] = {name: [None] * len(clips) for name in rewards}
         for idx in by_shape.values():
-            part = frame_rewards(clips_float([clips[i] for i in idx]), [prompts[i] for i in idx], rewards,
+            part = score_per_frame(clips_float([clips[i] for i in idx]), [prompts[i] for i in idx], rewards,
                                  args.reward_frames)
             for name, r in part.items():
                 for i, s in zip(idx, r["scores"]):
@@ -117,10 +117,14 @@ def _mean(scores: list) -> float | None:
 def _sample_pipeline(args: argparse.Namespace, rewards: dict[str, dict]) -> dict:
     from megaflow.shapeeval.video_evaluate import brief, evaluate_video_pipeline
     out_dir = args.out or Path("runs") / f"{args.pipeline.resolve().name}-video-shapeeval"
-    result = evaluate_video_pipeline(
+    result, clips, prompts = evaluate_video_pipeline(
         args.pipeline, sampler=args.sampler, trust_remote_code=args.trust_remote_code, num=args.num, seed=args.seed,
         num_steps=args.steps, resolution=args.resolution, num_frames=args.frames, fps=args.fps, split=args.split,
-        out_dir=out_dir, rewards=rewards, reward_frames=args.reward_frames)
+        out_dir=out_dir)
+    if rewards:
+        from megaflow.rewards.frames import score_per_frame
+        result["rewards"] = score_per_frame(clips, prompts, rewards, args.reward_frames)
+        result["reward_frames"] = args.reward_frames
     (Path(out_dir) / "result.json").write_text(json.dumps(result, sort_keys=True, indent=2) + "\n")
     return brief(result)
 

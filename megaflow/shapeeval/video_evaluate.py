@@ -1,10 +1,9 @@
 """Video ShapeEval of a model: held-out prompts sampled as clips through an engine (SGLang's, or diffusers'
-WanPipeline), scored with 95% intervals, and optionally by image rewards per frame (``reward.frames``). Invariant:
-the prompt set is fixed by (num, seed) and each prompt has its own seed and ODE sampling, as for images.
+WanPipeline), scored with 95% intervals (rewards per frame are the caller's: ``rewards.frames.score_per_frame``).
+Invariant: the prompt set is fixed by (num, seed) and each prompt has its own seed and ODE sampling, as for images.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -26,23 +25,6 @@ def clips_float(clips: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(clips)).permute(0, 1, 4, 2, 3).float() / 255.0
 
 
-def frame_rewards(clips: torch.Tensor, prompts: list[str], rewards: dict[str, dict], mode: str) -> dict:
-    """{reward: {"mean", "masked", "scores"}}: each image reward on float clips [N, F, 3, H, W] by ``mode``
-    (``reward.frames``: mean, first or a frame index), a score per clip (None where the reward masked it)."""
-    from megaflow.rewards.base import safe_score
-    from megaflow.rewards.frames import FrameReward, frame_mode
-    from megaflow.rewards.registry import build_reward
-
-    out = {}
-    for name, kwargs in rewards.items():
-        fn = FrameReward(build_reward(name, **kwargs), frame_mode(mode), label=name)
-        scores = [float(s) for s in safe_score(fn, clips, prompts, name=name)]
-        kept = [s for s in scores if math.isfinite(s)]
-        out[name] = {"mean": sum(kept) / len(kept) if kept else None, "masked": len(scores) - len(kept),
-                     "scores": [s if math.isfinite(s) else None for s in scores]}
-    return out
-
-
 def video_requests(prompts: list[str], *, seed: int, num_steps: int, resolution: int, num_frames: int, fps: int,
                    max_sequence_length: int | None):
     from megaflow.rollout.types import RolloutRequest
@@ -54,10 +36,10 @@ def video_requests(prompts: list[str], *, seed: int, num_steps: int, resolution:
 
 def evaluate_video_engine(engine, *, num: int = 200, seed: int = 0, num_steps: int = 10, resolution: int = 32,
                           num_frames: int = 5, fps: int = 8, max_sequence_length: int | None = None,
-                          split: str = "eval", out_dir: Path | None = None, rewards: dict[str, dict] | None = None,
-                          reward_frames: str = "mean") -> dict:
-    """Sample ``num`` prompts of ``split`` (round-robin over the categories) through ``engine`` (ODE), score them;
-    with ``out_dir`` the clips are saved as PNG-frame folders with a manifest (``video_io.save_clips``)."""
+                          split: str = "eval", out_dir: Path | None = None) -> tuple[dict, torch.Tensor, list[str]]:
+    """(result, clips [N, F, 3, H, W] in [0, 1], prompts): ``num`` prompts of ``split`` (round-robin over the
+    categories) sampled through ``engine`` (ODE) and scored; with ``out_dir`` the clips are saved as PNG-frame folders
+    with a manifest (``video_io.save_clips``)."""
     prompts = sample_video_prompts(split, num, seed=seed)
     samples = engine.generate(video_requests(prompts, seed=seed, num_steps=num_steps, resolution=resolution,
                                              num_frames=num_frames, fps=fps, max_sequence_length=max_sequence_length))
@@ -67,13 +49,10 @@ def evaluate_video_engine(engine, *, num: int = 200, seed: int = 0, num_steps: i
     arr = clips_uint8(clips)
     result = summarize_clips(score_clip_batch(arr, prompts))
     result.update(seed=seed, num_steps=num_steps, resolution=resolution, num_frames=num_frames, split=split)
-    if rewards:
-        result["rewards"] = frame_rewards(clips, prompts, rewards, reward_frames)
-        result["reward_frames"] = reward_frames
     if out_dir is not None:
         save_clips(arr, prompts, Path(out_dir))
         result["clips"] = str(out_dir)
-    return result
+    return result, clips, prompts
 
 
 def open_sampler(pipeline_dir: Path, sampler: str, *, trust_remote_code: bool = False):
@@ -90,14 +69,15 @@ def open_sampler(pipeline_dir: Path, sampler: str, *, trust_remote_code: bool = 
 
 
 def evaluate_video_pipeline(pipeline_dir: Path, *, sampler: str = "sglang", trust_remote_code: bool = False,
-                            **kwargs) -> dict:
+                            **kwargs) -> tuple[dict, torch.Tensor, list[str]]:
     """``evaluate_video_engine`` on a Wan pipeline directory through ``sampler`` (``open_sampler``)."""
     from megaflow.models.pipeline_meta import declared_text_len
     pipeline_dir = Path(pipeline_dir)
     engine = open_sampler(pipeline_dir, sampler, trust_remote_code=trust_remote_code)
     try:
-        result = evaluate_video_engine(engine, max_sequence_length=declared_text_len(pipeline_dir), **kwargs)
-        return {**result, "sampler": sampler}
+        result, clips, prompts = evaluate_video_engine(engine, max_sequence_length=declared_text_len(pipeline_dir),
+                                                       **kwargs)
+        return {**result, "sampler": sampler}, clips, prompts
     finally:
         engine.shutdown()
 

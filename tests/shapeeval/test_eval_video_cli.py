@@ -93,8 +93,15 @@ def test_bad_input_is_one_line(tmp_path, clips, capsys):
     np.save(bad_shape.mkdir() or bad_shape / f"{_name(0, PROMPTS[0])}.npy", clips[0][..., 0])
     bad_prompt = tmp_path / "prompt"
     np.save(bad_prompt.mkdir() or bad_prompt / "0000-a_red_circle_dancing.npy", clips[0])
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / f"{_name(0, PROMPTS[0])}.gif").write_bytes(b"GIF89a" + bytes(40))
+    pickled = tmp_path / "pickled"
+    np.save(pickled.mkdir() or pickled / f"{_name(0, PROMPTS[0])}.npy", np.array([{"a": 1}], dtype=object))
     cases = {
         ("--clips", str(tmp_path / "missing")): "no such directory",
+        ("--clips", str(damaged)): "cannot read",
+        ("--clips", str(pickled)): "allow_pickle=False",
         ("--clips", str(bad_shape)): "want uint8 [F, H, W, 3]",
         ("--clips", str(bad_prompt)): "not a video ShapeEval prompt",
         ("--clips", str(good), "--frames", "9"): "5 frames, want 9",

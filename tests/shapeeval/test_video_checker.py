@@ -63,7 +63,7 @@ def test_every_corruption_fails(kind):
         want = [c for c in VIDEO_CATEGORIES if not (kind == "drop" and c == "color_change")]
         assert sorted(out["per_category"]) == sorted(want) and out["num"] == 48
         assert out["accuracy"] == 0.0, out["per_category"]
-        assert 0.0 < out["partial_mean"] < 0.8 and max(out["per_category_partial"].values()) < 1.0
+        assert 0.1 < out["partial_mean"] < 0.8 and max(out["per_category_partial"].values()) < 1.0
 
 
 def test_drop_does_not_apply_to_a_colour_change():
