@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verbose", False):
         _quiet_third_party()
     handler: Handler = args.handler
-    scores_rewards = args.command in ("train", "demo") or getattr(args, "eval_command", None) == "reward"
+    scores_rewards = args.command in ("train", "demo") or getattr(args, "eval_command", None) in ("reward", "video")
     before = child_pids() if scores_rewards else None
     if scores_rewards:
         adopt_orphans()  # a reward's double-forked helper stays ours: kill_children below ends it too

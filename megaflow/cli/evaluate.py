@@ -1,5 +1,5 @@
-"""``megaflow eval shapes`` and ``megaflow eval reward``: their parsers and handlers (scores of images). Heavy
-imports happen inside the handlers.
+"""``megaflow eval shapes`` and ``megaflow eval reward``: their parsers and handlers (scores of images; ``eval video``
+is in ``evaluate_video.py``). Heavy imports happen inside the handlers.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from megaflow.cli.common import add_config_args, add_trust_remote_code_arg, print_json
+from megaflow.cli.evaluate_video import add_video_parser
 from megaflow.config import load_config
 from megaflow.shapeeval import SAMPLERS
 
@@ -83,8 +84,8 @@ def _reward_of_config(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 def add_eval_parsers(sub) -> None:
-    """``megaflow eval shapes`` and ``megaflow eval reward``: scores of images."""
-    p_eval = sub.add_parser("eval", help="Evaluate images.")
+    """``megaflow eval shapes``, ``megaflow eval reward`` and ``megaflow eval video``: scores of images and clips."""
+    p_eval = sub.add_parser("eval", help="Evaluate images and clips.")
     eval_sub = p_eval.add_subparsers(dest="eval_command", required=True)
     p_shapes = eval_sub.add_parser("shapes", help="ShapeEval: score generated images, or the checker's ceiling "
                                    "on ground-truth renders.")
@@ -127,3 +128,4 @@ def add_eval_parsers(sub) -> None:
                        "folder (default 600; 0 = no limit): a call still running then is abandoned, and it and the "
                        "images not scored yet are null. No image scored at all is an error (exit 2).")
     p_rew.set_defaults(handler=_cmd_eval_reward)
+    add_video_parser(eval_sub)

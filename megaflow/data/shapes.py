@@ -81,13 +81,13 @@ def category_of(scene: Scene) -> str:
     return "composite"
 
 
-_GROUP_RE = (r"(a|an|one|two|three|four) (?:(" + "|".join(PALETTE) + r") )?("
+GROUP_RE = (r"(a|an|one|two|three|four) (?:(" + "|".join(PALETTE) + r") )?("
              + "|".join(SHAPES) + r")(s?)")
 _PROMPT_RE = re.compile(
-    rf"^{_GROUP_RE}(?: (and|{'|'.join(RELATIONS)}) {_GROUP_RE})?$")
+    rf"^{GROUP_RE}(?: (and|{'|'.join(RELATIONS)}) {GROUP_RE})?$")
 
 
-def _group_from_match(count_word: str, color: str | None, shape: str, plural: str, prompt: str) -> Group:
+def group_from_match(count_word: str, color: str | None, shape: str, plural: str, prompt: str) -> Group:
     count = _WORD_COUNTS[count_word]
     if (count > 1) != bool(plural):
         raise ValueError(f"ShapeEval prompt has count/plural mismatch: {prompt!r}")
@@ -102,10 +102,10 @@ def parse_prompt(prompt: str) -> Scene:
     m = _PROMPT_RE.match(text)
     if m is None:
         raise ValueError(f"not a ShapeEval prompt: {prompt!r}")
-    groups = [_group_from_match(*m.group(1, 2, 3, 4), prompt)]
+    groups = [group_from_match(*m.group(1, 2, 3, 4), prompt)]
     relation = None
     if m.group(5):
-        groups.append(_group_from_match(*m.group(6, 7, 8, 9), prompt))
+        groups.append(group_from_match(*m.group(6, 7, 8, 9), prompt))
         relation = None if m.group(5) == "and" else m.group(5)
     scene = Scene(groups=tuple(groups), relation=relation)
     if len(groups) == 2 and not _groups_disjoint(groups[0], groups[1]):
@@ -190,11 +190,33 @@ def _attributes(scene: Scene) -> set[tuple]:
     return out
 
 
+def hold_out(scenes: list, want: int, attributes) -> tuple[list, list]:
+    """(held out, train) of ``scenes`` (already shuffled): walk them in order, holding a scene out (until ``want``
+    are) only while every attribute it uses (``attributes(scene)``, a set) still occurs in a scene left to train
+    on. The fixed rule of every ShapeEval split, image and video: a held-out prompt is a new combination of seen
+    words."""
+    counts: dict[tuple, int] = {}
+    for s in scenes:
+        for a in attributes(s):
+            counts[a] = counts.get(a, 0) + 1
+    chosen = []
+    for s in scenes:
+        if len(chosen) == want:
+            break
+        attrs = attributes(s)
+        if all(counts[a] > 1 for a in attrs):
+            chosen.append(s)
+            for a in attrs:
+                counts[a] -= 1
+    picked = set(chosen)
+    return chosen, [s for s in scenes if s not in picked]
+
+
 def split_prompts(*, seed: int = 0, eval_fraction: float = 0.25) -> PromptSplit:
     """Hold out combinations, not words: each held-out category's universe is shuffled with ``seed``
     and scenes are held out (``eval_fraction``, or a third of the small universes) only while every
     attribute they use -- shape, colour, count per group, relation -- still occurs in that category's
-    training scenes. So a held-out prompt is a new combination of seen words."""
+    training scenes (``hold_out``). So a held-out prompt is a new combination of seen words."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     train, held = {}, {}
@@ -205,22 +227,22 @@ def split_prompts(*, seed: int = 0, eval_fraction: float = 0.25) -> PromptSplit:
             continue
         random.Random(seed * 1000 + i).shuffle(scenes)
         want = max(1, round(_HOLDOUT_FRACTION.get(cat, eval_fraction) * len(scenes)))
-        counts: dict[tuple, int] = {}
-        for s in scenes:
-            for a in _attributes(s):
-                counts[a] = counts.get(a, 0) + 1
-        chosen = []
-        for s in scenes:
-            if len(chosen) == want:
-                break
-            attrs = _attributes(s)
-            if all(counts[a] > 1 for a in attrs):
-                chosen.append(s)
-                for a in attrs:
-                    counts[a] -= 1
-        picked = set(chosen)
-        held[cat], train[cat] = tuple(chosen), tuple(s for s in scenes if s not in picked)
+        chosen, rest = hold_out(scenes, want, _attributes)
+        held[cat], train[cat] = tuple(chosen), tuple(rest)
     return PromptSplit(train=train, eval=held)
+
+
+def round_robin(pools: dict, categories: tuple[str, ...], num: int, seed: int) -> list:
+    """``num`` items balanced round-robin over ``categories``, each cycling through its own ``seed``-shuffled
+    pool (repeats only once a category is exhausted); shared by the image and video samplers."""
+    rng = random.Random(seed)
+    orders = {c: rng.sample(pools[c], len(pools[c])) for c in categories}
+    out = []
+    for i in range(num):
+        cat = categories[i % len(categories)]
+        k = i // len(categories)
+        out.append(orders[cat][k % len(orders[cat])])
+    return out
 
 
 def sample_scenes(split: str, num: int, *, seed: int = 0, split_seed: int = 0,
@@ -233,15 +255,7 @@ def sample_scenes(split: str, num: int, *, seed: int = 0, split_seed: int = 0,
     for cat in categories:
         if cat not in CATEGORIES:
             raise ValueError(f"unknown ShapeEval category: {cat!r} (known: {', '.join(CATEGORIES)})")
-    pools = getattr(split_prompts(seed=split_seed), split)
-    rng = random.Random(seed)
-    orders = {c: rng.sample(pools[c], len(pools[c])) for c in categories}
-    out = []
-    for i in range(num):
-        cat = categories[i % len(categories)]
-        k = i // len(categories)
-        out.append(orders[cat][k % len(orders[cat])])
-    return out
+    return round_robin(getattr(split_prompts(seed=split_seed), split), categories, num, seed)
 
 
 def sample_prompts(split: str, num: int, **kwargs) -> list[str]:

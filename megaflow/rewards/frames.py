@@ -4,6 +4,7 @@ frame), or handed whole to a reward that takes video (``takes_video = True``). I
 [B, 3, H, W] reaches the reward unchanged, whatever ``reward.frames`` says."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -53,3 +54,23 @@ class FrameReward:
         scores, info = out if isinstance(out, tuple) else (out, None)
         per_clip = torch.as_tensor(scores, dtype=torch.float32).reshape(len(prompts), frames).mean(dim=1)
         return per_clip if info is None else (per_clip, info)
+
+
+def score_per_frame(clips: torch.Tensor, prompts: Sequence[str], rewards: dict[str, dict], mode: str) -> dict:
+    """{reward: {"mean", "masked", "scores"}}: each image reward (name -> keyword arguments) on float clips
+    [N, F, 3, H, W] by ``mode`` (``reward.frames``' words or a frame index, as ``FrameReward``), one score per clip
+    (None where the reward masked it; ``mean`` over the others, None when none is left). ``megaflow eval video``."""
+    from megaflow.rewards.base import safe_score
+    from megaflow.rewards.registry import build_reward
+
+    mode_ = frame_mode(mode)
+    if isinstance(mode_, int) and mode_ >= clips.shape[1]:
+        raise ValueError(f"reward frame {mode_}: the clips have {clips.shape[1]} frames")
+    out = {}
+    for name, kwargs in rewards.items():
+        fn = FrameReward(build_reward(name, **kwargs), mode_, label=name)
+        scores = [float(s) for s in safe_score(fn, clips, list(prompts), name=name)]
+        kept = [s for s in scores if math.isfinite(s)]
+        out[name] = {"mean": sum(kept) / len(kept) if kept else None, "masked": len(scores) - len(kept),
+                     "scores": [s if math.isfinite(s) else None for s in scores]}
+    return out

@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 
 from megaflow.shapeeval.render import size_range
-from megaflow.data.shapes import BACKGROUND, PALETTE, Scene, category_of, relation_holds
+from megaflow.data.shapes import BACKGROUND, PALETTE, Group, Scene, category_of, relation_holds
 
 _PALETTE_NAMES = tuple(PALETTE)
 _PALETTE_RGB = np.array([PALETTE[c] for c in _PALETTE_NAMES], dtype=np.float32)
@@ -151,14 +151,17 @@ def _ratio(found: int, wanted: int) -> float:
     return 0.0 if found == 0 else min(found, wanted) / max(found, wanted)
 
 
+def matches(o: DetectedObject, g: Group) -> bool:
+    """Whether a detected object is one of group ``g``'s: its shape and colour (off-palette blobs never match,
+    even "any colour")."""
+    return o.color is not None and o.shape == g.shape and (g.color is None or o.color == g.color)
+
+
 def score_objects(objects: list[DetectedObject], scene: Scene, resolution: int) -> SceneScore:
     """Judge detected objects against a scene. Partial score = mean over groups of a count score
     (matching shape and colour; for coloured groups averaged with a shape-only count, so a wrong
     colour earns half) and, with a relation, the fraction of group-0 x group-1 pairs that satisfy
     it; times n_expected / (n_expected + n_unclaimed)."""
-    def matches(o: DetectedObject, g) -> bool:  # off-palette blobs never match, even "any colour"
-        return o.color is not None and o.shape == g.shape and (g.color is None or o.color == g.color)
-
     matched = [[o for o in objects if matches(o, g)] for g in scene.groups]
     claimed = {id(o) for group_objs in matched for o in group_objs}
     parts, exact = [], True

@@ -5,7 +5,6 @@ are compared on the same prompts and noise.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 
@@ -14,7 +13,7 @@ import torch
 from megaflow.data.shapes import HELD_OUT_CATEGORIES, SEEN_CATEGORIES, parse_prompt, sample_prompts
 from megaflow.shapeeval import SAMPLERS
 from megaflow.shapeeval.checker import score_image
-from megaflow.shapeeval.score import summarize
+from megaflow.shapeeval.score import ci95, summarize, with_intervals  # noqa: F401 (ci95: its old home)
 
 
 def eval_prompts(num: int, num_seen: int, seed: int, *, split: str = "eval") -> tuple[list[str], list[str]]:
@@ -24,16 +23,6 @@ def eval_prompts(num: int, num_seen: int, seed: int, *, split: str = "eval") -> 
     held = sample_prompts(split, num, seed=seed, categories=HELD_OUT_CATEGORIES)
     seen = sample_prompts(split, num_seen, seed=seed, categories=SEEN_CATEGORIES) if num_seen else []
     return held, seen
-
-
-def ci95(p: float, n: int) -> list[float]:
-    """Wilson 95% interval of a proportion ``p`` over ``n`` samples."""
-    if n == 0:
-        return [0.0, 1.0]
-    z = 1.959964
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def requests_for(prompts: list[str], *, seed: int, num_steps: int, resolution: int,
@@ -48,9 +37,7 @@ def score(images: torch.Tensor, prompts: list[str]) -> dict:
     """ShapeEval summary of float images [N, 3, H, W] in [0, 1], with Wilson 95% intervals."""
     arr = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     verdicts = [score_image(im, parse_prompt(p)) for im, p in zip(arr, prompts)]
-    out = summarize(verdicts)
-    out["ci95"] = ci95(out["accuracy"], out["num"])
-    out["per_category_ci95"] = {c: ci95(a, out["per_category_num"][c]) for c, a in out["per_category"].items()}
+    out = with_intervals(summarize(verdicts))
     out["passed"] = [bool(v.passed) for v in verdicts]
     return out
 

@@ -5,6 +5,7 @@ Image folder format (``evaluate_images``) (design notes: docs/design/shapeeval.m
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import warnings
@@ -27,7 +28,9 @@ def prompt_from_filename(path: Path) -> str:
     return _INDEX_PREFIX.sub("", path.stem, count=1).replace("_", " ")
 
 
-def _read_manifest(images_dir: Path) -> list[tuple[Path, str]]:
+def read_manifest_pairs(images_dir: Path) -> list[tuple[Path, str]]:
+    """(path, prompt) of each line of a folder's manifest.jsonl (``{"file", "prompt"}``; a file inside the folder);
+    ValueError naming the line otherwise."""
     items = []
     try:
         lines = (images_dir / MANIFEST).read_bytes().decode("utf-8").splitlines()
@@ -57,7 +60,7 @@ def list_images(images_dir: Path) -> list[tuple[Path, str]]:
     if not images_dir.is_dir():
         raise ValueError(f"ShapeEval images dir does not exist: {images_dir}")
     if (images_dir / MANIFEST).is_file():
-        items = _read_manifest(images_dir)
+        items = read_manifest_pairs(images_dir)
     else:
         files = sorted(p for p in images_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         items = [(p, prompt_from_filename(p)) for p in files]
@@ -113,6 +116,23 @@ def load_image(path: Path) -> np.ndarray:
             return np.asarray(im, dtype=np.uint8).copy()
     except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a damaged file: one line naming it
         raise ValueError(f"cannot read image {path}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def ci95(p: float, n: int) -> list[float]:
+    """Wilson 95% interval of a proportion ``p`` over ``n`` samples."""
+    if n == 0:
+        return [0.0, 1.0]
+    z = 1.959964
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def with_intervals(summary: dict) -> dict:
+    """``summarize``'s dict with Wilson 95% intervals: ``ci95`` (accuracy) and ``per_category_ci95``."""
+    out = dict(summary, ci95=ci95(summary["accuracy"], summary["num"]))
+    out["per_category_ci95"] = {c: ci95(a, out["per_category_num"][c]) for c, a in out["per_category"].items()}
+    return out
 
 
 def summarize(scores: list[SceneScore]) -> dict:
