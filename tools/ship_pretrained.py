@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import textwrap
 from pathlib import Path
 
 
@@ -39,20 +40,20 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     shutil.copytree(args.pipeline, args.out)
+    from megaflow.config.model_family import pipeline_family
     from megaflow.models.pipeline_meta import read_meta
+    from megaflow.pretrain.kit import family_kit
     meta = read_meta(args.out)
+    kit = family_kit(pipeline_family(args.out))
     rows = _history(meta["pretrain"])
     ev = json.loads(args.eval.read_text())
     from megaflow.report.plots import line_plot
     line_plot({"held-out accuracy (EMA, 100 prompts)": [(r["total_minutes"], r["accuracy"]) for r in rows],
                "held-out partial score": [(r["total_minutes"], r["partial"]) for r in rows]},
               args.out / "pretrain_curve.png", title="megaflow pretrain: held-out ShapeEval", xlabel="minutes")
-    lines = ["# shapeeval-sd3: the pretrained ShapeEval model", "",
-             "An SD3-family diffusers pipeline (StableDiffusion3Pipeline) made offline by `megaflow pretrain`:",
-             "grammar-trained CLIP stand-ins, T5 switched off, a 2-level VAE trained on renders (32 px <-> 4x16x16),",
-             f"an SD3 MMDiT ({meta['pretrain'].get('config', {}).get('num_layers', '?')} blocks) trained by rectified "
-             "flow through megatron-core on renders of ShapeEval TRAIN prompts. Prompts are padded to "
-             f"{meta['max_sequence_length']} tokens (`megaflow.json`).", "", "## Commands (in order)", ""]
+    layers = meta["pretrain"].get("config", {}).get("num_layers", "?")
+    lines = [f"# {args.out.name}: the pretrained ShapeEval model", "",
+             *textwrap.wrap(kit.DESCRIPTION.format(num_layers=layers), 116), "", "## Commands (in order)", ""]
     lines += [f"    {c}" for c in args.commands]
     lines += ["", "## Pretraining curve (held-out, EMA weights, 100 prompts, 10 ODE steps)", "",
               "| stage | step | minutes (total) | loss | accuracy | partial | per category |", "|---|---|---|---|---|---|---|"]

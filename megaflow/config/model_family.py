@@ -18,14 +18,18 @@ def infer_family(cfg: MegaflowConfig, explicit: set[str]) -> MegaflowConfig:
     config set) lacks it; an unreadable or unknown transformer config changes nothing (the preflight names it)."""
     if "model.family" in explicit or not cfg.model.pretrained:
         return cfg
-    path = Path(cfg.model.pretrained) / "transformer" / "config.json"
+    cfg.model.family = pipeline_family(cfg.model.pretrained) or cfg.model.family
+    return cfg
+
+
+def pipeline_family(pipeline_dir: str | Path) -> str | None:
+    """The family whose diffusers class the pipeline's ``transformer/config.json`` names; None when it is unreadable
+    or names no registered family."""
+    path = Path(pipeline_dir) / "transformer" / "config.json"
     try:
         if path.stat().st_size > MAX_CONFIG_JSON:
-            return cfg
+            return None
         class_name = json.loads(path.read_text(encoding="utf-8")).get("_class_name")
     except (OSError, ValueError, AttributeError, RecursionError):
-        return cfg
-    for name in family_names():
-        if card(name).diffusers_class == class_name:
-            cfg.model.family = name
-    return cfg
+        return None
+    return next((name for name in family_names() if card(name).diffusers_class == class_name), None)

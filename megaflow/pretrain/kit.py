@@ -1,7 +1,7 @@
 """A family's ShapeEval pipeline, as ``megaflow pretrain`` builds, trains and saves it. Invariant: nothing here
 asks which family it is; the family's ``shapes`` module (``ModelFamily.shapes``) answers, keeping this contract:
 
-- ``PIPELINE_CLASS``, ``META`` (what ``megaflow.json`` declares), ``SPATIAL_FACTOR``;
+- ``PIPELINE_CLASS``, ``META`` (what ``megaflow.json`` declares), ``DESCRIPTION`` (RECIPE.md's), ``SPATIAL_FACTOR``;
 - text: ``text_components(seed=)``, ``trained_encoders(text)`` -> [(tokenizer, encoder)] the grammar objective
   trains, ``finish_text(text)``, ``word_positions(tokenizer, prompt)``, ``text_features(encoder, tokenizer,
   prompts)`` -> (per-token states [N, L, H], pooled [N, P]);

@@ -74,3 +74,25 @@ def test_pretrained_qwen_image_loads_and_the_engine_samples_as_pretraining_evalu
     torch.testing.assert_close(t.sigmas.float(), kit.sample_sigmas(pipe, 4, 32), atol=1e-6, rtol=0)
     assert t.latents.shape[-2:] == (64, 16)
     torch.testing.assert_close(t.image, kit.decode(pipe.vae, t.latents[-1:].float())[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_ship_writes_the_recipe_of_the_family_it_finds(pretrained, tmp_path):
+    """tools/ship_pretrained.py names the pipeline's family from its transformer, describes it with that family's kit
+    and lists a checksum for every shipped file."""
+    import hashlib
+
+    ev = {"num": 4, "seed": 0, "num_steps": 2, "accuracy": 0.25, "ci95": [0.0, 0.7], "partial_mean": 0.5,
+          "per_category": {"colors": 0.25}, "per_category_num": {"colors": 4}}
+    (tmp_path / "ev.json").write_text(json.dumps(ev))
+    out = tmp_path / "shapeeval-qwen-image"
+    proc = subprocess.run([sys.executable, "tools/ship_pretrained.py", "--pipeline", str(pretrained / "pipeline"),
+                           "--out", str(out), "--eval", str(tmp_path / "ev.json"), "--commands", "megaflow pretrain x"],
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recipe = (out / "RECIPE.md").read_text()
+    assert recipe.startswith("# shapeeval-qwen-image: the pretrained ShapeEval model")
+    assert "QwenImagePipeline" in recipe and "(1 blocks)" in recipe and "    megaflow pretrain x" in recipe
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "RECIPE.md")
+    for p in files:
+        assert f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(out)}" in recipe

@@ -21,6 +21,12 @@ LATENT_CHANNELS = 4
 SPATIAL_FACTOR = 2  # one spatial downsampling level (2 ** len(temperal_downsample), as both pipelines read it)
 META: dict = {}
 """Nothing to declare in ``megaflow.json``: prompts are padded to the batch's longest, with a mask."""
+DESCRIPTION = ("A Qwen-Image-family diffusers pipeline (QwenImagePipeline) made offline by `megaflow pretrain`: a "
+               f"Qwen2.5-VL stand-in ({TEXT_LAYERS} layers, {TEXT_WIDTH} wide) trained on the grammar, a 1-level "
+               "AutoencoderKLQwenImage trained on renders (32 px <-> 4x16x16, 2x2 packed: 64 tokens), a Qwen-Image "
+               "MMDiT ({num_layers} blocks) trained by rectified flow through megatron-core on renders of ShapeEval "
+               "TRAIN prompts. Prompts go through the pipeline's own template, padded to the longest with a mask.")
+"""The shipped model's description (RECIPE.md); ``{num_layers}`` is filled in."""
 
 
 def text_components(*, seed: int):

@@ -22,6 +22,11 @@ TEXT_LEN = 12
 SPATIAL_FACTOR = 2
 META = {"max_sequence_length": TEXT_LEN}
 """What the pipeline declares in ``megaflow.json`` (applied per SGLang request)."""
+DESCRIPTION = ("An SD3-family diffusers pipeline (StableDiffusion3Pipeline) made offline by `megaflow pretrain`: "
+               "grammar-trained CLIP stand-ins, T5 switched off, a 2-level VAE trained on renders (32 px <-> 4x16x16), "
+               "an SD3 MMDiT ({num_layers} blocks) trained by rectified flow through megatron-core on renders of "
+               f"ShapeEval TRAIN prompts. Prompts are padded to {TEXT_LEN} tokens (`megaflow.json`).")
+"""The shipped model's description (RECIPE.md); ``{num_layers}`` is filled in."""
 
 
 def text_components(*, seed: int):
