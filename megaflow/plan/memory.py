@@ -266,7 +266,7 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
         groups[key].ranks.append(rank)
     limit = gpu_mem_gib * GIB
     return {"dims": d, "params": total_params(d), "image_tokens": image, "text_tokens": text, "gpus": gpus,
-            "latent_frames": frames, "frames": cfg.rollout.num_frames if frames > 1 or card(d.family).frames else 0,
+            "latent_frames": frames, "frames": cfg.rollout.num_frames if card(d.family).frames else 0,
             "groups": list(groups.values()), "limit": limit, "offload": cfg.train.offload,
             "rewards": describe(loads), "fits": all(g.total <= limit for g in groups.values())}
 

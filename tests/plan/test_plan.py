@@ -2,8 +2,9 @@
 
 Needs: CPU; 1 process for the measured part (slow). Checks:
 - parameter counts (megaflow.plan.dit) equal the diffusers models' numel exactly (tiny SD3.5-like with dual
-  attention and q/k norm, tiny FLUX; SD3's position table is a buffer, counted apart);
-- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3 and FLUX at sizes
+  attention and q/k norm, tiny FLUX, tiny Wan with and without its cross-attention norm; SD3's position table is a
+  buffer, counted apart);
+- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3, FLUX and Wan at sizes
   where activations dominate; also under LoRA, base frozen, adapters on two target sets), and the predicted trainer memory (weights, fp32 grads, Adam, activations) vs the
   peak RSS of building the trainer and one train step: ratio printed, asserted within [0.6, 1.6];
 - the plan of both GPU configs (built-in tables) and of a tiny pipeline dir (read from its files);
@@ -33,7 +34,7 @@ SD3 = sd3_tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0, 1), num
                            num_attention_heads=4, caption_projection_dim=64, sample_size=64, pos_embed_max_size=64)
 REWARD_ITEMS = {MODELS_ITEM, SCORING_ITEM}
 FLUX = flux_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, axes_dims_rope=(4, 6, 6))
-WAN = wan_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, ffn_dim=160, text_dim=32)
+WAN = wan_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, ffn_dim=160, text_dim=32, num_layers=4)
 
 
 def test_param_counts_equal_diffusers_models():

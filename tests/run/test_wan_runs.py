@@ -9,9 +9,10 @@ verifies by checksum in the engine; SIGKILLed right after iteration 2's update a
 NFT run ends with the uninterrupted run's weights, its theta_old shadow (nft_old) and its rewards bit for bit (torch.equal);
 its export is a WanPipeline that plain diffusers loads (its transformer = the checkpoint's weights through the
 family's weight map, bit for bit) and samples a 5-frame clip from; the LoRA run's export carries the base unchanged
-(bit for bit) and the adapter twice (diffusers' LoRA file, a PEFT directory), both of which give the velocity of the
-base with W + (alpha / r) B A merged by hand from the checkpoint's adapters (1e-5 relative, fp32).
-Needs: CPU, real SGLang engines (one per launch, ~40-60 s each); slow.
+(bit for bit) and the trained adapter twice (diffusers' LoRA file, a PEFT directory); loaded by diffusers'
+``load_lora_weights`` and by ``PeftModel``, each gives the velocity of the base with W + (alpha / r) B A merged by
+hand into the named modules (1e-5 relative, fp32).
+Needs: CPU, real SGLang engines (one per launch: 5 launches, ~45 s each on an idle 2-core machine); slow.
 """
 from __future__ import annotations
 
