@@ -17,7 +17,11 @@ GIB = 2**30
 
 
 @pytest.mark.parametrize("name, blocks, hidden", [("wan_1_3b_8xh200", 30, 1536), ("wan_14b_8xh200", 40, 5120)])
-def test_wan_configs_count_frames_and_fit(name, blocks, hidden):
+def test_wan_configs_count_frames_and_fit(name, blocks, hidden, capsys):
+    from megaflow.cli import main
+
+    assert main(["plan", "-c", f"configs/{name}.toml", "--gpu-mem-gb", "141"]) == 0  # the preflight passes it
+    assert capsys.readouterr().out.strip().endswith("fits: yes")
     cfg = load_config(f"configs/{name}.toml")
     p = plan(cfg, gpus=8, gpu_mem_gib=141)
     assert (cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width) == (81, 480, 832)
