@@ -195,7 +195,9 @@ def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image:
         "engine DiT": total_params(d) * eb + buffer_bytes(d),
         "engine text encoders": enc["text encoders"] * eb,
         "engine VAE": enc["vae"] * eb,
-        "engine sampling activations": batch * (image + text) * d.hidden * eb * INFERENCE_LIVE,
+        # INFERENCE_LIVE counts a 4h MLP's two tensors: a block with another MLP width (Wan) counts its own
+        "engine sampling activations": batch * (image + text) * d.hidden * eb * (INFERENCE_LIVE
+                                                                               + 2 * (d.mlp / d.hidden - 4)),
         "engine VAE decode": decode,
     }
 
