@@ -117,9 +117,8 @@ def lora_params(d: DiTDims, index: int, rank: int, targets) -> int:
     attention (dual blocks) is not counted: the adapters are a few percent of the weights either way."""
     h = d.hidden
     per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": h + d.mlp, "linear_fc2": d.mlp + h}
-    if d.cross_attention:  # linear_qkv: self q, k, v and cross q, k, v; linear_proj: both attentions' outputs
-        return rank * sum({**per, "linear_qkv": 2 * per["linear_qkv"], "linear_proj": 2 * per["linear_proj"]}[t]
-                          for t in targets)
+    if d.cross_attention:  # linear_qkv: the self-attention's q, k, v; linear_proj: both attentions' outputs
+        return rank * sum({**per, "linear_proj": 2 * per["linear_proj"]}[t] for t in targets)
     if index >= d.blocks:
         per = {"linear_qkv": 3 * 2 * h, "linear_proj": 6 * h, "linear_fc1": 5 * h, "linear_fc2": 0}
         return rank * sum(per[t] for t in targets)
@@ -135,14 +134,16 @@ def embed_params(d: DiTDims) -> int:
     h = d.hidden
     x = d.in_channels * d.patch * d.patch * h + h
     if d.cross_attention:  # time MLP, the shared time projection to the blocks' 6 modulations, text MLP
-        return x + _linear(d.freq_dim, h) + _linear(h, h) + _linear(h, 6 * h) + _linear(d.joint_dim, h) + _linear(h, h)
+        time = _linear(d.freq_dim, h) + _linear(h, h) + _linear(h, 6 * h)
+        return x + time + _linear(d.joint_dim, h) + _linear(h, h)
     mlps = (_linear(256, h) + _linear(h, h)) * (2 if d.guidance_embeds else 1) + _linear(d.pooled_dim, h) + _linear(h, h)
     return x + _linear(d.joint_dim, h) + mlps
 
 
 def final_params(d: DiTDims) -> int:
     """Final adaLN (a table under cross-attention blocks) and projection (last pipeline stage)."""
-    return (2 * d.hidden if d.cross_attention else _linear(d.hidden, 2 * d.hidden)) + _linear(d.hidden, d.patch * d.patch * d.out_channels)
+    adaln = 2 * d.hidden if d.cross_attention else _linear(d.hidden, 2 * d.hidden)
+    return adaln + _linear(d.hidden, d.patch * d.patch * d.out_channels)
 
 
 def buffer_bytes(d: DiTDims) -> int:
@@ -175,7 +176,7 @@ def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: in
         return tokens * (rep / (tp if sp else 1) + split / tp)
     if index >= d.blocks:
         return part(SINGLE if lora_targets is None else LORA_SINGLE, image + text)
-    if d.cross_attention:
+    if d.cross_attention:  # under LoRA too (an upper bound: the frozen linears' inputs counted)
         rep, split = CROSS_STREAM
         return part((rep, split + 2 * d.mlp / d.hidden), image) + part(CROSS_TEXT, text)
     last = d.context_pre_only_last and index == d.blocks - 1
