@@ -40,6 +40,9 @@ class FamilyCard:
     run); None: the blocks are counted under several keys and the trainer checks the split."""
     builtin: tuple[str, dict]
     """``megaflow plan``'s table when the pipeline is not here: (its name, the published transformer config)."""
+    builtin_variants: tuple[tuple[str, str, dict], ...] = ()
+    """Further published transformers of the family for ``megaflow plan``: (the repository's name, as the last part
+    of ``model.pretrained``, e.g. "Wan2.1-T2V-14B-Diffusers"; the table's name; its transformer config)."""
     encoder_params: int
     """Parameters of the published text encoders, for ``megaflow plan`` when the pipeline is not here."""
     vae_params: int
@@ -62,6 +65,12 @@ class FamilyCard:
     axis_positions: tuple[str, int] | None = None
     """A video family's rotary table: (the transformer config key of its positions per axis, the diffusers default),
     bounding the latent frames and the token rows and columns; None: no such table."""
+
+    def builtin_for(self, directory: str) -> tuple[str, dict]:
+        """(name, transformer config) of the published model whose repository name is ``directory`` (case aside),
+        else ``builtin``."""
+        found = [(name, conf) for repo, name, conf in self.builtin_variants if repo.lower() == directory.lower()]
+        return found[0] if found else self.builtin
 
     def latent_frames(self, num_frames: int) -> int:
         """Latent frames of a ``num_frames`` clip (the VAE keeps the first frame and compresses the rest)."""

@@ -13,17 +13,20 @@ def spatial_patch(conf: dict) -> int:
 
 
 def plan_dims(conf: dict) -> dict:
-    """``DiTDims``' Wan fields from a ``WanTransformer3DModel`` config (its defaults for missing keys). The plan's
-    block formula is the MMDiT one; Wan's own (cross-attention, ffn_dim) and the frame axis come with its plan."""
-    return dict(blocks=int(conf.get("num_layers", 40)), single_blocks=0, dual_blocks=0, qk_norm=True,
+    """``DiTDims``' Wan fields from a ``WanTransformer3DModel`` config (its defaults for missing keys): cross-attention
+    blocks with their own MLP width; the frame axis is the plan's (``FamilyCard.latent_frames``)."""
+    return dict(blocks=int(conf.get("num_layers", 40)), single_blocks=0, dual_blocks=0, qk_norm=True,  # always built
                 in_channels=int(conf.get("in_channels", 16)), patch=spatial_patch(conf), pooled_dim=0, pos_table=0,
                 context_pre_only_last=False, out_channels=int(conf.get("out_channels") or 16),
-                joint_dim=int(conf.get("text_dim", 4096)))
+                joint_dim=int(conf.get("text_dim", 4096)), cross_attention=True, ffn=int(conf.get("ffn_dim", 13824)),
+                freq_dim=int(conf.get("freq_dim", 256)), cross_norm=bool(conf.get("cross_attn_norm", True)))
 
 
-# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer config (30 blocks, 12 heads x 128, ffn 8960); its text encoder is
-# UMT5-XXL's encoder (about 5.68B parameters: T5-XXL's 4.76B with a 256k vocabulary), its VAE AutoencoderKLWan
-# (about 127M). `megaflow plan` counts a local pipeline's own headers instead.
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer config (30 blocks, 12 heads x 128, ffn 8960) and, for a
+# model.pretrained directory named as its repository, Wan-AI/Wan2.1-T2V-14B-Diffusers' (40 blocks, 40 heads x 128,
+# ffn 13824); both have UMT5-XXL's encoder as text encoder (about 5.68B parameters: T5-XXL's 4.76B with a 256k
+# vocabulary) and the same VAE, AutoencoderKLWan (about 127M). `megaflow plan` counts a local pipeline's own
+# headers instead.
 CARD = FamilyCard(
     name="wan", title="Wan", package="megaflow.models.wan", diffusers_class="WanTransformer3DModel",
     sglang_model_id="Wan2.1-T2V-1.3B-Diffusers", text_encoders=1, embedded_guidance=False,
@@ -33,6 +36,10 @@ CARD = FamilyCard(
         _class_name="WanTransformer3DModel", num_layers=30, attention_head_dim=128, num_attention_heads=12,
         ffn_dim=8960, text_dim=4096, freq_dim=256, in_channels=16, out_channels=16, patch_size=[1, 2, 2],
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)),
+    builtin_variants=(("Wan2.1-T2V-14B-Diffusers", "Wan 2.1 T2V 14B (built-in table)", dict(
+        _class_name="WanTransformer3DModel", num_layers=40, attention_head_dim=128, num_attention_heads=40,
+        ffn_dim=13824, text_dim=4096, freq_dim=256, in_channels=16, out_channels=16, patch_size=[1, 2, 2],
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)),),
     encoder_params=5_680_000_000, vae_params=127_000_000,
     default_text_tokens=512, fixed_text_tokens=0,  # the pipeline's max_sequence_length
     plan_dims=plan_dims,

@@ -16,6 +16,11 @@ DUAL_EXTRA = (2.0, 6.0)    # SD3.5 second image attention: modulated input, resi
 QK_NORM_EXTRA = (0.0, 6.0)  # q/k RMSNorm of a stream: normed q and k, their fp32 statistics
 CONTEXT_PRE_ONLY = (2.0, 5.0)  # SD3's last block: context only normed, modulated and projected to q/k/v
 SINGLE = (3.0, 17.0)       # FLUX single block on the joint sequence: LN, modulated, residual | qkv+mlp, GELU, q/k, cat
+# A cross-attention block (Wan): the video tokens' stream as STREAM without its MLP, plus the cross-attention's
+# LN in and out | q, its norm, the attention output; the MLP is 2 x ffn / hidden TP-split units (fc1 out, GELU out).
+# The text tokens: cross-attention k, v and the normed k, TP-split (the text states themselves are shared by blocks).
+CROSS_STREAM = (10.0, 6.0 + QK_NORM_EXTRA[1] + 3.0)
+CROSS_TEXT = (0.0, 3.0)
 # Under LoRA (base frozen) autograd keeps no input of a frozen linear (torch's F.linear and Transformer Engine's
 # linears save the input only for the weight's grad) and no operand that only an adaLN modulation's grad needs
 # (shift/scale/gate come from the frozen adaLN): a stream keeps its norm inputs, q/k/v, the attention output and
@@ -55,10 +60,19 @@ class DiTDims:
     guidance_embeds: bool
     pos_table: int = 0     # SD3: rows of the fp32 sin-cos position table (pos_embed_max_size ** 2), a buffer
     context_pre_only_last: bool = False  # SD3: the last joint block's text stream stops at q/k/v
+    cross_attention: bool = False  # Wan: every block one stream of video tokens (self-attention, cross-attention
+    # to the text, MLP) modulated by a table of its own and one shared time projection; False: MMDiT joint blocks
+    ffn: int = 0           # the MLP's hidden width (0: 4 x hidden)
+    freq_dim: int = 256    # the timestep's sinusoid channels (cross-attention blocks)
+    cross_norm: bool = True  # a LayerNorm with weights before the cross-attention (cross-attention blocks)
 
     @property
     def num_blocks(self) -> int:
         return self.blocks + self.single_blocks
+
+    @property
+    def mlp(self) -> int:
+        return self.ffn or 4 * self.hidden
 
 
 def dims_from_config(family: str, conf: dict, source: str) -> DiTDims:
@@ -80,7 +94,10 @@ def _linear(i: int, o: int) -> int:
 def block_params(d: DiTDims, index: int) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of block ``index`` (SD3 block, FLUX double, then FLUX single)."""
     h, norms = d.hidden, (2 * d.head_dim if d.qk_norm else 0)
-    mlp = _linear(h, 4 * h) + _linear(4 * h, h)
+    mlp = _linear(h, d.mlp) + _linear(d.mlp, h)
+    if d.cross_attention:  # self-attention q k v o, cross-attention q k v o, their q/k norms over every head (split by
+        # heads under TP) | the modulation table (6 x h), the cross-attention's LayerNorm
+        return 8 * _linear(h, h) + mlp + (4 * h if d.qk_norm else 0), 6 * h + (2 * h if d.cross_norm else 0)
     if index >= d.blocks:  # single-stream: qkv + mlp-in, fused out over [attn; mlp]
         return 3 * _linear(h, h) + _linear(h, 4 * h) + _linear(5 * h, h), _linear(h, 3 * h) + norms
     last = d.context_pre_only_last and index == d.blocks - 1  # no context output / MLP
@@ -99,7 +116,9 @@ def lora_params(d: DiTDims, index: int, rank: int, targets) -> int:
     single-stream block has one stream whose fused output projection reads [attn; mlp] (5h -> h). SD3.5's second
     attention (dual blocks) is not counted: the adapters are a few percent of the weights either way."""
     h = d.hidden
-    per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": 5 * h, "linear_fc2": 5 * h}
+    per = {"linear_qkv": 3 * 2 * h, "linear_proj": 2 * h, "linear_fc1": h + d.mlp, "linear_fc2": d.mlp + h}
+    if d.cross_attention:  # linear_qkv: the self-attention's q, k, v; linear_proj: both attentions' outputs
+        return rank * sum({**per, "linear_proj": 2 * per["linear_proj"]}[t] for t in targets)
     if index >= d.blocks:
         per = {"linear_qkv": 3 * 2 * h, "linear_proj": 6 * h, "linear_fc1": 5 * h, "linear_fc2": 0}
         return rank * sum(per[t] for t in targets)
@@ -114,13 +133,17 @@ def embed_params(d: DiTDims) -> int:
     pooled-text MLPs."""
     h = d.hidden
     x = d.in_channels * d.patch * d.patch * h + h
+    if d.cross_attention:  # time MLP, the shared time projection to the blocks' 6 modulations, text MLP
+        time = _linear(d.freq_dim, h) + _linear(h, h) + _linear(h, 6 * h)
+        return x + time + _linear(d.joint_dim, h) + _linear(h, h)
     mlps = (_linear(256, h) + _linear(h, h)) * (2 if d.guidance_embeds else 1) + _linear(d.pooled_dim, h) + _linear(h, h)
     return x + _linear(d.joint_dim, h) + mlps
 
 
 def final_params(d: DiTDims) -> int:
-    """Final adaLN and projection (last pipeline stage)."""
-    return _linear(d.hidden, 2 * d.hidden) + _linear(d.hidden, d.patch * d.patch * d.out_channels)
+    """Final adaLN (a table under cross-attention blocks) and projection (last pipeline stage)."""
+    adaln = 2 * d.hidden if d.cross_attention else _linear(d.hidden, 2 * d.hidden)
+    return adaln + _linear(d.hidden, d.patch * d.patch * d.out_channels)
 
 
 def buffer_bytes(d: DiTDims) -> int:
@@ -153,6 +176,9 @@ def block_activation_units(d: DiTDims, index: int, image: int, text: int, tp: in
         return tokens * (rep / (tp if sp else 1) + split / tp)
     if index >= d.blocks:
         return part(SINGLE if lora_targets is None else LORA_SINGLE, image + text)
+    if d.cross_attention:  # under LoRA too (an upper bound: the frozen linears' inputs counted)
+        rep, split = CROSS_STREAM
+        return part((rep, split + 2 * d.mlp / d.hidden), image) + part(CROSS_TEXT, text)
     last = d.context_pre_only_last and index == d.blocks - 1
     stream = STREAM if lora_targets is None else lora_stream(lora_targets)
     units = part(stream, image) + part(CONTEXT_PRE_ONLY if last else stream, text)

@@ -73,24 +73,35 @@ def engine_placement(cfg: MegaflowConfig, world: int, per_node: int = 8) -> tupl
     return {rank: r.num_engines for rank in hosts}, trainers
 
 
-def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], int]:
-    """(DiT dims, {"text encoders": params, "vae": params}, VAE downsampling factor): from model.pretrained's
-    configs and safetensors headers when that directory is here, else the built-in tables."""
+def vae_factors(conf: dict, temporal: int) -> tuple[int, int]:
+    """(spatial, temporal) compression of a diffusers VAE config: its ``scale_factor_spatial`` /
+    ``scale_factor_temporal`` (AutoencoderKLWan), else 2 per down block (``block_out_channels``, a Wan VAE's
+    ``dim_mult``) and the card's ``temporal``."""
+    blocks = conf.get("block_out_channels") or conf.get("dim_mult") or [0] * 4
+    return (int(conf.get("scale_factor_spatial") or 2 ** (len(blocks) - 1)),
+            int(conf.get("scale_factor_temporal") or temporal))
+
+
+def pipeline_dims(cfg: MegaflowConfig) -> tuple[DiTDims, dict[str, int], tuple[int, int]]:
+    """(DiT dims, {"text encoders": params, "vae": params}, the VAE's (spatial, temporal) compression): from
+    model.pretrained's configs and safetensors headers when that directory is here, else the built-in tables (the
+    published model named by the directory, ``FamilyCard.builtin_for``)."""
     family, root = cfg.model.family, Path(cfg.model.pretrained) if cfg.model.pretrained else None
+    c = card(family)
     if root is not None and (root / "transformer" / "config.json").is_file():
         conf = json.loads((root / "transformer" / "config.json").read_text())
         dims = dims_from_config(family, conf, f"{root}/transformer/config.json")
         enc = {"text encoders": sum(folder_numel(p) for p in root.glob("text_encoder*")),
                "vae": folder_numel(root / "vae")}
         vae_conf = root / "vae" / "config.json"
-        blocks = json.loads(vae_conf.read_text()).get("block_out_channels", [0] * 4) if vae_conf.is_file() else [0] * 4
-        return dims, enc, 2 ** (len(blocks) - 1)
+        vae = json.loads(vae_conf.read_text()) if vae_conf.is_file() else {}
+        return dims, enc, vae_factors(vae, c.temporal_compression)
     if root is None:
         raise ValueError("megaflow plan needs model.pretrained (a pipeline dir, or the path it will be "
                          "downloaded to: the built-in table of the family is used when it is missing)")
-    c = card(family)
-    source, conf = c.builtin
-    return dims_from_config(family, conf, source), {"text encoders": c.encoder_params, "vae": c.vae_params}, 8
+    source, conf = c.builtin_for(root.name)
+    return (dims_from_config(family, conf, source), {"text encoders": c.encoder_params, "vae": c.vae_params},
+            (8, c.temporal_compression))
 
 
 def _stage_blocks(d: DiTDims, pp: int, stage: int) -> range:
@@ -167,16 +178,27 @@ def trainer_items(cfg: MegaflowConfig, d: DiTDims, *, world: int, stage: int, im
     return items, info
 
 
-def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image: int, text: int) -> dict:
-    """One rollout engine: DiT, text encoders, VAE in rollout.precision; sampling and decode activations."""
+def engine_items(cfg: MegaflowConfig, d: DiTDims, enc: dict[str, int], *, image: int, text: int,
+                 temporal: int | None = None) -> dict:
+    """One rollout engine: DiT, text encoders, VAE in rollout.precision; sampling and decode activations. A video
+    VAE decodes one latent frame at a time (its causal cache), ``temporal`` frames live, into the whole clip
+    (fp32, 3 channels)."""
     r, eb = cfg.rollout, _BYTES[cfg.rollout.precision]
     batch = r.max_batch_outputs * card(d.family).cfg_copies(r.guidance_scale)
+    pixels = r.max_batch_outputs * r.height * r.width
+    if card(d.family).frames:
+        live = min(r.num_frames, temporal or card(d.family).temporal_compression)
+        decode = pixels * (live * VAE_DECODE_PER_PIXEL * eb + r.num_frames * 3 * 4)
+    else:
+        decode = pixels * VAE_DECODE_PER_PIXEL * eb
     return {
         "engine DiT": total_params(d) * eb + buffer_bytes(d),
         "engine text encoders": enc["text encoders"] * eb,
         "engine VAE": enc["vae"] * eb,
-        "engine sampling activations": batch * (image + text) * d.hidden * eb * INFERENCE_LIVE,
-        "engine VAE decode": r.max_batch_outputs * r.height * r.width * VAE_DECODE_PER_PIXEL * eb,
+        # INFERENCE_LIVE counts a 4h MLP's two tensors: a block with another MLP width (Wan) counts its own
+        "engine sampling activations": batch * (image + text) * d.hidden * eb * (INFERENCE_LIVE
+                                                                               + 2 * (d.mlp / d.hidden - 4)),
+        "engine VAE decode": decode,
     }
 
 
@@ -194,26 +216,36 @@ def check_plan_args(gpus: int, gpu_mem_gib: float) -> int:
     return gpus
 
 
-def token_counts(cfg: MegaflowConfig, d: DiTDims, vae_factor: int = 8) -> tuple[int, int]:
+def latent_frames(cfg: MegaflowConfig, d: DiTDims, temporal: int | None = None) -> int:
+    """Latent frames of one sample: a video family's VAE keeps the first frame and compresses the rest by
+    ``temporal`` (the card's when None): (rollout.num_frames - 1) // temporal + 1; an image is one."""
+    family = card(d.family)
+    if not family.frames:
+        return 1
+    return (cfg.rollout.num_frames - 1) // (temporal or family.temporal_compression) + 1
+
+
+def token_counts(cfg: MegaflowConfig, d: DiTDims, vae_factor: int = 8, temporal: int | None = None) -> tuple[int, int]:
     """(image, text) tokens of one sample at the rollout's size: latent / the family's token side (FLUX packs 2x2
-    latents into one token); text = T5's max_sequence_length plus the family's fixed tokens (CLIP's 77 for SD3), or
-    the family's default."""
+    latents into one token), times the latent frames of a video family (``latent_frames``); text = T5's
+    max_sequence_length plus the family's fixed tokens (CLIP's 77 for SD3), or the family's default."""
     family, max_len = card(d.family), cfg.rollout.max_sequence_length
     pack = family.token_side(d.patch)
     image = (cfg.rollout.height // vae_factor // pack) * (cfg.rollout.width // vae_factor // pack)
     text = max_len + family.fixed_text_tokens if max_len else family.default_text_tokens
-    return image, text
+    return image * latent_frames(cfg, d, temporal), text
 
 
 def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
     """The plan as a dict: dims, token counts, one RankPlan per group of ranks, fits."""
-    d, enc, vae_factor = pipeline_dims(cfg)
+    d, enc, (vae_factor, temporal) = pipeline_dims(cfg)
     p = cfg.parallel
     placement, trainers = engine_placement(cfg, gpus)
     dims = ParallelDims.of(p)
     dims.dp_for(trainers, ranks=f"the {trainers} trainer GPU(s) of --gpus {gpus}")
     dims.check_model(None, d.num_blocks, d.source)
-    image, text = token_counts(cfg, d, vae_factor)
+    image, text = token_counts(cfg, d, vae_factor, temporal)
+    frames = latent_frames(cfg, d, temporal)
     loads = reward_loads(cfg)
     scorers = scoring_ranks(cfg, placement)
     groups: dict[tuple, RankPlan] = {}
@@ -226,7 +258,8 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
             items, info = trainer_items(cfg, d, world=trainers, stage=stage, image=image, text=text) if trains \
                 else ({"runtime": RUNTIME_OVERHEAD}, {})
             if key[2]:
-                items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text).items()})
+                items.update({n: v * key[2] for n, v in engine_items(cfg, d, enc, image=image, text=text,
+                                                                     temporal=temporal).items()})
             if key[3]:
                 items.update(reward_items(cfg, loads))
             phases = phase_bytes(items, cfg.train.offload, buffer_bytes(d) if stage == 0 else 0.0) \
@@ -235,6 +268,7 @@ def plan(cfg: MegaflowConfig, *, gpus: int, gpu_mem_gib: float) -> dict:
         groups[key].ranks.append(rank)
     limit = gpu_mem_gib * GIB
     return {"dims": d, "params": total_params(d), "image_tokens": image, "text_tokens": text, "gpus": gpus,
+            "latent_frames": frames, "frames": cfg.rollout.num_frames if card(d.family).frames else 0,
             "groups": list(groups.values()), "limit": limit, "offload": cfg.train.offload,
             "rewards": describe(loads), "fits": all(g.total <= limit for g in groups.values())}
 
@@ -245,7 +279,9 @@ def format_plan(result: dict) -> str:
     lines = [f"model: {d.family} from {d.source}: {result['params'] / 1e9:.2f}B params (+ "
              f"{buffer_bytes(d) / GIB:.2f} GiB fp32 buffers), hidden {d.hidden}, "
              f"{d.blocks}{f' + {d.single_blocks} single' if d.single_blocks else ''} blocks, "
-             f"{result['image_tokens']} image + {result['text_tokens']} text tokens",
+             f"{result['image_tokens']} image + {result['text_tokens']} text tokens" + (
+                 f" ({result['frames']} frames -> {result['latent_frames']} latent frames of "
+                 f"{result['image_tokens'] // result['latent_frames']} tokens)" if result["frames"] else ""),
              f"GPUs: {result['gpus']}, limit {result['limit'] / GIB:.1f} GiB per GPU", *result["rewards"]]
     for g in result["groups"]:
         ranks = g.ranks

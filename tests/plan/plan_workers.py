@@ -26,7 +26,7 @@ def measure_rank(case_path: str) -> dict:
     mbs = []
     for b in case["batches"]:
         mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"],
-                                       b["pooled_projections"])
+                                       b.get("pooled_projections"))
         mb.update({k: b[k] for k in ("txt_ids", "img_ids", "guidance") if k in b})
         mbs.append(mb)
 
@@ -56,7 +56,7 @@ def measure_saved_rank(case_path: str) -> int:
     family = get_family(case["family"])
     cfg = family.config_from_diffusers(case["dcfg"])
     b = case["batches"][0]
-    mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"], b["pooled_projections"])
+    mb = rectified_flow_microbatch(b["x0"], b["noise"], b["sigma"], b["encoder_hidden_states"], b.get("pooled_projections"))
     mb.update({k: b[k] for k in ("txt_ids", "img_ids", "guidance") if k in b})
     eng = Trainer(cfg, family=case["family"], spec="local", optimizer_config=adam_config(lr=1e-4, distributed=True),
                   lora=LoRASettings(rank=4, alpha=8.0, targets=tuple(case["targets"])))

@@ -2,8 +2,9 @@
 
 Needs: CPU; 1 process for the measured part (slow). Checks:
 - parameter counts (megaflow.plan.dit) equal the diffusers models' numel exactly (tiny SD3.5-like with dual
-  attention and q/k norm, tiny FLUX; SD3's position table is a buffer, counted apart);
-- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3 and FLUX at sizes
+  attention and q/k norm, tiny FLUX, tiny Wan with and without its cross-attention norm; SD3's position table is a
+  buffer, counted apart);
+- predicted saved activations of a forward within 25% of autograd's saved bytes (tiny SD3, FLUX and Wan at sizes
   where activations dominate; also under LoRA, base frozen, adapters on two target sets), and the predicted trainer memory (weights, fp32 grads, Adam, activations) vs the
   peak RSS of building the trainer and one train step: ratio printed, asserted within [0.6, 1.6];
 - the plan of both GPU configs (built-in tables) and of a tiny pipeline dir (read from its files);
@@ -19,6 +20,7 @@ import torch
 from megaflow.config import load_config
 from megaflow.models.flux import tiny as flux_tiny
 from megaflow.models.sd3 import tiny as sd3_tiny
+from megaflow.models.wan import tiny as wan_tiny
 from megaflow.plan.memory import format_plan, plan, trainer_items
 from megaflow.plan.dit import (
     LORA_STAGE_EXTRA, STAGE_EXTRA, block_activation_units, dims_from_config, total_params,
@@ -32,6 +34,7 @@ SD3 = sd3_tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(0, 1), num
                            num_attention_heads=4, caption_projection_dim=64, sample_size=64, pos_embed_max_size=64)
 REWARD_ITEMS = {MODELS_ITEM, SCORING_ITEM}
 FLUX = flux_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, axes_dims_rope=(4, 6, 6))
+WAN = wan_tiny.tiny_config(attention_head_dim=16, num_attention_heads=4, ffn_dim=160, text_dim=32, num_layers=4)
 
 
 def test_param_counts_equal_diffusers_models():
@@ -40,6 +43,9 @@ def test_param_counts_equal_diffusers_models():
     assert total_params(dims_from_config("sd3", SD3, "tiny")) == n
     model = flux_tiny.diffusers_model(FLUX)
     assert total_params(dims_from_config("flux", FLUX, "tiny")) == sum(p.numel() for p in model.parameters())
+    for conf in (WAN, {**WAN, "cross_attn_norm": False}):  # cross-attention blocks, their own MLP width
+        model = wan_tiny.diffusers_model(conf)
+        assert total_params(dims_from_config("wan", conf, "tiny")) == sum(p.numel() for p in model.parameters())
 
 
 def _predicted_saved(family: str, dcfg: dict, image: int, text: int, batch: int, targets=None) -> float:
@@ -50,11 +56,15 @@ def _predicted_saved(family: str, dcfg: dict, image: int, text: int, batch: int,
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
 def test_predictions_vs_measured_memory(family, tmp_path):
     if family == "sd3":
         dcfg, batches = SD3, sd3_tiny.sft_batches(SD3, num_microbatches=1, batch=4, context_len=32, latent_size=64)
         image, text = 32 * 32, 32
+    elif family == "wan":  # 4 latent frames of 16 x 16 tokens
+        dcfg = WAN
+        batches = wan_tiny.sft_batches(WAN, num_microbatches=1, batch=4, frames=4, height=32, width=32, context_len=32)
+        image, text = 4 * 16 * 16, 32
     else:
         dcfg, batches = FLUX, flux_tiny.sft_batches(FLUX, num_microbatches=1, batch=4, grid=32, context_len=32)
         image, text = 32 * 32, 32

@@ -1,8 +1,9 @@
 """A tiny ``megaflow train`` of the Wan family on CPU (needs: engine; ~1-2 min): 5-frame clips sampled by the
 embedded SGLang engine from the tiny Wan pipeline built for the run, scored whole by a reward that takes video
 (``reward.frames = "video"``: it gets [B, F, 3, H, W] float32 in [0, 1], and writes down what it got), trained by
-FlowGRPO, the weights synced and verified, evaluated on test prompts before and after; the samples and the
-evaluation grids are MP4s of 5 frames at rollout.fps."""
+FlowGRPO (the trainer's recomputed log-probs of the clips equal the engine's within 1e-5: log-probs are means
+over a clip's elements, of order 1), the weights synced and verified, evaluated on test prompts before and after;
+the samples and the evaluation grids are MP4s of 5 frames at rollout.fps."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ def test_wan_trains_on_clips(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if r["iteration"] == 1 and "sync/verified" in r]
     assert row["sync/verified"] == 1.0 and row["sync/tensors"] > 0
+    assert row["train/logp_abs_diff_rollout"] <= 1e-5  # the engine's per-step log-probs = the trainer's recompute
     for video in (run_dir / "samples" / "iter00001.mp4", run_dir / "eval" / "iter00000.mp4",
                   run_dir / "eval" / "iter00001.mp4"):  # samples; the evaluation before and after training
         reader = iio2.get_reader(video, format="FFMPEG")
