@@ -41,8 +41,9 @@ class SharedMemoryBridge:
         loading: list[Future] = []
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="shm-push") as pool:
             try:
-                for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging):  # packed while
-                    digests = stream.record(bucket)  # the previous bucket loads; hashed with verify
+                for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging,  # packed (and hashed,
+                                           checksum=self.checksum if self.verify else None):  # with verify)
+                    digests = stream.record(bucket)  # while the previous bucket loads
                     self._wait(num_buckets, loading)
                     num_buckets += 1
                     loading = [pool.submit(engine.load_bucket, bucket, digests=digests or None,
