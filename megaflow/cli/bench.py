@@ -96,7 +96,8 @@ def add_bench_parsers(sub) -> None:
     p_br.add_argument("--threads", type=int, default=1,
                       help="Torch threads of the baseline loop and of each engine worker (equal on both sides).")
     p_bs = bench_sub.add_parser("sync", help="Weight-sync seconds into SGLang engines (verify off / on) vs a plain "
-                                "copy of the same bytes, with each phase's GB/s: a scaled-up random SD3 DiT and the tiny one.")
+                                "copy of the same bytes, with each phase's GB/s: a scaled-up random SD3 DiT and the "
+                                "tiny one.")
     p_bs.add_argument("--layers", type=int, default=6, help="Joint blocks of the large DiT.")
     p_bs.add_argument("--heads", type=int, default=12, help="Attention heads of the large DiT.")
     p_bs.add_argument("--head-dim", type=int, default=64, help="Head width of the large DiT.")
