@@ -85,7 +85,8 @@ def test_digest_like_follows_the_expected_kind():
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 8).to(torch.bfloat16))
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40),
+                               torch.nn.Linear(40, 8).to(torch.bfloat16))
 
 
 class _FlippedInFlight(ModuleTarget):

@@ -164,7 +164,8 @@ def test_worker_hashes_each_parameter_as_it_is_copied(monkeypatch):
     expected = {n: tensor_digest(t, "xxh3") for n, t in named if n != named[3][0]}  # the 4th: loaded, not checked
     copied_here, hashed_after = [], []
     real_copy, real_like = checksum.copy_hashed, checksum.digest_like
-    monkeypatch.setattr(checksum, "copy_hashed", lambda d, s, a: copied_here.append(tuple(d.shape)) or real_copy(d, s, a))
+    monkeypatch.setattr(checksum, "copy_hashed",
+                        lambda d, s, a: copied_here.append(tuple(d.shape)) or real_copy(d, s, a))
     monkeypatch.setattr(checksum, "digest_like", lambda t, e, a: hashed_after.append(t.clone()) or real_like(t, e, a))
     check = weight_checks._Check("transformer", expected)
     monkeypatch.setattr(weight_checks, "_current", check)
