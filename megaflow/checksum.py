@@ -62,8 +62,10 @@ def digest_like(t: torch.Tensor, expected: str, algorithm: str) -> str:
 
 WSUM = "wsum:"
 _P = 2**31 - 1
+_COL_RANGE = 2**21 - 1
+"""Column weights lie in [1, 2^21 - 1]: a row's dot product (2^16 words below 2^15 in size) stays below 2^52, exact in
+float64, so the sums run as one matrix product."""
 _COLS = 1 << 16
-_BLOCK_ROWS = 32
 _weights: dict[str, torch.Tensor] = {}
 
 
@@ -74,41 +76,47 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _position_weights(index: torch.Tensor) -> torch.Tensor:
-    """[2, len(index)] weights in [1, P - 1] of two lanes, a pseudo-random function of each index."""
-    lanes = torch.tensor([[0x243F6A88], [0x85A308D3]], dtype=torch.int64, device=index.device)
-    return _mix(index.unsqueeze(0) ^ lanes) % (_P - 1) + 1
+_SEEDS = ((0x243F6A88, 0x85A308D3), (0x13198A2E, 0x03707344))
+"""(column, row) seeds of the two lanes."""
+
+
+def _weights_of(index: torch.Tensor, kind: int, modulus: int) -> torch.Tensor:
+    """[len(index), 2] pseudo-random weights in [1, modulus] of each index (``kind``: 0 columns, 1 rows)."""
+    seeds = torch.tensor([s[kind] for s in _SEEDS], dtype=torch.int64, device=index.device)
+    return _mix(index.unsqueeze(1) ^ seeds) % modulus + 1
 
 
 def _column_weights(device: torch.device) -> torch.Tensor:
     key = str(device)
     if key not in _weights:
-        _weights[key] = _position_weights(torch.arange(_COLS, dtype=torch.int64, device=device))
+        index = torch.arange(_COLS, dtype=torch.int64, device=device)
+        _weights[key] = _weights_of(index, 0, _COL_RANGE).to(torch.float64)
     return _weights[key]
 
 
 def device_lanes(t: torch.Tensor) -> torch.Tensor:
-    """int64 [2] on ``t``'s device: sum_i w_i * r_k(i) mod P over ``t``'s bytes read as 16-bit words w_i (an odd last
-    byte is a word of its own), with r_k(i) = c_k(i mod 2^16) * s_k(i div 2^16) mod P, both in [1, P - 1]: any
-    changed word (a flipped byte) changes each lane (P is prime), and moved or swapped bytes change it unless the
-    pseudo-random weights happen to cancel (about 1 in 2^62 for the two lanes)."""
+    """int64 [2] on ``t``'s device: sum_i w_i * c_k(i mod 2^16) * s_k(i div 2^16) mod P (P = 2^31 - 1) over ``t``'s
+    bytes read as signed 16-bit words w_i (an odd last byte is a word of its own), c_k in [1, 2^21 - 1], s_k in
+    [1, P - 1]: any changed word (a flipped byte) changes each lane (P is prime and every factor is non-zero below
+    it); moved or swapped bytes change it unless the pseudo-random weights cancel (about 1 in 2^62 for the two
+    lanes). Each row of 2^16 words is one float64 dot product, exact below 2^53."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if raw.data_ptr() % 2:
         raw = raw.clone()
     even = raw.numel() - raw.numel() % 2
     words = raw[:even].view(torch.int16)
-    cols, rows = _column_weights(raw.device), words.numel() // _COLS
-    acc = torch.zeros(2, dtype=torch.int64, device=raw.device)
-    for r0 in range(0, rows, _BLOCK_ROWS):
-        r1 = min(rows, r0 + _BLOCK_ROWS)
-        block = words[r0 * _COLS:r1 * _COLS].view(r1 - r0, 1, _COLS).to(torch.int64)
-        part = (block * cols).sum(2) % _P  # [rows, 2]: |word * weight| < 2^46, a row's sum < 2^62
-        row_w = _position_weights(torch.arange(r0, r1, dtype=torch.int64, device=raw.device)).T
-        acc += ((part * row_w) % _P).sum(0)
-    tail = torch.cat([words[rows * _COLS:].to(torch.int64), raw[even:].to(torch.int64)])
-    if tail.numel():
-        row_w = _position_weights(torch.tensor([rows], dtype=torch.int64, device=raw.device))
-        acc += ((tail * cols[:, :tail.numel()]).sum(1) % _P) * row_w[:, 0] % _P
+    cols, rows, dev = _column_weights(raw.device), words.numel() // _COLS, raw.device
+    block = 512 if raw.is_cuda else 32
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)
+    for r0 in range(0, rows + 1, block):  # the last pass takes the rest, as a short row
+        r1 = min(rows, r0 + block)
+        full = words[r0 * _COLS:r1 * _COLS].view(r1 - r0, _COLS).to(torch.float64) @ cols
+        rest = torch.cat([words[rows * _COLS:], raw[even:].to(torch.int16)]) if r1 == rows else words[:0]
+        parts = torch.cat([full, rest.to(torch.float64).unsqueeze(0) @ cols[:rest.numel()]]) if rest.numel() else full
+        index = torch.arange(r0, r0 + parts.shape[0], dtype=torch.int64, device=dev)
+        acc += ((parts.to(torch.int64) % _P) * _weights_of(index, 1, _P - 1) % _P).sum(0)
+        if r1 == rows:
+            break
     return acc % _P
 
 

@@ -19,22 +19,24 @@ def _mix(x: int) -> int:
 
 
 def _reference_lanes(t: torch.Tensor) -> list[int]:
-    """The definition in Python integers: words w_i (16-bit signed, little-endian; an odd last byte alone), weights
-    c_k(i mod 2^16) * s_k(i div 2^16) mod P with c_k(j) = s_k(j) = mix(j ^ seed_k) mod (P - 1) + 1."""
+    """The definition in Python integers: words w_i (16-bit signed, little-endian; an odd last byte alone), weight
+    c_k(i mod 2^16) * s_k(i div 2^16) with c_k(j) = mix(j ^ a_k) mod (2^21 - 1) + 1, s_k(r) = mix(r ^ b_k) mod (P - 1)
+    + 1."""
     raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
     words = [int.from_bytes(raw[i:i + 2], "little", signed=True) for i in range(0, len(raw) - 1, 2)]
     if len(raw) % 2:
         words.append(raw[-1])
     out = []
-    for seed in (0x243F6A88, 0x85A308D3):
-        def weight(j):
-            return _mix(j ^ seed) % (P - 1) + 1
-        out.append(sum(w * (weight(i % 65536) * weight(i // 65536) % P) for i, w in enumerate(words)) % P)
+    for a, b in ((0x243F6A88, 0x85A308D3), (0x13198A2E, 0x03707344)):
+        def weight(i):
+            return (_mix((i % 65536) ^ a) % (2**21 - 1) + 1) * (_mix((i // 65536) ^ b) % (P - 1) + 1)
+        out.append(sum(w * weight(i) for i, w in enumerate(words)) % P)
     return out
 
 
 @pytest.mark.parametrize("make", [lambda: torch.randn(7, 5), lambda: torch.arange(9, dtype=torch.uint8),
-                                  lambda: torch.randn(70001).to(torch.bfloat16), lambda: torch.randn(3, 4)[:, 1],
+                                  lambda: torch.randn(70001).to(torch.bfloat16),
+                                  lambda: torch.randint(0, 255, (2 * 65536 + 3,), dtype=torch.uint8), lambda: torch.randn(3, 4)[:, 1],
                                   lambda: torch.tensor(3.5), lambda: torch.zeros(0)])
 def test_lanes_equal_the_pure_python_definition(make):
     torch.manual_seed(0)
