@@ -37,7 +37,17 @@ def make_large_pipeline(out: Path, *, layers: int, heads: int, head_dim: int, se
     make_tiny_pipeline("sd3", out, seed=seed)
     cfg = _dit_config(out, layers=layers, heads=heads, head_dim=head_dim)
     torch.manual_seed(seed)
-    SD3Transformer2DModel.from_config(cfg).to(dtype).save_pretrained(out / "transformer")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy of a large model first
+    try:
+        dit = SD3Transformer2DModel.from_config(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    dit.to(dtype)
+    for module in dit.modules():  # buffers (the positional table) stay float32, as an engine holds them
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.float())
+    dit.save_pretrained(out / "transformer")
     return out
 
 

@@ -36,7 +36,8 @@ def _reference_lanes(t: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("make", [lambda: torch.randn(7, 5), lambda: torch.arange(9, dtype=torch.uint8),
                                   lambda: torch.randn(70001).to(torch.bfloat16),
-                                  lambda: torch.randint(0, 255, (2 * 65536 + 3,), dtype=torch.uint8), lambda: torch.randn(3, 4)[:, 1],
+                                  lambda: torch.randint(0, 255, (2 * 65536 + 3,), dtype=torch.uint8),
+                                  lambda: torch.randn(3, 4)[:, 1],
                                   lambda: torch.tensor(3.5), lambda: torch.zeros(0)])
 def test_lanes_equal_the_pure_python_definition(make):
     torch.manual_seed(0)
