@@ -91,13 +91,15 @@ def _sig(x: float) -> float:
 
 def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int, bucket_mb: float,
                  seed: int, checksum: str, precision: str) -> dict:
+    from megaflow.bridge.buckets import StagingSlots
     from megaflow.bridge.shared_memory import SharedMemoryBridge
     from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig, weights_checksum
 
     source = Source(_source_state(pipeline_dir, seed), json.loads((pipeline_dir / "transformer" / "config.json")
                                                                    .read_text()))
     bucket_bytes = int(bucket_mb * 2**20)
-    phases = trainer_phases(source, bucket_bytes=bucket_bytes, checksum=checksum)
+    slots = StagingSlots()  # one set of shared-memory slots for the phases and both bridges (one model's bytes)
+    phases = trainer_phases(source, bucket_bytes=bucket_bytes, checksum=checksum, slots=slots)
     started = [SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), engine_id=f"sync-{i}",
                                                checksum=checksum, precision=precision,
                                                server_kwargs={"sleep_on_idle": True})) for i in range(engines)]
@@ -105,7 +107,7 @@ def _bench_model(pipeline_dir: Path, *, engines: int, repeats: int, warmup: int,
                  "num_tensors": len(source.engine_state), "engines": engines}
     try:
         bridges = {key: SharedMemoryBridge(started, bucket_bytes=bucket_bytes, verify=key == "verify",
-                                           checksum=checksum) for key in ("no_verify", "verify")}
+                                           checksum=checksum, staging=slots) for key in ("no_verify", "verify")}
         reports = {key: [] for key in bridges}
         for _ in range(warmup):
             for bridge in bridges.values():

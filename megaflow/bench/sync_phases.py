@@ -73,15 +73,17 @@ def time_rounds(fns: dict, repeats: int, pids: list[int] = ()) -> dict[str, dict
             "fastest": {n: min(v) for n, v in wall.items()}, "cpu": {n: statistics.median(v) for n, v in cpu.items()}}
 
 
-def trainer_phases(source: Source, *, bucket_bytes: int, checksum: str) -> dict:
+def trainer_phases(source: Source, *, bucket_bytes: int, checksum: str, slots=None) -> dict:
     """The trainer side's phases as timed functions (for ``time_rounds``, beside the pushes): copy, gather,
-    gather + convert, pack, and pack while hashing (the sender's digest, as ``SharedMemoryBridge`` packs it)."""
+    gather + convert, pack, and pack while hashing (the sender's digest, as ``SharedMemoryBridge`` packs it), into
+    ``slots`` (``StagingSlots``; default new ones)."""
     from megaflow.bridge.buckets import StagingSlots, iter_buckets
 
-    slots = StagingSlots()
+    slots = StagingSlots() if slots is None else slots
+    streamed = list(source.stream())  # in the order a push packs them: the same buckets, the same slots
 
     def pack(hash_as_packed: str | None):
-        for bucket in iter_buckets(source.engine_state.items(), bucket_bytes, staging=slots, checksum=hash_as_packed):
+        for bucket in iter_buckets(streamed, bucket_bytes, staging=slots, checksum=hash_as_packed):
             bucket.digests(checksum) if hash_as_packed else None
     pack(None)
     return {"copy": source.copy, "gather": lambda: sum(1 for _ in source.gather()),

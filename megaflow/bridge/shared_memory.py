@@ -19,14 +19,16 @@ class SharedMemoryBridge:
     mode = "shared_memory"
 
     def __init__(self, engines: Sequence[WeightTarget], *, bucket_bytes: int = 64 << 20, verify: bool = True,
-                 checksum: str = DEFAULT):
+                 checksum: str = DEFAULT, staging: StagingSlots | None = None):
+        """``staging``: the staging slots to pack into (default: this bridge's own; two bridges pushing the same
+        tensors to the same engines may share one set, as ``megaflow bench sync`` does)."""
         if not engines:
             raise ValueError("SharedMemoryBridge needs at least one engine")
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
         self.checksum = checksum
-        self._staging = StagingSlots()
+        self._staging = StagingSlots() if staging is None else staging
 
     def _wait(self, num: int, loads: list[Future]) -> None:
         for engine, load in zip(self.engines, loads):
