@@ -16,6 +16,8 @@ from pathlib import Path
 from megaflow.testing.dist import free_port
 
 _PARTS = ("time/iteration_s", "time/rollout_s", "time/sample_s", "time/train_s", "sync/seconds")
+_OPTIONAL = ("time/ahead_wait_s", "time/score_after_sample_s", "time/collect_wait_s")
+"""Parts summarized when every timed row has them (the asynchronous loop's wait for the batch ahead; scoring)."""
 
 
 def _run(config: str, overrides: list[str], nproc: int, iterations: int, root: Path, timeout_s: float) -> list[dict]:
@@ -48,7 +50,8 @@ def summarize(rows: list[dict]) -> dict:
     if not timed:
         raise ValueError("a whole-loop bench needs at least 2 iterations (the first is warm-up)")
     images = sum(v for k, v in timed[0].items() if k.startswith("rollout/host") and k.endswith("/images"))
-    out = {k.replace("/", "_"): statistics.median(r[k] for r in timed) for k in _PARTS}
+    parts = [*_PARTS, *(k for k in _OPTIONAL if all(k in r for r in timed))]
+    out = {k.replace("/", "_"): statistics.median(r[k] for r in timed) for k in parts}
     out.update(images_per_iteration=images, iterations_timed=len(timed),
                images_per_s=images / out["time_iteration_s"],
                hosts=int(timed[0]["sync/hosts"]), syncs_verified=all(r["sync/verified"] == 1.0 for r in rows))
@@ -82,4 +85,25 @@ def bench_async(config: str, overrides: list[str], *, iterations: int = 12, time
     out = compare(config, overrides, {"synchronous": (1, ["train.max_staleness=0"]),
                                       "asynchronous": (1, ["train.max_staleness=1"])},
                   iterations=iterations, timeout_s=timeout_s)
-    return {**out, "target_ratio": 1.6}
+    return {**out, "target_ratio": 1.6, "overlap": overlap(out["synchronous"], out["asynchronous"], out["ratio"]),
+            "load_after": [round(x, 2) for x in os.getloadavg()]}
+
+
+def overlap(sync: dict, ahead: dict, achieved: float) -> dict:
+    """The asynchronous loop against perfect overlap of the synchronous run's phases: ``ideal_ratio`` =
+    (rollout + train) / max(rollout, train), ``achieved_ratio`` (images/s, asynchronous / synchronous), their
+    quotient, and where an asynchronous iteration's time goes beyond its ideal (medians, seconds): the trainer
+    waiting for the batch ahead (``trainer_idle_s``), the engines not sampling (``engine_idle_s``: iteration less
+    sampling), the sync (both wait), scoring after the last sample (``rewards_s``), and each phase's slowdown
+    from sharing the cores (``contention_train_s``, ``contention_sample_s``: asynchronous less synchronous)."""
+    rollout, train = sync["time_rollout_s"], sync["time_train_s"]
+    ideal = (rollout + train) / max(rollout, train)
+    ideal_iteration = sync["time_iteration_s"] / ideal
+    return {"ideal_ratio": ideal, "achieved_ratio": achieved, "achieved_over_ideal": achieved / ideal,
+            "ideal_iteration_s": ideal_iteration, "asynchronous_iteration_s": ahead["time_iteration_s"],
+            "beyond_ideal_s": ahead["time_iteration_s"] - ideal_iteration,
+            "trainer_idle_s": ahead.get("time_ahead_wait_s", 0.0) + ahead["time_rollout_s"],
+            "engine_idle_s": max(ahead["time_iteration_s"] - ahead["time_sample_s"], 0.0),
+            "sync_s": ahead["sync_seconds"], "rewards_s": ahead.get("time_score_after_sample_s", 0.0),
+            "contention_train_s": ahead["time_train_s"] - train,
+            "contention_sample_s": ahead["time_sample_s"] - sync["time_sample_s"]}

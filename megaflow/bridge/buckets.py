@@ -1,4 +1,5 @@
-"""Pack streamed named tensors into flat byte buckets, and per-tensor digests.
+"""Pack streamed named tensors into flat byte buckets, and per-tensor digests (on the host hashed as packed, each
+chunk just after it is written, while it is in cache; on a GPU ``checksum.device_lanes`` on the device).
 
 Design notes: docs/design/bridge.md.
 """
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaflow.checksum import raw_digest
+from megaflow.checksum import copy_hashed, device_lanes, lanes_digest, raw_digest
 
 ALIGN = 16
 """Byte alignment of every tensor's start in a bucket (a uint8 slice viewed as fp32/fp64 needs it)."""
@@ -38,6 +39,8 @@ class Bucket:
     """Set when ``flat`` is a :class:`StagingSlots` slot: a key naming that memory, which holds these tensors'
     latest pushed values until a later sync overwrites them in place (a layout change gets new memory under
     the same key). None: the memory may be reused for other tensors once the bucket is loaded."""
+    hashed: tuple[str, dict[str, str]] | None = None
+    """(checksum, digests by name) of the tensors as they were packed, when ``pack`` hashed them."""
 
     @property
     def num_bytes(self) -> int:
@@ -49,9 +52,21 @@ class Bucket:
 
     def digests(self, checksum: str) -> dict[str, str]:
         """The ``checksum`` digest (``megaflow.checksum``) of every tensor in the bucket, by name (read
-        from the packed bytes)."""
-        host = self.flat.cpu().numpy()
+        from the packed bytes: those ``pack`` hashed, else hashed now; a GPU bucket's on the device, one transfer
+        of 16 bytes a tensor)."""
+        if self.hashed is not None and self.hashed[0] == checksum:
+            return dict(self.hashed[1])
+        if self.flat.is_cuda:
+            return self.device_digests()
+        host = self.flat.numpy()
         return {m.name: raw_digest(m.dtype, m.shape, host[m.start_idx:m.end_idx], checksum) for m in self.metadata}
+
+
+    def device_digests(self) -> dict[str, str]:
+        """Every tensor's ``checksum.device_digest``, computed where ``flat`` lives; one transfer of 16 bytes a
+        tensor to the host for the whole bucket."""
+        lanes = torch.stack([device_lanes(t) for _, t in self.unpack()]).cpu().tolist()
+        return {m.name: lanes_digest(m.dtype, m.shape, x) for m, x in zip(self.metadata, lanes)}
 
 
 class StagingBuffer:
@@ -102,10 +117,11 @@ def _aligned(n: int) -> int:
 
 
 def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
-         staging: StagingBuffer | StagingSlots | None = None, index: int = 0) -> Bucket:
+         staging: StagingBuffer | StagingSlots | None = None, index: int = 0, checksum: str | None = None) -> Bucket:
     """Pack a list of tensors into one bucket on the first tensor's device (each tensor copied once);
     ``shared``: a CPU bucket is allocated in shared memory; ``staging``: a CPU bucket goes into that buffer
-    (its ``shared`` applies), or into slot ``index`` of ``StagingSlots``."""
+    (its ``shared`` applies), or into slot ``index`` of ``StagingSlots``; ``checksum``: a CPU bucket's tensors are
+    hashed as they are packed (``Bucket.hashed``)."""
     if not named_tensors:
         raise ValueError("cannot pack an empty bucket")
     meta, offset = [], 0
@@ -124,16 +140,20 @@ def pack(named_tensors: list[tuple[str, torch.Tensor]], *, shared: bool = False,
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if shared and device.type == "cpu":
             flat.share_memory_()
+    hashed = {} if checksum is not None and device.type == "cpu" else None
     with torch.no_grad():
-        for (_, t), (_, dst) in zip(named_tensors, _views(flat, meta)):
-            dst.copy_(t.detach())
-    return Bucket(flat=flat, metadata=meta, slot=slot)
+        for (_, t), (name, dst) in zip(named_tensors, _views(flat, meta)):
+            if hashed is None:
+                dst.copy_(t.detach())
+            else:
+                hashed[name] = copy_hashed(dst, t.detach(), checksum)
+    return Bucket(flat=flat, metadata=meta, slot=slot, hashed=None if hashed is None else (checksum, hashed))
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-                 shared: bool = False, staging: StagingBuffer | StagingSlots | None = None) -> Iterator[Bucket]:
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, shared: bool = False,
+                 staging: StagingBuffer | StagingSlots | None = None, checksum: str | None = None) -> Iterator[Bucket]:
     """Group a stream of tensors into buckets of at most ``bucket_bytes`` (a bigger tensor goes alone);
-    ``shared`` / ``staging``: where CPU buckets go (see ``pack``)."""
+    ``shared`` / ``staging``: where CPU buckets go, ``checksum``: hashed as packed (see ``pack``)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
@@ -145,10 +165,10 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         seen.add(name)
         nbytes = _aligned(t.numel() * t.element_size())
         if pending and size + nbytes > bucket_bytes:
-            yield pack(pending, shared=shared, staging=staging, index=index)
+            yield pack(pending, shared=shared, staging=staging, index=index, checksum=checksum)
             pending, size, index = [], 0, index + 1
         pending.append((name, t))
         size += nbytes
     if pending:
-        yield pack(pending, shared=shared, staging=staging, index=index)
+        yield pack(pending, shared=shared, staging=staging, index=index, checksum=checksum)
 

@@ -19,14 +19,16 @@ class SharedMemoryBridge:
     mode = "shared_memory"
 
     def __init__(self, engines: Sequence[WeightTarget], *, bucket_bytes: int = 64 << 20, verify: bool = True,
-                 checksum: str = DEFAULT):
+                 checksum: str = DEFAULT, staging: StagingSlots | None = None):
+        """``staging``: the staging slots to pack into (default: this bridge's own; two bridges pushing the same
+        tensors to the same engines may share one set, as ``megaflow bench sync`` does)."""
         if not engines:
             raise ValueError("SharedMemoryBridge needs at least one engine")
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_bytes)
         self.verify = verify
         self.checksum = checksum
-        self._staging = StagingSlots()
+        self._staging = StagingSlots() if staging is None else staging
 
     def _wait(self, num: int, loads: list[Future]) -> None:
         for engine, load in zip(self.engines, loads):
@@ -41,8 +43,9 @@ class SharedMemoryBridge:
         loading: list[Future] = []
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="shm-push") as pool:
             try:
-                for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging):  # packed while
-                    digests = stream.record(bucket)  # the previous bucket loads; hashed with verify
+                for bucket in iter_buckets(stream, self.bucket_bytes, staging=self._staging,  # packed (and hashed,
+                                           checksum=self.checksum if self.verify else None):  # with verify)
+                    digests = stream.record(bucket)  # while the previous bucket loads
                     self._wait(num_buckets, loading)
                     num_buckets += 1
                     loading = [pool.submit(engine.load_bucket, bucket, digests=digests or None,

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from megaflow.bridge.base import WeightUpdateResult
 from megaflow.bridge.buckets import Bucket
-from megaflow.checksum import DEFAULT, tensor_digest, weights_checksum
+from megaflow.checksum import DEFAULT, WSUM, device_digest, tensor_digest, weights_checksum
 
 
 class ModuleTarget:
@@ -60,12 +60,14 @@ class ModuleTarget:
         return self._load(named)
 
     def verify_weights(self, expected_digests: dict[str, str], *, checksum: str = DEFAULT) -> tuple[bool, str]:
-        """Re-hash the named tensors with ``checksum`` (``megaflow.checksum``) and compare."""
+        """Re-hash the named tensors with ``checksum`` (``megaflow.checksum``; a ``wsum:`` digest with
+        ``device_digest``, where the tensor lives) and compare."""
         targets = self._targets()
         for name, digest in expected_digests.items():
             if name not in targets:
                 return False, f"tensor {name!r} not held by {self.engine_id}"
-            if tensor_digest(targets[name], checksum) != digest:
+            held = targets[name]
+            if (device_digest(held) if digest.startswith(WSUM) else tensor_digest(held, checksum)) != digest:
                 return False, f"tensor {name!r} differs from what was sent"
         return True, f"{len(expected_digests)} tensors match"
 

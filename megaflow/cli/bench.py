@@ -44,10 +44,12 @@ def _cmd_bench_async(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_sync(args: argparse.Namespace) -> int:
+    if args.params is not None and not 1e5 <= args.params <= 2e10:
+        raise ValueError(f"bench sync: --params must be between 1e5 and 2e10, got {args.params:g}")
     from megaflow.bench.sync import bench_sync
-    emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, engines=args.engines,
-                    repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb, tiny=not args.no_tiny,
-                    checksum=args.checksum), args)
+    emit(bench_sync(layers=args.layers, heads=args.heads, head_dim=args.head_dim, params=args.params,
+                    engines=args.engines, repeats=args.repeats, warmup=args.warmup, bucket_mb=args.bucket_mb,
+                    tiny=not args.no_tiny, checksum=args.checksum, precision=args.precision), args)
     return 0
 
 
@@ -94,10 +96,16 @@ def add_bench_parsers(sub) -> None:
     p_br.add_argument("--threads", type=int, default=1,
                       help="Torch threads of the baseline loop and of each engine worker (equal on both sides).")
     p_bs = bench_sub.add_parser("sync", help="Weight-sync seconds into SGLang engines (verify off / on) vs a plain "
-                                "copy of the same bytes: a scaled-up random SD3 DiT and the tiny one.")
+                                "copy of the same bytes, with each phase's GB/s: a scaled-up random SD3 DiT and the "
+                                "tiny one.")
     p_bs.add_argument("--layers", type=int, default=6, help="Joint blocks of the large DiT.")
     p_bs.add_argument("--heads", type=int, default=12, help="Attention heads of the large DiT.")
     p_bs.add_argument("--head-dim", type=int, default=64, help="Head width of the large DiT.")
+    p_bs.add_argument("--params", type=float, default=None, help="About this many parameters (e.g. 1e9) in SD3-like "
+                      "shapes (head width 64; 12 heads below 4e8, else 24; the nearest block count), in place of "
+                      "--layers / --heads / --head-dim.")
+    p_bs.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="dtype of the large DiT's "
+                      "weights and of its engine.")
     p_bs.add_argument("--engines", type=int, default=1, help="SGLang engines synced at once.")
     p_bs.add_argument("--repeats", type=int, default=5, help="Timed pushes (the median is reported).")
     p_bs.add_argument("--warmup", type=int, default=1, help="Untimed pushes first.")

@@ -236,8 +236,9 @@ class BridgeConfig:
     checksum: str = opt("xxh3", "Digest of each tensor's dtype, shape and raw bytes that bridge.verify computes, "
                         "the same on the trainer's side and in every engine: xxh3 (xxHash XXH3 128-bit, "
                         "non-cryptographic, near memory speed: catches corrupted, partial or stale weights) or "
-                        "sha256 (SHA-256, a cryptographic digest, several times slower). Checkpoint manifests "
-                        "(MANIFEST.json) are written with the same checksum.",
+                        "sha256 (SHA-256, a cryptographic digest, several times slower). Weights on a GPU are digested "
+                        "on the device instead (position-weighted sums modulo a prime, 16 bytes a tensor to the "
+                        "host). Checkpoint manifests (MANIFEST.json) are written with the same checksum.",
                         choices=("xxh3", "sha256"))
 
 

@@ -1,12 +1,13 @@
 """AWM in the megatron trainer: clean samples -> noised items -> optimizer steps (megaflow.algo.awm).
 
 An item is kept sample i at sampler grid index k: x_t = (1 − t)·x0 + t·ε, t = ``sigmas[k]``; a forward-only
-pre-pass attaches v_ema, v_ref (KL) and v_old (several steps) before the first update.
+pre-pass attaches v_ema, v_ref (KL) and v_old (several steps: the steps after the first) before the first update.
 Invariant: the draws, the shuffle and every ε come from the caller's generator in item order, before any DP split,
 so every layout trains on the same items and noise; each real item weighs 1/N. Details: docs/algorithms/awm.md.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
@@ -17,8 +18,8 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.awm import AWMConfig, awm_loss, awm_timestep_indices
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning, check_counts,
-                                    clean_microbatches, combine_steps, share_from_last_stage)
+from megaflow.trainer.batch import (CleanItem, aggregate_stats, batch_conditioning, check_counts, clean_microbatches,
+                                    combine_steps, share_from_last_stage, timed_pass)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,19 +65,22 @@ def awm_microbatch_loss(velocity: torch.Tensor, mb: dict, *, config: AWMConfig, 
     return loss, stats
 
 
-def _pre_pass(trainer, steps: list[list[dict]], settings: AWMSettings, ema_kl, ref) -> None:
-    """v_old (more than one optimizer step), v_ema and v_ref on every microbatch, before the first step."""
+def _pre_pass(trainer, steps: list[list[dict]], settings: AWMSettings, ema_kl, ref) -> dict[str, float]:
+    """v_old (the optimizer steps after the first: the first step's θ_old is θ itself, its ratio 1), v_ema and v_ref
+    on every microbatch, before the first step; each pass's seconds."""
+    seconds = {}
     if len(steps) > 1:
-        attach_velocities(trainer, steps, "old_velocity")
+        seconds["time/old_pass_s"] = timed_pass(trainer, steps[1:], "old_velocity")
     if settings.loss.awm_ema_kl_beta > 0:
         if ema_kl is None:
             raise ValueError(f"algo.awm_ema_kl_beta = {settings.loss.awm_ema_kl_beta} > 0 needs the fast EMA")
         with ema_kl.applied():
-            attach_velocities(trainer, steps, "ema_velocity")
+            seconds["time/ema_pass_s"] = timed_pass(trainer, steps, "ema_velocity")
     if settings.loss.kl_beta > 0:
         if ref is None:
             raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
-        attach_velocities(ref, steps, "ref_velocity")
+        seconds["time/ref_pass_s"] = timed_pass(ref, steps, "ref_velocity")
+    return seconds
 
 
 def awm_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, keep: torch.Tensor,
@@ -95,8 +99,9 @@ def awm_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
     cond = batch_conditioning(trainer)
     steps = [clean_microbatches(trajs, advantages, items, eps, settings.micro_batch_size, device, cond,
                                 algorithm="AWM") for items, eps in zip(plan, noise)]
-    _pre_pass(trainer, steps, settings, ema_kl, ref)
+    passes = _pre_pass(trainer, steps, settings, ema_kl, ref)
     per_step = []
+    t_policy = time.perf_counter()
     for items, mbs in zip(plan, steps):
         normalizer = len(items) / (len(mbs) * ps.get_data_parallel_world_size())
         trainer.optimizer.zero_grad()
@@ -107,4 +112,5 @@ def awm_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, k
             ema.step()
         per_step.append({**aggregate_stats(results), "grad_norm": float(grad_norm) if grad_norm is not None else
                          float("nan"), "update_ok": float(bool(update_ok)), "num_items": float(len(items))})
-    return share_from_last_stage(combine_steps(per_step))
+    passes["time/policy_s"] = time.perf_counter() - t_policy
+    return {**share_from_last_stage(combine_steps(per_step)), **passes}

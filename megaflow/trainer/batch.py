@@ -7,6 +7,7 @@ nothing), so the collectives of an update line up on every layout.
 """
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Callable, Sequence, TypeVar
 
@@ -110,6 +111,15 @@ def attach_velocities(model, steps: list[list[dict]], key: str) -> None:
     velocities = model.forward_backward(flat, None, forward_only=True)
     for mb, v in zip(flat, velocities):
         mb[key] = v.detach().float()
+
+
+def timed_pass(model, steps: list[list[dict]], key: str) -> float:
+    """``attach_velocities`` and its seconds (the device synchronised first on a GPU)."""
+    t0 = time.perf_counter()
+    attach_velocities(model, steps, key)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def combine_steps(per_step: list[dict]) -> dict:

@@ -1,12 +1,14 @@
 """DGPO in the megatron trainer: clean samples -> noised items -> one optimizer step (megaflow.algo.dgpo).
 
 An item is kept sample i at grid index k (x_t = (1 − t)·x0 + t·ε); a preference group is one prompt group at one
-timestep. A forward-only pre-pass attaches v_θ, v_ref (fast EMA) and v_kl; group scores are summed over DP ranks.
+timestep. A forward-only pre-pass attaches v_θ, v_ref (fast EMA; v_θ itself while the EMA is θ, before its first mixing
+blend) and v_kl; group scores are summed over DP ranks.
 Invariant: the draws and every ε come from the caller's generator before any DP split, so every layout trains on
 the same items and noise; each real item weighs 1/N. Details: docs/algorithms/dgpo.md.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
@@ -17,8 +19,8 @@ from megatron.core import parallel_state as ps
 from megaflow.algo.dgpo import DGPOConfig, GroupScores, dgpo_group_scores, dgpo_loss, matching_error
 from megaflow.parallel.distributed import current_device
 from megaflow.rollout.types import Trajectory
-from megaflow.trainer.batch import (CleanItem, aggregate_stats, attach_velocities, batch_conditioning, check_counts,
-                                    clean_microbatches, combine_steps, share_from_last_stage)
+from megaflow.trainer.batch import (CleanItem, aggregate_stats, batch_conditioning, check_counts, clean_microbatches,
+                                    combine_steps, share_from_last_stage, timed_pass)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,21 +114,28 @@ def dgpo_update(trainer, trajs: Sequence[Trajectory], advantages: torch.Tensor, 
                              batch_conditioning(trainer), algorithm="DGPO")
     for mb in mbs:
         mb["group"] = group_ids[mb["item"].cpu()].to(device)
-    attach_velocities(trainer, [mbs], "theta_velocity")
-    with ema_ref.applied():
-        attach_velocities(trainer, [mbs], "ref_velocity")
+    passes = {"time/theta_pass_s": timed_pass(trainer, [mbs], "theta_velocity")}
+    if ema_ref.equals_live():  # the fast EMA is θ itself (before its first blend): v_ref is v_θ, bit for bit
+        for mb in (mb for mb in mbs if "theta_velocity" in mb):  # the last pipeline stage's
+            mb["ref_velocity"] = mb["theta_velocity"]
+        passes["time/ema_pass_s"] = 0.0
+    else:
+        with ema_ref.applied():
+            passes["time/ema_pass_s"] = timed_pass(trainer, [mbs], "ref_velocity")
     if settings.loss.kl_beta > 0:
         if ref is None:
             raise ValueError(f"algo.kl_beta = {settings.loss.kl_beta} > 0 needs a reference model")
-        attach_velocities(ref, [mbs], "kl_velocity")
+        passes["time/ref_pass_s"] = timed_pass(ref, [mbs], "kl_velocity")
     scores = _group_scores(mbs, items, group_ids, advantages, settings)
     normalizer = len(items) / (len(mbs) * ps.get_data_parallel_world_size())
+    t_policy = time.perf_counter()
     trainer.optimizer.zero_grad()
     results = trainer.forward_backward(mbs, partial(dgpo_microbatch_loss, settings=settings, scores=scores,
                                                     normalizer=normalizer))
     update_ok, grad_norm, _ = trainer.optimizer.step()
     if ema is not None:
         ema.step()
+    passes["time/policy_s"] = time.perf_counter() - t_policy
     step = {**aggregate_stats(results), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_ok": float(bool(update_ok)), "num_items": float(len(items))}
-    return share_from_last_stage(combine_steps([step]))
+    return {**share_from_last_stage(combine_steps([step])), **passes}

@@ -33,6 +33,18 @@ class ShadowWeights:
         self.tensors = {name: p.detach().float().clone() for name, p in params.items()}
         self.num_updates = 0
         """Optimizer steps followed so far (the EMA warm-up and θ_old's schedule read it; checkpoints keep it)."""
+        self._set_from_live: dict | None = self._versions()
+        """The live and shadow tensors' version counters when the shadow was last set to the live values; None
+        after a blend that mixed, or a load."""
+
+    def _versions(self) -> dict[str, tuple[int, int, int]]:
+        return {n: (p._version, id(self.tensors[n]), self.tensors[n]._version) for n, p in self._params.items()}
+
+    def equals_live(self) -> bool:
+        """The shadow holds the live weights bit for bit: it was set from them (at creation, by a blend with decay
+        0) and neither a live parameter nor a shadow tensor has changed since (torch's version counters count every
+        in-place write: an optimizer step, a load, ``applied``)."""
+        return self._set_from_live is not None and self._set_from_live == self._versions()
 
     @classmethod
     def of(cls, chunks: list[torch.nn.Module]) -> ShadowWeights:
@@ -51,6 +63,7 @@ class ShadowWeights:
             torch._foreach_copy_(shadow, live)
         elif decay < 1.0:
             torch._foreach_lerp_(shadow, live, 1.0 - decay)
+        self._set_from_live = self._versions() if decay == 0.0 else None
         self.num_updates += steps
 
     @contextlib.contextmanager
@@ -82,6 +95,7 @@ class ShadowWeights:
                 raise ValueError(f"shadow tensor {n!r}: shape {tuple(state[n].shape)}, the model's is {tuple(t.shape)}")
             t.copy_(state[n])
         self.num_updates = int(state["__num_updates__"])
+        self._set_from_live = None
 
 
 class EMA(ShadowWeights):

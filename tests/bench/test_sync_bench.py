@@ -29,3 +29,9 @@ def test_bench_sync_result(tmp_path):
         assert large["sync_s"][key] > 0 and large["copy_s"] > 0
         assert large["ratio_vs_copy"][key] == pytest.approx(large["sync_s"][key] / large["copy_s"], rel=1e-2)
     torch.testing.assert_close(torch.tensor(large["per_engine_s"]["verify"]), torch.tensor(large["sync_s"]["verify"]))
+    phases = large["phase_s"]
+    assert set(phases) == {"copy", "gather", "convert", "pack", "digest", "push", "verify"}
+    for key, seconds in phases.items():
+        rate = large["phase_gb_per_s"][key]
+        assert rate is None if seconds == 0 else rate == pytest.approx(large["bytes"] / seconds / 1e9, rel=1e-2)
+    assert set(large["cpu_ratio_vs_copy"]) == {"no_verify", "verify"} and large["phase_cpu_s"]["copy"] > 0

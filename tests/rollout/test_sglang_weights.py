@@ -142,29 +142,41 @@ def test_digests_ride_in_the_payload_and_the_worker_pops_them():
     assert weight_checks._take_digests(payload) is None
 
 
-def test_worker_hashes_each_parameter_right_after_sglang_copies_into_it(monkeypatch):
-    """``hash_as_copied`` around SGLang's own ``load_weights_into_model``: each named parameter is hashed once,
-    after its copy (the digests are those of the new values), and only during a checked update."""
+def test_worker_hashes_each_parameter_as_it_is_copied(monkeypatch):
+    """``hash_as_copied`` around SGLang's own ``load_weights_into_model``, during a checked update: a plain host
+    parameter is copied here a chunk at a time and hashed as written (``checksum.copy_hashed``); one with its own
+    ``weight_loader`` is left to SGLang and hashed after its copy (the digests are those of the new values); without
+    a checked update SGLang copies everything and nothing is hashed."""
     import inspect
 
     from sglang.multimodal_gen.runtime.post_training import weights_updater
 
+    import megaflow.checksum as checksum
     from megaflow.checksum import tensor_digest
     from megaflow.rollout.sglang import weight_checks
     # SGLang's own function, not the plugin's hook around it (applied in this process once an engine started here)
     load_weights_into_model = inspect.unwrap(weights_updater.load_weights_into_model)
     monkeypatch.delenv(weight_checks.CHECKSUM_VAR, raising=False)
-    named = [(n, t.float()) for n, t in _named()]
+    named = [(n, t.float()) for n, t in _named()] + [("big", torch.randn(600, 700))]  # 1.7 MB: chunked
     params = {n: torch.nn.Parameter(torch.zeros_like(t), requires_grad=False) for n, t in named}
-    expected = {n: tensor_digest(t, "xxh3") for n, t in named[:3]}  # the 4th is loaded but not checked
-    hashed = []
-    monkeypatch.setattr(weight_checks, "tensor_digest", lambda t: hashed.append(t.clone()) or tensor_digest(t, "xxh3"))
+    loaded = []
+    params[named[1][0]].weight_loader = lambda p, w: loaded.append(w) or p.data.copy_(w)
+    expected = {n: tensor_digest(t, "xxh3") for n, t in named if n != named[3][0]}  # the 4th: loaded, not checked
+    copied_here, hashed_after = [], []
+    real_copy, real_like = checksum.copy_hashed, checksum.digest_like
+    monkeypatch.setattr(checksum, "copy_hashed",
+                        lambda d, s, a: copied_here.append(tuple(d.shape)) or real_copy(d, s, a))
+    monkeypatch.setattr(checksum, "digest_like", lambda t, e, a: hashed_after.append(t.clone()) or real_like(t, e, a))
     check = weight_checks._Check("transformer", expected)
     monkeypatch.setattr(weight_checks, "_current", check)
     weight_checks.hash_as_copied(load_weights_into_model, iter(named), params)
     assert check.actual == expected
-    assert [h.shape for h in hashed] == [t.shape for _, t in named[:3]]
-    assert all(torch.equal(h, t) for h, (_, t) in zip(hashed, named))  # hashed after the copy, not before
+    assert all(torch.equal(params[n], t) for n, t in named)
+    assert copied_here == [tuple(t.shape) for n, t in named if n in expected and n != named[1][0]]
+    assert len(loaded) == 1 and len(hashed_after) == 1 and torch.equal(hashed_after[0], named[1][1])  # after the copy
     monkeypatch.setattr(weight_checks, "_current", None)
+    for p in params.values():
+        p.data.zero_()
     weight_checks.hash_as_copied(load_weights_into_model, iter(named), params)
-    assert len(hashed) == 3  # no checked update: nothing hashed
+    assert all(torch.equal(params[n], t) for n, t in named)
+    assert len(copied_here) == 3 and len(hashed_after) == 1  # no checked update: SGLang copied, nothing hashed

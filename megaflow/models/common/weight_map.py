@@ -152,9 +152,12 @@ class WeightMap:
 
     def __init__(self, family: str, param_maps: Callable[[Any], list[ParamMap]], recipes: dict[str, Recipe]):
         self.family, self.param_maps, self.recipes = family, param_maps, dict(recipes)
+        self._table: tuple[Any, dict[str, ParamMap]] | None = None
 
     def _lookup(self, config, megatron_name: str) -> ParamMap:
-        m = {m.megatron: m for m in self.param_maps(config)}.get(megatron_name)
+        if self._table is None or self._table[0] is not config:  # one table per config object (a streamed sync
+            self._table = (config, {m.megatron: m for m in self.param_maps(config)})  # looks up every tensor)
+        m = self._table[1].get(megatron_name)
         if m is None:
             raise ValueError(f"unknown megatron tensor {megatron_name!r} for this {self.family} config")
         return m

@@ -16,21 +16,27 @@ class ReplayStore:
         self.tensors: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # names whose tensor is this store's own copy (safe to copy into)
         self.lora: tuple[dict[str, torch.Tensor], float, int] | None = None
+        self._copying: torch.cuda.Event | None = None  # the last device-to-host copy into the store, in flight
 
     def keep(self, views: dict[str, torch.Tensor], *, alias: bool) -> None:
         """Keep ``views`` (the tensors just loaded): as they are with ``alias`` (views of a staging slot), else
-        copied into this store's own host tensors."""
+        copied into this store's own host tensors (from a GPU: pinned, copied asynchronously on the current stream,
+        so a push does not wait for its host copy; ``apply`` waits for it)."""
+        cuda = False
         for name, t in views.items():
             if alias:
                 self.tensors[name] = t
                 self._owned.discard(name)
                 continue
+            cuda = cuda or t.is_cuda
             kept = self.tensors.get(name)
-            if name in self._owned and kept.shape == t.shape and kept.dtype == t.dtype:
-                kept.copy_(t)
-            else:
-                self.tensors[name] = t.to("cpu", copy=True)
+            if not (name in self._owned and kept.shape == t.shape and kept.dtype == t.dtype):
+                kept = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
                 self._owned.add(name)
+            kept.copy_(t, non_blocking=t.is_cuda)
+        if cuda:
+            self._copying = torch.cuda.Event()
+            self._copying.record()
 
     def keep_lora(self, named: list[tuple[str, torch.Tensor]], alpha: float, rank: int) -> None:
         self.lora = (dict((n, t.clone()) for n, t in named), alpha, rank)
@@ -41,6 +47,8 @@ class ReplayStore:
 
     def apply(self, server) -> list[tuple[bool, str]]:
         """Re-apply everything kept to a freshly started ``EngineServer``; one (ok, message) per step."""
+        if self._copying is not None:
+            self._copying.synchronize()
         results = []
         if self.disk_source is not None:
             results.append(server.update_from_disk(self.disk_source))

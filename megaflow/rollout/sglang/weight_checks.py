@@ -26,14 +26,20 @@ _current: _Check | None = None
 """The update being checked (a worker runs one update at a time, on its scheduler thread)."""
 
 
+def _algorithm() -> str:
+    from megaflow.checksum import DEFAULT
+
+    return os.environ.get(CHECKSUM_VAR) or DEFAULT
+
+
 def tensor_digest(tensor) -> str:
     """In place of SGLang's ``compute_tensor_sha256``: megaflow's digest (``CHECKSUM_VAR``'s algorithm, default
-    xxh3), hashed from the tensor's own bytes."""
+    xxh3; on a GPU ``checksum.device_digest``), hashed from the tensor's own bytes."""
     from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
 
-    from megaflow.checksum import DEFAULT, tensor_digest as digest
+    from megaflow.checksum import tensor_digest as digest
 
-    return digest(_materialize_local_tensor(tensor), os.environ.get(CHECKSUM_VAR) or DEFAULT)
+    return digest(_materialize_local_tensor(tensor), _algorithm())
 
 
 def _take_digests(named_tensors) -> tuple[str, dict[str, str]] | None:
@@ -115,8 +121,10 @@ def _compare(updater, check: _Check, message: str) -> tuple[bool, str]:
 
 
 def hash_as_copied(original, weights_iter, model_params, *args, **kwargs):
-    """Around SGLang's ``load_weights_into_model``: during a checked update, hash each named parameter once
-    SGLang has copied into it (its next entry is asked for after the copy), while it is still in cache."""
+    """Around SGLang's ``load_weights_into_model``: during a checked update, a plain host parameter (no loader, same
+    shape and dtype) is copied here, a chunk at a time, each chunk hashed just after it is written
+    (``checksum.copy_hashed``); any other named parameter is hashed once SGLang has copied into it (its next entry
+    is asked for after the copy)."""
     check = _current
     if check is None:
         return original(weights_iter, model_params, *args, **kwargs)
@@ -125,10 +133,29 @@ def hash_as_copied(original, weights_iter, model_params, *args, **kwargs):
         copied = None
         for entry in weights_iter:
             _record(check, copied, model_params)
-            copied = entry
-            yield entry
+            copied = None
+            if not _copy_checked(check, entry, model_params):
+                copied = entry
+                yield entry
         _record(check, copied, model_params)
     return original(entries(), model_params, *args, **kwargs)
+
+
+def _copy_checked(check: _Check, entry, model_params) -> bool:
+    """Copy and hash ``entry`` here when its parameter is one SGLang would fill by a plain ``copy_`` (True)."""
+    import torch
+
+    from megaflow.checksum import WSUM, copy_hashed
+
+    name, weight, *shard = entry
+    param = model_params.get(name) if name in check.expected and not (shard and shard[0] is not None) else None
+    data = getattr(param, "data", None)
+    if (data is None or callable(getattr(param, "weight_loader", None)) or type(data) is not torch.Tensor
+            or check.expected[name].startswith(WSUM) or data.device.type != "cpu" or weight.device.type != "cpu"
+            or data.dtype != weight.dtype or data.shape != weight.shape or not data.is_contiguous()):
+        return False
+    check.actual[name] = copy_hashed(data, weight, _algorithm())
+    return True
 
 
 def _record(check: _Check, entry, model_params) -> None:
@@ -136,4 +163,9 @@ def _record(check: _Check, entry, model_params) -> None:
         return
     name, _, *shard = entry
     if name in check.expected and name in model_params and not (shard and shard[0] is not None):
-        check.actual[name] = tensor_digest(model_params[name])
+        from sglang.multimodal_gen.runtime.post_training.tensor_update_checker import _materialize_local_tensor
+
+        from megaflow.checksum import digest_like
+
+        check.actual[name] = digest_like(_materialize_local_tensor(model_params[name]), check.expected[name],
+                                         _algorithm())

@@ -281,12 +281,26 @@ def loop_body(algo: str, pipeline: Path, config: Path, extra: tuple[str, ...] = 
         if proc.returncode != 0:
             _log_failed_run(proc.stderr, Path(runs))
             raise RuntimeError(f"megaflow train exited {proc.returncode}: {error_summary(proc.stderr)}")
+        rows = [json.loads(line) for f in Path(runs).glob("*/metrics.jsonl") for line in f.read_text().splitlines()]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    sync = sync_record(rows, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     cfg = load_config(config, [s for s in sets if not s.startswith("run.output_dir=")])
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
     (group,) = plan(cfg, gpus=1, gpu_mem_gib=memory)["groups"]
-    return loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall,
-                       prompts=cfg.rollout.prompts_per_iter, group_size=cfg.rollout.group_size)
+    return {**loop_record(algo, metrics, group.phases or {"total": group.total}, device_peak, wall,
+                          prompts=cfg.rollout.prompts_per_iter, group_size=cfg.rollout.group_size), "sync": sync}
+
+
+def sync_record(rows: list[dict], device) -> dict:
+    """The run's weight syncs (``sync/seconds`` of every metrics row): the first and the steady ones apart, and the
+    steady sync's GB/s against a copy of the same bytes on ``device`` (``pushes.push_record``)."""
+    from megaflow.testing.gpu.pushes import copy_seconds, push_record
+
+    seconds = [r["sync/seconds"] for r in rows if "sync/seconds" in r]
+    if len(seconds) < 2:
+        return {"status": "skipped", "reason": f"{len(seconds)} sync(s) in the run's metrics: need 2"}
+    nbytes = int(rows[-1]["sync/mbytes"] * 2**20)
+    return {"mbytes": round(nbytes / 2**20, 1), **push_record(seconds, nbytes, copy_seconds(nbytes, device))}
 
 
 def _log_failed_run(stderr: str, runs: Path, lines: int = 200) -> None:
