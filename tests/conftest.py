@@ -30,8 +30,8 @@ def tiny_pipeline_tool():
     return load_tiny_pipeline_tool()
 
 
-# Seconds the slowest test files took on one worker of scripts/test.sh (2-core machine, busy; Nov 29, after the
-# suite-time changes: docs/results.md, "Test suite time"). Only their order matters: scripts/test.sh hands whole
+# Seconds the slowest test files took on one worker of scripts/test.sh (2-core machine, busy, Nov 29; see
+# docs/results.md, "Test suite time"). Only their order matters: scripts/test.sh hands whole
 # files to its workers in collection order (--dist loadfile --no-loadscope-reorder), and starting the longest first
 # lets the short ones fill in at the end, so neither worker waits idle while the other runs a long file. Files not
 # named here follow, those with a slow test first. Refresh from the durations table a run prints.
