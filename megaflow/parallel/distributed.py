@@ -82,7 +82,7 @@ def init_distributed(
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        _destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -98,8 +98,23 @@ def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        _destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     from megaflow.parallel.groups import forget_launch
     forget_launch()
+
+
+def _destroy_model_parallel() -> None:
+    """megatron's ``destroy_model_parallel`` forgets its process groups without destroying them: each rebuild of
+    parallel_state in one process would leave a set of gloo groups behind, with their threads (~60 a rebuild on CPU).
+    Destroy the groups it holds (each once; never the default group), then forget them."""
+    from megatron.core import parallel_state
+
+    default, seen = dist.group.WORLD, set()
+    for value in list(vars(parallel_state).values()):
+        for group in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(group, dist.ProcessGroup) and group is not default and id(group) not in seen:
+                seen.add(id(group))
+                dist.destroy_process_group(group)
+    parallel_state.destroy_model_parallel()

@@ -2,7 +2,7 @@
 
 Needs: CPU, one gloo rank (a 1-process launch keeps megatron's global state out of pytest);
 diffusers in the parent only. Tolerances: velocity <= 1e-5, grads <= 1e-5 (abs). The multi-rank
-layouts are in test_sd3_parallel.py (slow).
+layouts are in test_parallel_parity.py (slow).
 """
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from megaflow.models.common import spec
 from megaflow.models.sd3 import tiny
 from megaflow.testing.dist import run_multiprocess
 
-import sd3_workers
-import test_sd3_parallel
+import parity_workers
+from parity_cases import make_case
 
 
 @pytest.mark.dist
 def test_tp1_matches_diffusers(tmp_path):
-    cases = [test_sd3_parallel.make_case("sd35", tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(1,)))]
+    providers = ["parity_workers:sd3_core_attention_spec", "parity_workers:sd3_whole_model_provider"]
+    cases = [make_case("sd3", "sd35", tiny.tiny_config(qk_norm="rms_norm", dual_attention_layers=(1,)),
+                       [dict(spec=p) for p in providers])]
     torch.save(cases, tmp_path / "cases.pt")
-    providers = ["sd3_workers:megatron_core_attention_spec", "sd3_workers:whole_model_provider"]
-    (report,) = run_multiprocess(sd3_workers.parity_rank, 1, str(tmp_path / "cases.pt"),
-                                 [dict(spec=p) for p in providers], timeout_s=300)
+    (report,) = run_multiprocess(parity_workers.parity_rank, 1, str(tmp_path / "cases.pt"), timeout_s=300)
     ref = report[("sd35", "tp1")]
     assert ref["out_err"] <= 1e-5 and ref["loss_err"] <= 1e-5 and ref["grad_err_vs_diffusers"] <= 1e-5, ref
     for p in providers:  # a spec with megatron's own DotProductAttention; a provider of whole models

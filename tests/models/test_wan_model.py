@@ -5,7 +5,7 @@ DotProductAttention (a dotted-path spec provider).
 
 Needs: CPU, one gloo rank (a 1-process launch keeps megatron's global state out of pytest); diffusers in the
 parent only. Tolerances: velocity and loss <= 1e-5 (abs, and relative to the largest velocity), grads <= 1e-5
-(abs) vs diffusers, <= 1e-6 between the two core attentions. The multi-rank layouts are in test_wan_parallel.py.
+(abs) vs diffusers, <= 1e-6 between the two core attentions. The multi-rank layouts are in test_parallel_parity.py.
 """
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ import torch
 from megaflow.models.wan import tiny
 from megaflow.testing.dist import run_multiprocess
 
-import test_wan_parallel
-import wan_workers
+import parity_workers
+from parity_cases import check_reports, make_case
 
 
 @pytest.mark.dist
 def test_tp1_matches_diffusers(tmp_path):
-    cases = [test_wan_parallel.make_case("t2v", tiny.tiny_config()),
-             test_wan_parallel.make_case("no_cross_norm", tiny.tiny_config(cross_attn_norm=False)),
-             test_wan_parallel.make_case("frame_patch", tiny.tiny_config(patch_size=(2, 2, 2)), frames=4)]
+    layout = dict(spec="parity_workers:wan_core_attention_spec")
+    cases = [make_case("wan", "t2v", tiny.tiny_config(), [layout]),
+             make_case("wan", "no_cross_norm", tiny.tiny_config(cross_attn_norm=False), [layout]),
+             make_case("wan", "frame_patch", tiny.tiny_config(patch_size=(2, 2, 2)), [layout], frames=4)]
     torch.save(cases, tmp_path / "cases.pt")
-    layout = dict(spec="wan_workers:megatron_core_attention_spec")
-    (report,) = run_multiprocess(wan_workers.parity_rank, 1, str(tmp_path / "cases.pt"), [layout], timeout_s=300)
+    (report,) = run_multiprocess(parity_workers.parity_rank, 1, str(tmp_path / "cases.pt"), timeout_s=300)
     for case in cases:
         ref = report[(case["name"], "tp1")]
         assert ref["out_err"] <= 1e-5 and ref["loss_err"] <= 1e-5 and ref["grad_err_vs_diffusers"] <= 1e-5, ref
         entry = report[(case["name"], str(layout))]
         assert entry["out_err"] <= 1e-5 and entry["grad_err"] <= 1e-6, entry
         assert report[(case["name"], "iter_full_params_exact")] is True
-    test_wan_parallel.check_relative([report], cases)
+    check_reports([report], cases, relative=True)
