@@ -35,7 +35,7 @@ def test_every_word_is_one_piece_at_its_position():
         kit.word_positions(tok, "a reddish circle moving up")
     longest = max(sample_video_prompts("train", 400, seed=1), key=lambda p: len(tok(p)["input_ids"]))
     assert len(tok(longest)["input_ids"]) <= kit.TEXT_LEN
-    assert noun_positions(kit, tok, PROMPT) == [2, 6]
+    assert noun_positions(kit, tok, PROMPT) == [2, 7]
 
 
 def test_video_labels_carry_the_clause():
@@ -64,7 +64,8 @@ def pretrained(tmp_path_factory):
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "p"
 

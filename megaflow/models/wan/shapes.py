@@ -142,10 +142,10 @@ def transformer_config(*, resolution: int, num_layers: int, num_heads: int, head
     """The WanTransformer3DModel config of the ShapeEval DiT (patch (1, 1, 1), MLP 4x, Wan's 256 timestep
     channels, 3-D RoPE split by diffusers from the head)."""
     hidden = num_heads * head_dim
-    return dict(patch_size=(1, 1, 1), num_attention_heads=num_heads, attention_head_dim=head_dim,
-                in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_WIDTH, freq_dim=256,
-                ffn_dim=4 * hidden, num_layers=num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                eps=1e-6, rope_max_seq_len=32)
+    return {"patch_size": (1, 1, 1), "num_attention_heads": num_heads, "attention_head_dim": head_dim,
+            "in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS, "text_dim": TEXT_WIDTH, "freq_dim": 256,
+            "ffn_dim": 4 * hidden, "num_layers": num_layers, "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 32}
 
 
 def resolution_of(config: dict) -> int | None:
