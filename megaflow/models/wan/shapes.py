@@ -26,9 +26,9 @@ SPATIAL_FACTOR = 4
 LATENT_CHANNELS = 16  # Wan 2.1's z_dim
 TEXT_WIDTH = 64  # the UMT5 stand-in's d_model (text_dim of the DiT)
 TEXT_LAYERS = 3
-# Prompt length in tokens: the longest video prompt ("a red circle left of a blue square, both moving left") is 11
-# words, a comma and </s>; SGLang pads each prompt to a request's max_sequence_length (Wan's default: 512).
-TEXT_LEN = 16
+# Prompt length in tokens: SGLang's Wan pipeline pads every prompt's states with zero rows to 512 (fixed), and the
+# DiT attends to those rows unmasked (its text projection makes them non-zero), so the kit conditions on 512 too.
+TEXT_LEN = 512
 VIDEO_WORDS = ("moving", "both", "turning", *DIRECTIONS)
 META = {"max_sequence_length": TEXT_LEN}
 """What the pipeline declares in ``megaflow.json`` (applied per SGLang request)."""
@@ -74,9 +74,10 @@ def word_positions(tokenizer, prompt: str) -> list[int]:
 
 
 def text_features(encoder, tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token states [N, TEXT_LEN, H] as the pipeline reads them (the last hidden state, prompts padded to
-    ``TEXT_LEN`` with a mask), pooled [N, H]: the mean over each prompt's tokens)."""
-    tok = tokenizer(prompts, padding="max_length", max_length=TEXT_LEN, truncation=True, return_tensors="pt")
+    """(per-token states [N, L, H] as the pipeline reads them (the last hidden state; padded with a mask to the
+    longest prompt: a real token's state does not depend on the padding), pooled [N, H]: the mean over each
+    prompt's tokens)."""
+    tok = tokenizer(prompts, padding=True, return_tensors="pt")
     states = encoder(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"]).last_hidden_state
     mask = tok["attention_mask"][..., None].to(states.dtype)
     return states, (states * mask).sum(1) / mask.sum(1)
