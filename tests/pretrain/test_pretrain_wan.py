@@ -3,8 +3,8 @@ the position it says, a video prompt's labels carry its clause, the VAE keeps Wa
 -> 2 latent frames) at spatial factor 4; end to end on tiny settings, the saved pipeline loads in diffusers'
 WanPipeline and a real SGLang engine conditions (the kit's ``encode_prompt`` at TEXT_LEN, 1e-6), steps (the kit's
 sigma grid, 1e-6; Euler ODE steps of its own velocities, 1e-6; its first velocity equals diffusers' transformer on
-the same input, 1e-4) and decodes (the kit's decode of its final latents, 1e-5) as the pretraining does.
-Needs: CPU, 1 process + engine workers (~3 min for the slow test)."""
+the same input, 1e-4) and decodes (the kit's fp32 decode of its final latents, 1e-2: SGLang decodes Wan in bf16)
+as the pretraining does. Needs: CPU, 1 process + engine workers (~3 min idle, 10 min on a loaded machine)."""
 import json
 import os
 import subprocess
@@ -103,4 +103,8 @@ def test_pretrained_wan_loads_and_the_engine_samples_as_pretraining_evaluates(pr
         v = pipe.transformer(hidden_states=t.latents[:1].float(), timestep=t.sigmas[:1].float() * 1000,
                              encoder_hidden_states=cond).sample
     torch.testing.assert_close(t.model_outputs[0].float(), v[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(t.image, kit.decode(pipe.vae, t.latents[-1:].float())[0], atol=1e-5, rtol=0)
+    # SGLang's Wan pipeline decodes in bf16 (WanT2V480PConfig.vae_decode_precision), the kit in fp32: 1e-2 (bf16's
+    # step near 1 is 2^-8 = 3.9e-3; 6.2e-3 seen); control: the decode of the starting noise is far off.
+    decoded = kit.decode(pipe.vae, t.latents[[-1, 0]].float())
+    torch.testing.assert_close(t.image, decoded[0], atol=1e-2, rtol=0)
+    assert (t.image - decoded[1]).abs().max() > 0.1
