@@ -37,8 +37,10 @@ def test_every_word_is_one_piece_at_its_position():
 
 
 def test_video_labels_carry_the_clause():
-    moving, turning = scene_labels(parse_video_prompt(PROMPT)), scene_labels(parse_video_prompt("a red square turning blue"))
-    assert CLAUSE_CLASSES[moving["pooled"][-1]] == "moving up" and CLAUSE_CLASSES[turning["pooled"][-1]] == "turning blue"
+    moving = scene_labels(parse_video_prompt(PROMPT))
+    turning = scene_labels(parse_video_prompt("a red square turning blue"))
+    assert CLAUSE_CLASSES[moving["pooled"][-1]] == "moving up"
+    assert CLAUSE_CLASSES[turning["pooled"][-1]] == "turning blue"
     assert len(moving["nouns"]) == 2 and len(moving["pooled"]) == 8
 
 
