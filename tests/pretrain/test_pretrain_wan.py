@@ -106,7 +106,7 @@ def test_pretrained_wan_loads_and_the_engine_samples_as_pretraining_evaluates(pr
                              encoder_hidden_states=cond).sample
     torch.testing.assert_close(t.model_outputs[0].float(), v[0], atol=1e-4, rtol=0)
     # SGLang's Wan pipeline decodes in bf16 (WanT2V480PConfig.vae_decode_precision), the kit in fp32: 1e-2 (bf16's
-    # step near 1 is 2^-8 = 3.9e-3; 6.2e-3 seen); control: the decode of the starting noise is far off.
-    decoded = kit.decode(pipe.vae, t.latents[[-1, 0]].float())
-    torch.testing.assert_close(t.image, decoded[0], atol=1e-2, rtol=0)
-    assert (t.image - decoded[1]).abs().max() > 0.1
+    # step near 1 is 2^-8 = 3.9e-3; 6.2e-3 seen). The 3-step VAE's decoder is nearly constant (the starting noise
+    # decodes within 7.8e-3 too), so this checks the clip layout and range more than the decoder's numbers.
+    assert t.image.shape == (kit.FRAMES, 3, 32, 32)
+    torch.testing.assert_close(t.image, kit.decode(pipe.vae, t.latents[-1:].float())[0], atol=1e-2, rtol=0)
