@@ -301,7 +301,7 @@ class PretrainConfig:
 
     init_from: str = opt("", "Continue from this ShapeEval pipeline dir (its text encoders, VAE and DiT weights; the "
                          "text/VAE phases are skipped and the DiT size fields are taken from it); empty = from scratch.")
-    resolution: int = opt(32, "Image side in pixels (latents are resolution/2 with the trained VAE).",
+    resolution: int = opt(32, "Image (or clip frame) side in pixels (latents: resolution / the family's VAE factor).",
                           choices=(32, 64))
     num_layers: int = opt(5, "DiT blocks (model.family's transformer).", ge=1, le=256)
     num_heads: int = opt(4, "DiT attention heads.", ge=1, le=256)

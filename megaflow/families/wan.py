@@ -40,7 +40,7 @@ CARD = FamilyCard(
         _class_name="WanTransformer3DModel", num_layers=40, attention_head_dim=128, num_attention_heads=40,
         ffn_dim=13824, text_dim=4096, freq_dim=256, in_channels=16, out_channels=16, patch_size=[1, 2, 2],
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)),),
-    encoder_params=5_680_000_000, vae_params=127_000_000,
+    encoder_params=5_680_000_000, vae_params=127_000_000, shapes_pipeline=True,
     default_text_tokens=512, fixed_text_tokens=0,  # the pipeline's max_sequence_length
     plan_dims=plan_dims,
     gpu_check_settings=("model.dtype=bfloat16", "train.micro_batch_size=1", "algo.kl_beta=0", "rollout.height=480",

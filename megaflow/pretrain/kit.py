@@ -1,13 +1,15 @@
 """A family's ShapeEval pipeline, as ``megaflow pretrain`` builds, trains and saves it. Invariant: nothing here
 asks which family it is; the family's ``shapes`` module (``ModelFamily.shapes``) answers, keeping this contract:
 
-- ``PIPELINE_CLASS``, ``META`` (what ``megaflow.json`` declares), ``DESCRIPTION`` (RECIPE.md's), ``SPATIAL_FACTOR``;
+- ``PIPELINE_CLASS``, ``META`` (what ``megaflow.json`` declares), ``DESCRIPTION`` (RECIPE.md's), ``SPATIAL_FACTOR``,
+  ``FRAMES`` (None: an image kit trained and evaluated on image ShapeEval; a clip length: a video kit on video ShapeEval, its pixels
+  [B, 3, F, H, W] and its ``decode`` clips [B, F, 3, H, W]; ``megaflow.pretrain.bench``);
 - text: ``text_components(seed=)``, ``trained_encoders(text)`` -> [(tokenizer, encoder)] the grammar objective
   trains, ``finish_text(text)``, ``word_positions(tokenizer, prompt)``, ``text_features(encoder, tokenizer,
   prompts)`` -> (per-token states [N, L, H], pooled [N, P]);
 - VAE: ``make_vae(seed=)``, ``vae_posterior(vae, pixels)``, ``vae_reconstruct(vae, z)``, ``set_latent_stats(vae,
-  z)``, ``encode(vae, pixels)`` -> the DiT's latents, ``decode(vae, latents)`` -> images in [0, 1],
-  ``latent_shape(n, resolution)``;
+  z)``, ``encode(vae, pixels)`` -> the DiT's latents, ``decode(vae, latents)`` -> images (or clips) in [0, 1],
+  ``latent_shape(n, resolution)`` (a video kit's with its latent frame axis);
 - DiT and pipeline: ``transformer_config(resolution=, num_layers=, num_heads=, head_dim=)``, ``resolution_of``,
   ``assemble(text=, vae=, transformer_config=, transformer_state=, seed=)``, ``load_parts(path)``,
   ``after_save(directory)``, ``conditioning(pipe, prompts)`` -> {model input: [N, ...]}, ``constant_inputs

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from megaflow.config import MegaflowConfig, save_config
-from megaflow.data.shapes import CATEGORIES, HELD_OUT_CATEGORIES, sample_prompts, split_prompts
 
 
 def _log(msg: str) -> None:
@@ -37,44 +36,43 @@ def load_parts(kit, path: Path, *, trust_remote_code: bool = False):
 
 def build_parts(cfg: MegaflowConfig, kit):
     """Phases 1-2 (seeded, identical on every rank): trained text encoders and VAE."""
+    from megaflow.pretrain.bench import bench_of
     from megaflow.pretrain.text import train_text_encoder
     from megaflow.pretrain.vae import train_vae
 
-    p, seed = cfg.pretrain, cfg.run.seed
-    split = split_prompts(seed=0)
-    train = [s.prompt for c in CATEGORIES for s in split.train[c]]
-    held = [s.prompt for c in HELD_OUT_CATEGORIES for s in split.eval[c]][::2]
+    p, seed, bench = cfg.pretrain, cfg.run.seed, bench_of(kit)
+    train, held = bench.text_prompts()
     text = kit.text_components(seed=seed)
     stats = {}
     for k, (tok, enc) in enumerate(kit.trained_encoders(text)):
         t0 = time.perf_counter()
-        st = train_text_encoder(kit, enc, tok, train, steps=p.text_steps, seed=seed + k, eval_prompts=held)
+        st = train_text_encoder(kit, enc, tok, train, steps=p.text_steps, seed=seed + k, eval_prompts=held,
+                                parse=bench.parse)
         stats[f"text{k + 1}"] = {**st, "seconds": time.perf_counter() - t0}
         _log(f"text encoder {k + 1}: {st} in {time.perf_counter() - t0:.0f}s")
     kit.finish_text(text)
     t0 = time.perf_counter()
     vae = kit.make_vae(seed=seed + 1)
-    stats["vae"] = {**train_vae(kit, vae, train, resolution=p.resolution, steps=p.vae_steps, seed=seed, log=_log),
-                    "seconds": time.perf_counter() - t0}
+    stats["vae"] = {**train_vae(kit, vae, train, resolution=p.resolution, steps=p.vae_steps, seed=seed, log=_log,
+                                bench=bench), "seconds": time.perf_counter() - t0}
     _log(f"vae: {stats['vae']}")
     return text, vae, stats
 
 
 def build_pool(cfg: MegaflowConfig, kit, pipe, vae) -> dict:
-    """The training pool: ``num_images`` renders of TRAIN prompts (balanced over categories) as normalised
-    latents, and every pool prompt's conditioning (the family's model inputs) plus the empty prompt's (for prompt
-    dropout)."""
-    from megaflow.shapeeval.render import render_prompts
-    from megaflow.pretrain.vae import to_pixels
+    """The training pool: ``num_images`` renders (clips for a video kit) of TRAIN prompts (balanced over
+    categories) as normalised latents, and every pool prompt's conditioning (the family's model inputs) plus the
+    empty prompt's (for prompt dropout)."""
+    from megaflow.pretrain.bench import bench_of
 
-    p = cfg.pretrain
-    prompts = sample_prompts("train", p.num_images, seed=cfg.run.seed)
+    p, bench = cfg.pretrain, bench_of(kit)
+    prompts = bench.sample_train(p.num_images, seed=cfg.run.seed)
     uniq = sorted(set(prompts))
     index = {q: i for i, q in enumerate(uniq)}
     latents = []
     for i in range(0, len(prompts), 512):
-        imgs = render_prompts(prompts[i:i + 512], resolution=p.resolution, seed=cfg.run.seed * 7919 + i)
-        latents.append(kit.encode(vae, to_pixels(imgs)))
+        pixels = bench.render(prompts[i:i + 512], resolution=p.resolution, seed=cfg.run.seed * 7919 + i)
+        latents.append(kit.encode(vae, pixels))
     return {"latents": torch.cat(latents), "prompt_index": torch.tensor([index[q] for q in prompts]),
             "conditioning": kit.conditioning(pipe, uniq + [""]), "shared": kit.constant_inputs(p.resolution),
             "empty": len(uniq)}
@@ -139,18 +137,18 @@ def sample_latents(trainer, conditioning: dict, shared: dict, *, shape, sigmas: 
 
 
 def evaluate(cfg: MegaflowConfig, kit, trainer, pipe, vae, *, seed: int = 0) -> dict:
-    """Held-out (and seen-category) ShapeEval accuracy of the model's ODE samples (the prompt set and
-    scoring of ``megaflow.shapeeval.evaluate``; the sampler is the trainer's own forward)."""
-    from megaflow.shapeeval.evaluate import eval_prompts, score
+    """Held-out (and seen) ShapeEval accuracy of the model's ODE samples: images, or clips for a video kit (the
+    prompt sets and scoring of ``megaflow.pretrain.bench``; the sampler is the trainer's own forward)."""
+    from megaflow.pretrain.bench import bench_of
 
-    p = cfg.pretrain
-    held, seen = eval_prompts(p.eval_prompts, max(2, p.eval_prompts // 5), seed)
+    p, bench = cfg.pretrain, bench_of(kit)
+    held, seen = bench.eval_prompts(p.eval_prompts, seed)
     shape = kit.latent_shape(len(held) + len(seen), p.resolution)
     sigmas = kit.sample_sigmas(pipe, p.sample_steps, p.resolution)
     lat = sample_latents(trainer, kit.conditioning(pipe, held + seen), kit.constant_inputs(p.resolution),
                          shape=shape, sigmas=sigmas, seed=seed)
-    images = kit.decode(vae, lat)
-    return {**score(images[:len(held)], held), "seen": score(images[len(held):], seen)}
+    samples = kit.decode(vae, lat)
+    return {**bench.score(samples[:len(held)], held), "seen": bench.score(samples[len(held):], seen)}
 
 
 def run(cfg: MegaflowConfig) -> dict:
@@ -275,7 +273,8 @@ class _Recorder:
         row = {"step": step, "minutes": (time.perf_counter() - self.t_dit) / 60,
                "loss": float(np.mean(self.losses[-100:])), "accuracy": result["accuracy"],
                "partial": result["partial_mean"], "per_category": result["per_category"],
-               "seen": result["seen"]["per_category"]}
+               "seen": result["seen"]["per_category"],
+               **{k: result[k] for k in ("frames_mean", "clause_mean") if k in result}}
         self.history.append(row)
         with open(self.run_dir / "pretrain.jsonl", "a") as fh:
             fh.write(json.dumps(row, sort_keys=True) + "\n")

@@ -1,6 +1,7 @@
 """Text encoders that understand ShapeEval prompts: a family's encoders (whole-word tokenizers) trained on the
 grammar's scene-parsing objective, then frozen; the family's kit says where each word sits and which states the
-pipeline reads. Design notes: docs/design/pretrain.md.
+pipeline reads. A video prompt's labels add its clause (the direction every object moves in, or the colour the
+object turns into) as one more pooled head. Design notes: docs/design/pretrain.md.
 """
 from __future__ import annotations
 
@@ -10,21 +11,27 @@ import torch
 import torch.nn.functional as F
 
 from megaflow.data.shapes import MAX_COUNT, PALETTE, RELATIONS, SHAPES, Scene, parse_prompt
+from megaflow.data.video_shapes import DIRECTIONS, VideoScene
 
 COLORS = (None, *PALETTE)
 RELATION_CLASSES = ("none", "and", *RELATIONS)
+CLAUSE_CLASSES = (*(f"moving {d}" for d in DIRECTIONS), *(f"turning {c}" for c in PALETTE))
 
 
 def _group_labels(g) -> list[int]:
     return [SHAPES.index(g.shape), COLORS.index(g.color), g.count - 1]
 
 
-def scene_labels(scene: Scene) -> dict[str, list[int]]:
-    """Class labels of a scene: per noun token (group shape/colour/count/index/relation) and pooled."""
+def scene_labels(scene: Scene | VideoScene) -> dict[str, list[int]]:
+    """Class labels of a scene: per noun token (group shape/colour/count/index/relation) and pooled (a video
+    scene's pooled labels end with its clause, ``CLAUSE_CLASSES``)."""
     rel = RELATION_CLASSES.index(scene.relation or ("and" if len(scene.groups) == 2 else "none"))
     nouns = [_group_labels(g) + [i, rel if i == 1 else 0] for i, g in enumerate(scene.groups)]
     g1 = _group_labels(scene.groups[1]) if len(scene.groups) == 2 else [len(SHAPES), len(COLORS), MAX_COUNT]
-    return {"nouns": nouns, "pooled": _group_labels(scene.groups[0]) + g1 + [rel]}
+    pooled = _group_labels(scene.groups[0]) + g1 + [rel]
+    if isinstance(scene, VideoScene):
+        pooled.append(CLAUSE_CLASSES.index(f"moving {scene.motion}" if scene.motion else f"turning {scene.change}"))
+    return {"nouns": nouns, "pooled": pooled}
 
 
 # (head name, classes) of the per-noun and the pooled predictions, in label order.
@@ -33,13 +40,14 @@ NOUN_HEADS = (("shape", len(SHAPES)), ("color", len(COLORS)), ("count", MAX_COUN
 POOLED_HEADS = (("shape0", len(SHAPES)), ("color0", len(COLORS)), ("count0", MAX_COUNT),
                 ("shape1", len(SHAPES) + 1), ("color1", len(COLORS) + 1), ("count1", MAX_COUNT + 1),
                 ("relation", len(RELATION_CLASSES)))
+CLAUSE_HEAD = ("clause", len(CLAUSE_CLASSES))
 
 
 def noun_positions(kit, tokenizer, prompt: str) -> list[int]:
     """Token indices of the group nouns of ``prompt`` (the family's ``word_positions``)."""
     nouns = {*SHAPES, *(s + "s" for s in SHAPES)}
     positions = kit.word_positions(tokenizer, prompt)
-    return [positions[i] for i, w in enumerate(prompt.split()) if w in nouns]
+    return [positions[i] for i, w in enumerate(prompt.split()) if w.rstrip(",") in nouns]
 
 
 def _forward(kit, encoder, tokenizer, heads, prompts: list[str], labels: list[dict], positions: list[list[int]]):
@@ -63,19 +71,22 @@ def _forward(kit, encoder, tokenizer, heads, prompts: list[str], labels: list[di
 
 
 def train_text_encoder(kit, encoder, tokenizer, prompts: list[str], *, steps: int = 400, batch: int = 128,
-                       lr: float = 3e-3, seed: int = 0, eval_prompts: list[str] | None = None) -> dict:
-    """Train ``encoder`` in place on the scene-parsing objective (AdamW, seeded minibatches of ``prompts``; the
-    states read as the family's ``kit.text_features`` says); returns the final loss and parse accuracies (every
-    head right) on ``prompts`` and, if given, on ``eval_prompts`` (``eval_noun_acc``, ``eval_pooled_acc``)."""
+                       lr: float = 3e-3, seed: int = 0, eval_prompts: list[str] | None = None,
+                       parse=parse_prompt) -> dict:
+    """Train ``encoder`` in place on the scene-parsing objective (AdamW, seeded minibatches of ``prompts``, parsed by
+    ``parse``: the image grammar's, or the video grammar's for clause labels too; the states read as the family's
+    ``kit.text_features`` says); returns the final loss and parse accuracies (every head right) on ``prompts`` and,
+    if given, on ``eval_prompts`` (``eval_noun_acc``, ``eval_pooled_acc``)."""
     with torch.no_grad():
         per_token, pooled = kit.text_features(encoder, tokenizer, prompts[:1])
     hidden, proj = per_token.shape[-1], pooled.shape[-1]
+    labels = [scene_labels(parse(p)) for p in prompts]
+    pooled_heads = POOLED_HEADS + (CLAUSE_HEAD,) * (len(labels[0]["pooled"]) - len(POOLED_HEADS))
     torch.manual_seed(seed)
     heads = (torch.nn.ModuleList(torch.nn.Linear(hidden, n) for _, n in NOUN_HEADS),
-             torch.nn.ModuleList(torch.nn.Linear(proj, n) for _, n in POOLED_HEADS))
+             torch.nn.ModuleList(torch.nn.Linear(proj, n) for _, n in pooled_heads))
     params = list(encoder.parameters()) + list(heads[0].parameters()) + list(heads[1].parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    labels = [scene_labels(parse_prompt(p)) for p in prompts]
     positions = [noun_positions(kit, tokenizer, p) for p in prompts]
     rng = random.Random(seed)
     encoder.train()
@@ -92,7 +103,7 @@ def train_text_encoder(kit, encoder, tokenizer, prompts: list[str], *, steps: in
         stats = {"loss": float(loss), "noun_acc": float(noun_ok.float().mean()),
                  "pooled_acc": float(pooled_ok.float().mean())}
         if eval_prompts:
-            ev_labels = [scene_labels(parse_prompt(p)) for p in eval_prompts]
+            ev_labels = [scene_labels(parse(p)) for p in eval_prompts]
             ev_pos = [noun_positions(kit, tokenizer, p) for p in eval_prompts]
             _, noun_ok, pooled_ok = _forward(kit, encoder, tokenizer, heads, eval_prompts, ev_labels, ev_pos)
             stats.update(eval_noun_acc=float(noun_ok.float().mean()), eval_pooled_acc=float(pooled_ok.float().mean()))

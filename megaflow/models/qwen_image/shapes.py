@@ -19,6 +19,7 @@ TEXT_WIDTH = 64  # the Qwen2.5-VL stand-in's hidden size (joint_attention_dim of
 TEXT_LAYERS = 3
 LATENT_CHANNELS = 4
 SPATIAL_FACTOR = 2  # one spatial downsampling level (2 ** len(temperal_downsample), as both pipelines read it)
+FRAMES = None  # an image kit
 META: dict = {}
 """Nothing to declare in ``megaflow.json``: prompts are padded to the batch's longest, with a mask."""
 DESCRIPTION = ("A Qwen-Image-family diffusers pipeline (QwenImagePipeline) made offline by `megaflow pretrain`: a "

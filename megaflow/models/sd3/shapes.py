@@ -20,6 +20,7 @@ CLIP_WIDTH, T5_WIDTH = 32, 64  # SD3 pads the two concatenated CLIP widths to th
 # tokens instead of 77 + 256 (4x cheaper training and sampling at 64 image tokens).
 TEXT_LEN = 12
 SPATIAL_FACTOR = 2
+FRAMES = None  # an image kit
 META = {"max_sequence_length": TEXT_LEN}
 """What the pipeline declares in ``megaflow.json`` (applied per SGLang request)."""
 DESCRIPTION = ("An SD3-family diffusers pipeline (StableDiffusion3Pipeline) made offline by `megaflow pretrain`: "
