@@ -2,8 +2,8 @@
 asks which family it is; the family's ``shapes`` module (``ModelFamily.shapes``) answers, keeping this contract:
 
 - ``PIPELINE_CLASS``, ``META`` (what ``megaflow.json`` declares), ``DESCRIPTION`` (RECIPE.md's), ``SPATIAL_FACTOR``,
-  ``FRAMES`` (None: an image kit trained and evaluated on image ShapeEval; a clip length: a video kit on video ShapeEval, its pixels
-  [B, 3, F, H, W] and its ``decode`` clips [B, F, 3, H, W]; ``megaflow.pretrain.bench``);
+  ``FRAMES`` (None: an image kit trained and evaluated on image ShapeEval; a clip length: a video kit on video
+  ShapeEval, its pixels [B, 3, F, H, W] and its ``decode`` clips [B, F, 3, H, W]; ``megaflow.pretrain.bench``);
 - text: ``text_components(seed=)``, ``trained_encoders(text)`` -> [(tokenizer, encoder)] the grammar objective
   trains, ``finish_text(text)``, ``word_positions(tokenizer, prompt)``, ``text_features(encoder, tokenizer,
   prompts)`` -> (per-token states [N, L, H], pooled [N, P]);
