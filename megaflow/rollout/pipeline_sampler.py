@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
+from pathlib import Path
 
 import torch
 
@@ -41,9 +42,15 @@ class PipelineSampler:
         directory unasked) is refused unless ``trust_remote_code``."""
         from megaflow.config.remote_code import refuse_remote_code
         refuse_remote_code(pipeline_dir, "pipeline", trust=trust_remote_code)
+        import json
+
         from diffusers import StableDiffusion3Pipeline
 
         from megaflow.models.pipeline_meta import declared_text_len
+        kind = json.loads((Path(pipeline_dir) / "model_index.json").read_text()).get("_class_name")
+        if kind != "StableDiffusion3Pipeline":
+            raise ValueError(f"pipeline: {pipeline_dir} is a {kind}; the diffusers sampler runs "
+                             "StableDiffusion3Pipeline only (use the SGLang engine)")
         pipe = StableDiffusion3Pipeline.from_pretrained(pipeline_dir, torch_dtype=torch.float32)
         return cls(pipe, text_len=text_len or declared_text_len(pipeline_dir) or 77)
 

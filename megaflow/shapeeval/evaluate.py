@@ -106,8 +106,11 @@ def evaluate_pipeline(pipeline_dir: Path, *, num: int = 300, num_seen: int = 60,
         from megaflow.rollout.pipeline_sampler import PipelineSampler
         engine = PipelineSampler.from_pretrained(str(pipeline_dir), trust_remote_code=trust_remote_code)
     else:
+        from megaflow.config.model_family import pipeline_family
         from megaflow.rollout.sglang import SGLangEngine, SGLangEngineConfig
-        engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), trust_remote_code=trust_remote_code))
+        family = pipeline_family(pipeline_dir)  # the engine runs the family's own SGLang pipeline
+        engine = SGLangEngine(SGLangEngineConfig(model_path=str(pipeline_dir), trust_remote_code=trust_remote_code,
+                                                 **({"family": family} if family else {})))
     try:
         result = evaluate_engine(engine, num=num, num_seen=num_seen, seed=seed, num_steps=num_steps,
                                  resolution=resolution, max_sequence_length=declared_text_len(pipeline_dir),

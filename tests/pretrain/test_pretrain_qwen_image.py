@@ -96,3 +96,10 @@ def test_ship_writes_the_recipe_of_the_family_it_finds(pretrained, tmp_path):
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "RECIPE.md")
     for p in files:
         assert f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(out)}" in recipe
+
+
+@pytest.mark.slow
+def test_the_diffusers_sampler_refuses_a_qwen_image_pipeline_in_one_line(pretrained):
+    from megaflow.rollout.pipeline_sampler import PipelineSampler
+    with pytest.raises(ValueError, match="is a QwenImagePipeline; the diffusers sampler runs StableDiffusion3Pipeline"):
+        PipelineSampler.from_pretrained(str(pretrained / "pipeline"))
