@@ -53,7 +53,7 @@ def main() -> None:
               args.out / "pretrain_curve.png", title="megaflow pretrain: held-out ShapeEval", xlabel="minutes")
     layers = meta["pretrain"].get("config", {}).get("num_layers", "?")
     lines = [f"# {args.out.name}: the pretrained ShapeEval model", "",
-             *textwrap.wrap(kit.DESCRIPTION.format(num_layers=layers), 116), "", "## Commands (in order)", ""]
+             *textwrap.wrap(kit.DESCRIPTION.format(num_layers=layers), 116, break_on_hyphens=False), "", "## Commands (in order)", ""]
     lines += [f"    {c}" for c in args.commands]
     lines += ["", "## Pretraining curve (held-out, EMA weights, 100 prompts, 10 ODE steps)", "",
               "| stage | step | minutes (total) | loss | accuracy | partial | per category |", "|---|---|---|---|---|---|---|"]
