@@ -18,7 +18,8 @@ from megaflow.shapeeval.evaluate import eval_prompts, score
 from megaflow.models.sd3.shapes import decode, encode
 from megaflow.pretrain.vae import to_pixels
 
-ASSET = Path(__file__).resolve().parents[2] / "assets" / "shapeeval-sd3"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSET = ASSETS / "shapeeval-sd3"
 
 
 def test_shipped_pipeline_loads_and_its_vae_round_trips_held_out_ground_truth():
@@ -33,13 +34,15 @@ def test_shipped_pipeline_loads_and_its_vae_round_trips_held_out_ground_truth():
     assert score(gt, held)["accuracy"] == 1.0
 
 
-def test_shipped_files_match_the_recipe_checksums():
-    recipe = (ASSET / "RECIPE.md").read_text()
+@pytest.mark.parametrize("name", ["shapeeval-sd3", "shapeeval-qwen-image"])
+def test_shipped_files_match_the_recipe_checksums(name):
+    asset = ASSETS / name
+    recipe = (asset / "RECIPE.md").read_text()
     sums = dict((path, digest) for digest, path in re.findall(r"^([0-9a-f]{64})  (\S+)$", recipe, flags=re.M))
     assert sums, "RECIPE.md lists no sha256 sums"
     for path, digest in sums.items():
-        assert hashlib.sha256((ASSET / path).read_bytes()).hexdigest() == digest, path
-    weights = {str(p.relative_to(ASSET)) for p in ASSET.rglob("*.safetensors")}
+        assert hashlib.sha256((asset / path).read_bytes()).hexdigest() == digest, path
+    weights = {str(p.relative_to(asset)) for p in asset.rglob("*.safetensors")}
     assert weights <= set(sums)
 
 
@@ -54,3 +57,14 @@ def test_eval_shapes_with_the_diffusers_sampler(tmp_path):
     assert result["sampler"] == "diffusers" and result["num"] == 60
     assert result["accuracy"] >= 0.3, result["per_category"]
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 60 and (out / "grid.png").is_file()
+
+
+def test_shipped_qwen_image_vae_round_trips_held_out_ground_truth():
+    """The Qwen-Image model's VAE keeps what ShapeEval checks: its reconstructions of held-out ground truth pass."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from megaflow.models.qwen_image import shapes as kit
+    vae = AutoencoderKLQwenImage.from_pretrained(ASSETS / "shapeeval-qwen-image" / "vae")
+    held, _ = eval_prompts(100, 0, seed=0)
+    images = render_prompts(held, resolution=32, seed=11)
+    assert score(kit.decode(vae, kit.encode(vae, to_pixels(images))), held)["accuracy"] >= 0.95
