@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from megaflow.data.shapes import shapes_vocabulary
+from megaflow.models.common.latent_stats import channel_stats, set_channel_stats
 
 PIPELINE_CLASS = "QwenImagePipeline"
 TEXT_WIDTH = 64  # the Qwen2.5-VL stand-in's hidden size (joint_attention_dim of the DiT)
@@ -93,16 +94,7 @@ def vae_reconstruct(vae, z: torch.Tensor) -> torch.Tensor:
 
 def set_latent_stats(vae, z: torch.Tensor) -> dict:
     """Per-channel mean and std of latents ``z`` [B, C, 1, h, w] as the VAE's ``latents_mean`` / ``latents_std``."""
-    mean = [float(v) for v in z.mean(dim=(0, 2, 3, 4))]
-    std = [float(v) for v in z.std(dim=(0, 2, 3, 4))]
-    vae.register_to_config(latents_mean=mean, latents_std=std)
-    return {"latents_mean": mean, "latents_std": std}
-
-
-def _stats(vae, device) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (1, LATENT_CHANNELS, 1, 1, 1)
-    return (torch.tensor(vae.config.latents_mean, device=device).view(shape),
-            torch.tensor(vae.config.latents_std, device=device).view(shape))
+    return set_channel_stats(vae, z)
 
 
 @torch.no_grad()
@@ -112,7 +104,7 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
     from diffusers import QwenImagePipeline
 
     z = vae.encode(pixels[:, :, None].to(vae.device)).latent_dist.mode()
-    mean, std = _stats(vae, z.device)
+    mean, std = channel_stats(vae, z.device)
     z = ((z - mean) / std)[:, :, 0]
     b, c, h, w = z.shape
     return QwenImagePipeline._pack_latents(z, b, c, h, w).cpu()
@@ -126,7 +118,7 @@ def decode(vae, latents: torch.Tensor) -> torch.Tensor:
 
     side = int(round((latents.shape[1]) ** 0.5)) * 2 * SPATIAL_FACTOR
     z = QwenImagePipeline._unpack_latents(latents.to(vae.device), side, side, SPATIAL_FACTOR)
-    mean, std = _stats(vae, z.device)
+    mean, std = channel_stats(vae, z.device)
     x = vae.decode(z * std + mean).sample[:, :, 0]
     return (x / 2 + 0.5).clamp(0, 1).cpu()
 

@@ -18,6 +18,7 @@ import torch
 
 from megaflow.data.shapes import shapes_vocabulary
 from megaflow.data.video_shapes import DIRECTIONS
+from megaflow.models.common.latent_stats import channel_stats, set_channel_stats
 
 PIPELINE_CLASS = "WanPipeline"
 FRAMES = 5  # frames of a clip: 1 + 4 (the VAE keeps the first frame, then 4 frames a latent frame)
@@ -110,16 +111,7 @@ def vae_reconstruct(vae, z: torch.Tensor) -> torch.Tensor:
 
 def set_latent_stats(vae, z: torch.Tensor) -> dict:
     """Per-channel mean and std of latents ``z`` [B, C, f, h, w] as the VAE's ``latents_mean`` / ``latents_std``."""
-    mean = [float(v) for v in z.mean(dim=(0, 2, 3, 4))]
-    std = [float(v) for v in z.std(dim=(0, 2, 3, 4))]
-    vae.register_to_config(latents_mean=mean, latents_std=std)
-    return {"latents_mean": mean, "latents_std": std}
-
-
-def _stats(vae, device) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (1, LATENT_CHANNELS, 1, 1, 1)
-    return (torch.tensor(vae.config.latents_mean, device=device).view(shape),
-            torch.tensor(vae.config.latents_std, device=device).view(shape))
+    return set_channel_stats(vae, z)
 
 
 @torch.no_grad()
@@ -127,7 +119,7 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
     """Clips [B, 3, F, H, W] in [-1, 1] -> normalised DiT latents [B, C, f, h, w] ((z - mean) / std, posterior
     mode), on the CPU (computed on the VAE's device)."""
     z = vae.encode(pixels.to(vae.device)).latent_dist.mode()
-    mean, std = _stats(vae, z.device)
+    mean, std = channel_stats(vae, z.device)
     return ((z - mean) / std).cpu()
 
 
@@ -135,7 +127,7 @@ def encode(vae, pixels: torch.Tensor) -> torch.Tensor:
 def decode(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised DiT latents -> clips float [B, F, 3, H, W] in [0, 1] (as WanPipeline decodes), on the CPU."""
     z = latents.to(vae.device)
-    mean, std = _stats(vae, z.device)
+    mean, std = channel_stats(vae, z.device)
     x = vae.decode(z * std + mean).sample
     return (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).cpu()
 
